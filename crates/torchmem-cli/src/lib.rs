@@ -1,0 +1,75 @@
+//! The `torchmem` command line. `run(argv)` is the whole program; `main.rs` and the Python entry point
+//! (`torchmem._native.cli_main`) both call it, so the wheel and `cargo install` behave the same.
+//!
+//! One file per subcommand: `cmd_info`, `cmd_run` (with `recorder` doing the sampling), `cmd_report`,
+//! `cmd_plot`, `cmd_snapshot` (snapshot + explain-oom).
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+pub mod cmd_info;
+pub mod cmd_plot;
+pub mod cmd_report;
+pub mod cmd_run;
+pub mod cmd_snapshot;
+pub mod recorder;
+
+#[derive(Debug, Parser)]
+#[command(name = "torchmem", version, about = "Where does my PyTorch memory go, and will it fit?", long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Devices (total, free, used by other processes), driver/CUDA/torch versions, host RAM.
+    Info(cmd_info::InfoArgs),
+    /// Run a program and record its memory (CPU tree, GPU via NVML, PyTorch's allocator) into a profile.
+    Run(cmd_run::RunArgs),
+    /// Print a profile's peaks, phases, epochs and processes.
+    Report(cmd_report::ReportArgs),
+    /// Write a self-contained, offline HTML (or SVG) chart of a profile.
+    Plot(cmd_plot::PlotArgs),
+    /// Read a PyTorch allocator snapshot (pickle or JSON): summary, top sites, HTML, diff.
+    Snapshot(cmd_snapshot::SnapshotArgs),
+    /// Diagnose a PyTorch out-of-memory message pasted from a log.
+    ExplainOom(cmd_snapshot::ExplainOomArgs),
+}
+
+/// Parses `argv` (program name first) and runs the subcommand; returns the process exit code.
+pub fn run(argv: Vec<OsString>) -> i32 {
+    let cli = match Cli::try_parse_from(argv) {
+        Ok(cli) => cli,
+        Err(e) => {
+            let code = if e.use_stderr() { 2 } else { 0 };
+            let _ = e.print();
+            return code;
+        }
+    };
+    let result = match cli.command {
+        Command::Info(a) => cmd_info::run(a),
+        Command::Run(a) => cmd_run::run(a),
+        Command::Report(a) => cmd_report::run(a),
+        Command::Plot(a) => cmd_plot::run(a),
+        Command::Snapshot(a) => cmd_snapshot::run(a),
+        Command::ExplainOom(a) => cmd_snapshot::explain_oom(a),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("torchmem: error: {e:#}");
+            1
+        }
+    }
+}
+
+/// A path argument that must name an existing file; used for clear "no such file" errors.
+pub fn existing_file(path: &PathBuf, what: &str) -> anyhow::Result<()> {
+    if !path.exists() {
+        anyhow::bail!("{}: no such {what}. Check the path", path.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,1 @@
+//! Analysis (placeholder replaced below)

@@ -1,0 +1,202 @@
+//! Reads a process tree's memory from /proc: RSS from `statm` (cheap, a few µs: the high-rate path), PSS and
+//! USS from `smaps_rollup` (milliseconds on a big process: the low-rate path), the tree from `children`
+//! files with a full /proc scan as fallback.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+
+pub fn page_size() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as u64
+    } else {
+        4096
+    }
+}
+
+/// Resident set size in bytes from `/proc/PID/statm` (second field, in pages).
+pub fn rss_bytes(pid: u32) -> Option<u64> {
+    let text = fs::read_to_string(format!("/proc/{pid}/statm")).ok()?;
+    parse_statm_rss_pages(&text).map(|pages| pages * page_size())
+}
+
+pub fn parse_statm_rss_pages(text: &str) -> Option<u64> {
+    text.split_ascii_whitespace().nth(1)?.parse().ok()
+}
+
+/// The parts of `smaps_rollup` we use, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Rollup {
+    pub rss_bytes: u64,
+    pub pss_bytes: u64,
+    /// Private_Clean + Private_Dirty: pages no other process maps.
+    pub uss_bytes: u64,
+    pub swap_bytes: u64,
+}
+
+pub fn smaps_rollup(pid: u32) -> Option<Rollup> {
+    let text = fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    parse_smaps_rollup(&text)
+}
+
+pub fn parse_smaps_rollup(text: &str) -> Option<Rollup> {
+    let mut r = Rollup::default();
+    let mut seen_pss = false;
+    for line in text.lines() {
+        let Some((key, rest)) = line.split_once(':') else { continue };
+        let kib: u64 = match rest.trim().trim_end_matches("kB").trim().parse() {
+            Ok(v) => v,
+            Err(_) => continue,
+        };
+        let bytes = kib * 1024;
+        match key {
+            "Rss" => r.rss_bytes = bytes,
+            "Pss" => {
+                r.pss_bytes = bytes;
+                seen_pss = true
+            }
+            "Private_Clean" | "Private_Dirty" => r.uss_bytes += bytes,
+            "Swap" => r.swap_bytes = bytes,
+            _ => {}
+        }
+    }
+    seen_pss.then_some(r)
+}
+
+/// `VmHWM` (peak RSS since start or the last `clear_refs` reset) from `/proc/PID/status`, bytes.
+pub fn peak_rss_bytes(pid: u32) -> Option<u64> {
+    let text = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status_field_bytes(&text, "VmHWM")
+}
+
+pub fn status_field_bytes(text: &str, field: &str) -> Option<u64> {
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix(field).and_then(|r| r.strip_prefix(':')) {
+            let kib: u64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
+            return Some(kib * 1024);
+        }
+    }
+    None
+}
+
+/// The parent pid from `/proc/PID/stat` (the field after the parenthesised command name).
+pub fn parent_pid(pid: u32) -> Option<u32> {
+    let text = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_stat_ppid(&text)
+}
+
+pub fn parse_stat_ppid(text: &str) -> Option<u32> {
+    let after = &text[text.rfind(')')? + 1..];
+    after.split_ascii_whitespace().nth(1)?.parse().ok()
+}
+
+/// The command line, arguments joined by spaces ("[comm]" for kernel threads and zombies).
+pub fn cmdline(pid: u32) -> String {
+    match fs::read(format!("/proc/{pid}/cmdline")) {
+        Ok(bytes) if !bytes.is_empty() => bytes
+            .split(|b| *b == 0)
+            .filter(|s| !s.is_empty())
+            .map(|s| String::from_utf8_lossy(s).into_owned())
+            .collect::<Vec<_>>()
+            .join(" "),
+        _ => fs::read_to_string(format!("/proc/{pid}/comm"))
+            .map(|c| format!("[{}]", c.trim()))
+            .unwrap_or_default(),
+    }
+}
+
+/// Every live descendant of `root` (root included), as pid → ppid.
+///
+/// Uses `/proc/PID/task/TID/children` (one small read per thread of each process in the tree); falls back to
+/// scanning every process's `stat` when the kernel lacks `children` files.
+pub fn process_tree(root: u32) -> BTreeMap<u32, u32> {
+    let mut tree = BTreeMap::new();
+    if !std::path::Path::new(&format!("/proc/{root}")).exists() {
+        return tree;
+    }
+    let root_ppid = parent_pid(root).unwrap_or(0);
+    tree.insert(root, root_ppid);
+    if std::path::Path::new(&format!("/proc/{root}/task/{root}/children")).exists() {
+        let mut stack = vec![root];
+        while let Some(pid) = stack.pop() {
+            for child in children_of(pid) {
+                if tree.insert(child, pid).is_none() {
+                    stack.push(child);
+                }
+            }
+        }
+    } else {
+        let mut by_parent: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+        for pid in all_pids() {
+            if let Some(ppid) = parent_pid(pid) {
+                by_parent.entry(ppid).or_default().push(pid);
+            }
+        }
+        let mut stack = vec![root];
+        while let Some(pid) = stack.pop() {
+            for &child in by_parent.get(&pid).map(|v| v.as_slice()).unwrap_or(&[]) {
+                if tree.insert(child, pid).is_none() {
+                    stack.push(child);
+                }
+            }
+        }
+    }
+    tree
+}
+
+fn children_of(pid: u32) -> BTreeSet<u32> {
+    let mut out = BTreeSet::new();
+    let Ok(tasks) = fs::read_dir(format!("/proc/{pid}/task")) else { return out };
+    for task in tasks.flatten() {
+        if let Ok(text) = fs::read_to_string(task.path().join("children")) {
+            out.extend(text.split_ascii_whitespace().filter_map(|s| s.parse::<u32>().ok()));
+        }
+    }
+    out
+}
+
+fn all_pids() -> Vec<u32> {
+    fs::read_dir("/proc")
+        .map(|rd| rd.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).collect())
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_proc_text() {
+        assert_eq!(parse_statm_rss_pages("1000 250 30 1 0 400 0\n"), Some(250));
+        assert_eq!(parse_stat_ppid("42 (a b) c) S 7 42 42 0"), Some(7));
+        let rollup = "00400000-7ffd [rollup]\nRss:  100 kB\nPss:  60 kB\nPss_Anon: 1 kB\nShared_Clean: 40 kB\nPrivate_Clean: 10 kB\nPrivate_Dirty: 50 kB\nSwap: 0 kB\n";
+        let r = parse_smaps_rollup(rollup).unwrap();
+        assert_eq!(r.rss_bytes, 100 * 1024);
+        assert_eq!(r.pss_bytes, 60 * 1024);
+        assert_eq!(r.uss_bytes, 60 * 1024);
+        assert_eq!(status_field_bytes("Name:\tx\nVmHWM:\t  2048 kB\n", "VmHWM"), Some(2 << 20));
+    }
+
+    #[test]
+    fn reads_this_process_from_real_proc() {
+        let me = std::process::id();
+        let rss = rss_bytes(me).unwrap();
+        assert!(rss > 1 << 20, "rss {rss}");
+        let r = smaps_rollup(me).unwrap();
+        assert!(r.pss_bytes > 0 && r.uss_bytes <= r.rss_bytes);
+        assert!(peak_rss_bytes(me).unwrap() >= rss / 2);
+        let tree = process_tree(me);
+        assert!(tree.contains_key(&me));
+    }
+
+    #[test]
+    fn finds_a_real_child() {
+        let mut child = std::process::Command::new("sleep").arg("5").spawn().unwrap();
+        let tree = process_tree(std::process::id());
+        let found = tree.get(&child.id()).copied();
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(found, Some(std::process::id()));
+    }
+}

@@ -1,0 +1,55 @@
+//! Byte and time formatting shared by every report.
+
+const KIB: f64 = 1024.0;
+const MIB: f64 = 1024.0 * 1024.0;
+const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
+
+/// Human-readable bytes in binary units: `512 B`, `3.0 KiB`, `120.5 MiB`, `1.25 GiB`.
+pub fn format_bytes(bytes: u64) -> String {
+    let b = bytes as f64;
+    if b >= GIB {
+        format!("{:.2} GiB", b / GIB)
+    } else if b >= MIB {
+        format!("{:.1} MiB", b / MIB)
+    } else if b >= KIB {
+        format!("{:.1} KiB", b / KIB)
+    } else {
+        format!("{bytes} B")
+    }
+}
+
+/// Signed variant for deltas: `+64.0 MiB`, `-1.0 GiB`, `0 B`.
+pub fn format_delta(delta: i64) -> String {
+    if delta == 0 {
+        return "0 B".to_string();
+    }
+    let sign = if delta > 0 { "+" } else { "-" };
+    format!("{sign}{}", format_bytes(delta.unsigned_abs()))
+}
+
+/// Optional bytes: `-` when the value does not exist (no GPU, not measured).
+pub fn format_opt_bytes(bytes: Option<u64>) -> String {
+    bytes.map(format_bytes).unwrap_or_else(|| "-".to_string())
+}
+
+/// Seconds from nanoseconds with millisecond precision.
+pub fn format_secs(ns: u64) -> String {
+    format!("{:.3} s", ns as f64 / 1e9)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats_binary_units() {
+        assert_eq!(format_bytes(0), "0 B");
+        assert_eq!(format_bytes(1023), "1023 B");
+        assert_eq!(format_bytes(1536), "1.5 KiB");
+        assert_eq!(format_bytes(64 * 1024 * 1024), "64.0 MiB");
+        assert_eq!(format_bytes(3 * 1024 * 1024 * 1024 / 2), "1.50 GiB");
+        assert_eq!(format_delta(-64 * 1024 * 1024), "-64.0 MiB");
+        assert_eq!(format_delta(2048), "+2.0 KiB");
+        assert_eq!(format_opt_bytes(None), "-");
+    }
+}

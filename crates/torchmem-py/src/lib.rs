@@ -1,0 +1,21 @@
+//! `torchmem._native`: the thin PyO3 layer. Each file mirrors one concern of the core and registers its
+//! functions here; `errors` is the one place core errors become Python exceptions.
+
+use pyo3::prelude::*;
+
+mod api;
+mod cli;
+mod errors;
+mod line;
+mod snapshot;
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    errors::register(m)?;
+    cli::register(m)?;
+    api::register(m)?;
+    line::register(m)?;
+    snapshot::register(m)?;
+    Ok(())
+}

@@ -1,0 +1,1 @@
+//! torchmem-snapshot: a safe streaming reader for PyTorch allocator snapshots and their analysis.

@@ -1,0 +1,4 @@
+"""placeholder"""
+
+
+class Monitor: ...

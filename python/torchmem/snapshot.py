@@ -1,0 +1,7 @@
+"""placeholder"""
+
+
+def capture(path, **kw): ...
+
+
+def on_oom(directory): ...
