@@ -8,6 +8,8 @@
 pub mod analysis;
 pub mod clock;
 pub mod error;
+pub mod journey;
+pub mod lines;
 pub mod model;
 pub mod report;
 pub mod sources;
