@@ -212,10 +212,16 @@ impl Profile {
         let not_profile = |reason: String| CoreError::NotAProfile { path: path.into(), reason };
         let conn = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX)
             .map_err(|e| not_profile(e.to_string()))?;
+        let has_meta: i64 = conn
+            .query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'meta'", [], |r| r.get(0))
+            .map_err(|e| not_profile(format!("{e}; the file is damaged or not SQLite")))?;
+        if has_meta == 0 {
+            return Err(not_profile("SQLite file without torchmem's format marker".into()));
+        }
         let format: Option<String> = conn
             .query_row("SELECT value FROM meta WHERE key = 'format'", [], |r| r.get(0))
             .optional()
-            .map_err(|e| not_profile(format!("{e}; the file is damaged or not SQLite")))?;
+            .map_err(|e| not_profile(format!("{e}; the file is damaged")))?;
         if format.as_deref() != Some(FORMAT_NAME) {
             return Err(not_profile("SQLite file without torchmem's format marker".into()));
         }
