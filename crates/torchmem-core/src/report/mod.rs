@@ -1,1 +1,3 @@
-//! Reports (placeholder replaced below)
+//! Reports: one file per output format, all rendered from a loaded `Profile` and its `analysis::Summary`.
+
+pub mod table;
