@@ -8,6 +8,7 @@
 pub mod analysis;
 pub mod clock;
 pub mod error;
+pub mod inprocess;
 pub mod journey;
 pub mod lines;
 pub mod model;
