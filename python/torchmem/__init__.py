@@ -3,13 +3,36 @@
 Where does my memory go, and will it fit? Read device and allocator memory (`stats`, `device_info`), time
 peaks (`peak`, `reset_peak`, `track`), watch a training loop (`Monitor`), profile line by line (`profile`),
 and capture allocator snapshots (`capture`, `on_oom`). The `torchmem` command records whole runs.
+
+Names load on first use, so `torchmem run` can load its in-process part (`torchmem._bootstrap`) into every
+profiled program without paying for the whole API.
 """
 
-from ._native import ProfileError, SnapshotError, TorchmemError, __version__
-from .api import Stats, device_info, empty_cache, peak, reset_peak, stats, track
-from .line_profiler import print_profile, profile
-from .monitor import Monitor
-from .snapshot import capture, on_oom
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# name -> submodule that defines it
+_EXPORTS = {
+    "TorchmemError": "_native",
+    "ProfileError": "_native",
+    "SnapshotError": "_native",
+    "Stats": "api",
+    "device_info": "api",
+    "empty_cache": "api",
+    "peak": "api",
+    "reset_peak": "api",
+    "stats": "api",
+    "track": "api",
+    "Monitor": "monitor",
+    "print_profile": "line_profiler",
+    "profile": "line_profiler",
+    "capture": "snapshot",
+    "on_oom": "snapshot",
+}
 
 __all__ = [
     "Monitor",
@@ -29,3 +52,23 @@ __all__ = [
     "stats",
     "track",
 ]
+
+if TYPE_CHECKING:
+    from ._native import ProfileError, SnapshotError, TorchmemError
+    from .api import Stats, device_info, empty_cache, peak, reset_peak, stats, track
+    from .line_profiler import print_profile, profile
+    from .monitor import Monitor
+    from .snapshot import capture, on_oom
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torchmem' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
