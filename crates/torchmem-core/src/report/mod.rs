@@ -1,3 +1,98 @@
 //! Reports: one file per output format, all rendered from a loaded `Profile` and its `analysis::Summary`.
+//!
+//! `torchmem report` formats: `table` (text, `table.rs`), `json`, `csv` (the timeline), `markdown`,
+//! `mermaid` (the journey diagram). `torchmem plot` writes `html.rs` (one offline page: chart, hover
+//! read-out, tables) or `svg.rs` (the chart alone). `cells.rs` builds the tables every format shares;
+//! `timeline.rs` downsamples the timeline for the chart. What each format holds: `docs/reports.md`.
 
+pub mod cells;
+pub mod csv;
+pub mod html;
+pub mod json;
+pub mod markdown;
+pub mod mermaid;
+pub mod svg;
 pub mod table;
+pub mod timeline;
+
+use crate::analysis::Summary;
+use crate::store::Profile;
+
+/// The formats of `torchmem report`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Table,
+    Json,
+    Csv,
+    Markdown,
+    Mermaid,
+}
+
+impl Format {
+    pub const ALL: [Format; 5] = [
+        Format::Table,
+        Format::Json,
+        Format::Csv,
+        Format::Markdown,
+        Format::Mermaid,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Format::Table => "table",
+            Format::Json => "json",
+            Format::Csv => "csv",
+            Format::Markdown => "markdown",
+            Format::Mermaid => "mermaid",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Format> {
+        Format::ALL
+            .into_iter()
+            .find(|f| f.as_str() == s.to_ascii_lowercase())
+            .or(match s {
+                "text" | "txt" => Some(Format::Table),
+                "md" => Some(Format::Markdown),
+                _ => None,
+            })
+    }
+}
+
+/// Renders a profile's report in one format.
+pub fn render(profile: &Profile, summary: &Summary, format: Format) -> String {
+    match format {
+        Format::Table => table::render_report(profile, summary),
+        Format::Json => json::render(profile, summary),
+        Format::Csv => csv::render(profile),
+        Format::Markdown => markdown::render(profile, summary),
+        Format::Mermaid => mermaid::render(profile, summary),
+    }
+}
+
+/// The standalone SVG chart of a profile (`torchmem plot --svg`).
+pub fn render_svg(profile: &Profile) -> String {
+    let lay = svg::Layout::standard();
+    let tl = timeline::Timeline::build(profile, lay.buckets());
+    svg::render_chart(profile, &tl, &lay, false)
+}
+
+/// The self-contained HTML page of a profile (`torchmem plot`).
+pub fn render_html(profile: &Profile, summary: &Summary) -> String {
+    html::render(profile, summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats_round_trip_their_names() {
+        for f in Format::ALL {
+            assert_eq!(Format::parse(f.as_str()), Some(f));
+        }
+        assert_eq!(Format::parse("md"), Some(Format::Markdown));
+        assert_eq!(Format::parse("JSON"), Some(Format::Json));
+        assert_eq!(Format::parse("xml"), None);
+    }
+}
