@@ -105,7 +105,7 @@ impl Recorder {
         let mut per_pid = Vec::new();
         for &pid in self.tree.keys() {
             if pss_due {
-                if let Some(r) = procfs::smaps_rollup(pid) {
+                if let Some(r) = procfs::smaps_rollup(pid).filter(|r| r.rss_bytes > 0) {
                     rss_total += r.rss_bytes;
                     pss_total += r.pss_bytes;
                     uss_total += r.uss_bytes;
@@ -118,7 +118,7 @@ impl Recorder {
                     };
                     per_pid.push(ProcessSample { t_ns, pid, rss_bytes: r.rss_bytes, pss_bytes: Some(r.pss_bytes), uss_bytes: Some(r.uss_bytes), gpu_bytes });
                 }
-            } else if let Some(rss) = procfs::rss_bytes(pid) {
+            } else if let Some(rss) = procfs::rss_bytes(pid).filter(|r| *r > 0) {
                 rss_total += rss;
                 alive += 1;
             }
