@@ -1,12 +1,712 @@
-"""placeholder"""
+"""torchmem's in-process memory API: what the device holds (`device_info`), what PyTorch and this process use
+now (`stats`), the peak over a stretch of code (`peak`, `reset_peak`, `with peak() as p`), what emptying the
+cache really frees (`empty_cache`), and named phases (`track`). Numbers come from PyTorch's allocator counters
+(read through `torch._C._cuda_memoryStats`, ~13 µs, instead of the ~100 µs `memory_allocated()`), from
+/proc and from NVML through the Rust extension. Nothing here imports torch or creates a CUDA context.
+
+Peaks are exact even when peak windows nest: opening a window (`with peak()`, `track`, a Monitor phase)
+folds the peak counters reached so far into every open window and into a process-wide accumulator, then
+resets PyTorch's peak counters (and the kernel's peak RSS). So `torchmem.peak()` and every enclosing window
+stay exact, but PyTorch's own `torch.cuda.max_memory_allocated()` then means "since the innermost window
+opened": use `torchmem.peak()` instead while torchmem windows are in use.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from . import _events, _native
+
+# --- reading torch without importing it ----------------------------------------------------------------
 
 
-class Stats: ...
+def _torch() -> Any:
+    """The torch module when the program imported it (torchmem never imports it itself)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "cuda") or not hasattr(torch, "_C"):
+        return None  # absent, or still being imported
+    return torch
 
 
-def stats(device=None): ...
-def device_info(device=None): ...
-def empty_cache(device=None): ...
-def peak(device=None): ...
-def reset_peak(device=None): ...
-def track(name): ...
+_cuda_available: bool | None = None
+
+
+def _cuda_available_now(torch: Any) -> bool:
+    """torch.cuda.is_available(), asked once (it does not create a context)."""
+    global _cuda_available
+    if _cuda_available is None:
+        try:
+            _cuda_available = bool(torch.cuda.is_available())
+        except Exception:
+            _cuda_available = False
+    return _cuda_available
+
+
+def _cuda_initialized(torch: Any) -> bool:
+    try:
+        return bool(torch.cuda.is_initialized())
+    except Exception:
+        return False
+
+
+def _cuda_index(device: Any, torch: Any) -> int | None:
+    """The CUDA device index `device` names, or None for the CPU / a machine without CUDA."""
+    if torch is None or not _cuda_available_now(torch):
+        return None
+    if device is None:
+        return int(torch.cuda.current_device()) if _cuda_initialized(torch) else 0
+    if isinstance(device, int):
+        return device
+    kind, index = None, None
+    if isinstance(device, str):
+        kind, _, rest = device.partition(":")
+        index = int(rest) if rest else None
+    elif hasattr(device, "type"):
+        kind, index = device.type, device.index
+    else:
+        raise TypeError(f"device must be None, an int, 'cuda[:N]', 'cpu' or a torch.device, not {device!r}")
+    if kind == "cpu":
+        return None
+    if kind != "cuda":
+        raise ValueError(f"device {device!r}: torchmem reads CUDA devices and the CPU; got {kind!r}")
+    if index is None:
+        return int(torch.cuda.current_device()) if _cuda_initialized(torch) else 0
+    return int(index)
+
+
+def _counters(torch: Any, dev: int) -> tuple[int, int, int, int, int, int, int, int] | None:
+    """(allocated, reserved, peak_allocated, peak_reserved, active, inactive_split, retries, ooms), or None
+    before CUDA is initialised (the allocator then holds nothing)."""
+    if not _cuda_initialized(torch):
+        return None
+    return _native.allocator_counters(torch._C._cuda_memoryStats(dev))
+
+
+def _reset_torch_peak(torch: Any, dev: int) -> None:
+    if _cuda_initialized(torch):
+        torch._C._cuda_resetPeakMemoryStats(dev)
+
+
+_nvml_index_cache: dict[int, int] = {}
+
+
+def _nvml_index(torch: Any, dev: int) -> int | None:
+    """The NVML index of CUDA device `dev` (they differ under CUDA_VISIBLE_DEVICES), matched by UUID."""
+    if dev in _nvml_index_cache:
+        return _nvml_index_cache[dev]
+    if _native.nvml_error() is not None:
+        return None
+    index: int | None = None
+    if _cuda_initialized(torch):
+        try:
+            uuid = str(torch.cuda.get_device_properties(dev).uuid)
+            for prefix in ("GPU-", "MIG-", ""):
+                index = _native.nvml_index_of_uuid(prefix + uuid if not uuid.startswith(("GPU-", "MIG-")) else uuid)
+                if index is not None:
+                    break
+        except Exception:
+            index = None
+        if index is not None:
+            _nvml_index_cache[dev] = index
+            return index
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        parts = [p.strip() for p in visible.split(",") if p.strip()]
+        if dev < len(parts) and parts[dev].isdigit():
+            return int(parts[dev])
+        if dev < len(parts):
+            return _native.nvml_index_of_uuid(parts[dev])
+        return None
+    return dev
+
+
+def _nvml(torch: Any, dev: int) -> tuple[int, int, int, int | None, int] | None:
+    """NVML (total, used, free, this process's bytes or None, other processes' bytes) for CUDA device `dev`."""
+    index = _nvml_index(torch, dev)
+    if index is None:
+        return None
+    try:
+        return _native.nvml_read(index, os.getpid())
+    except _native.TorchmemError:
+        return None
+
+
+# --- device_info ------------------------------------------------------------------------------------------
+
+
+def device_info(device: Any = None) -> dict[str, Any]:
+    """The machine's memory: per NVIDIA device its name, total/used/free bytes from the driver (NVML), what
+    this process and the other processes use on it, the driver and CUDA versions, torch's version; and the
+    host's total and available RAM. Works without torch and without a GPU (then `devices` is empty and
+    `nvml_error` says why). Never creates a CUDA context. `device` (int or 'cuda:N') keeps only that device.
+    Also records a "Device checked" mark for the journey."""
+    info: dict[str, Any] = json.loads(_native.device_info_json())
+    torch = sys.modules.get("torch")
+    try:
+        from importlib.metadata import version
+
+        info["torch_version"] = version("torch")
+    except Exception:
+        info["torch_version"] = getattr(torch, "__version__", None)
+    info["torch_cuda_version"] = getattr(getattr(torch, "version", None), "cuda", None)
+    info["torch_cuda_available"] = _cuda_available_now(torch) if _torch() is not None else None
+    if device is not None:
+        torch = _torch()
+        dev = _cuda_index(device, torch) if torch is not None else (device if isinstance(device, int) else None)
+        index = _nvml_index(torch, dev) if (torch is not None and dev is not None) else dev
+        info["devices"] = [d for d in info["devices"] if d["index"] == index]
+    global _last_device_check
+    _last_device_check = _mark("Device checked")
+    return info
+
+
+# --- stats ------------------------------------------------------------------------------------------------
+
+
+def _fmt(value: int | None) -> str:
+    return "-" if value is None else _native.format_bytes(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """Memory of this process at one moment, in bytes. GPU fields are None without CUDA (or before torch is
+    imported); CPU fields are None where /proc is missing. Short aliases (`allocated`, `reserved`, `rss`, …)
+    read the `_bytes` fields."""
+
+    device: int | None
+    #: PyTorch caching allocator (exact, from its counters).
+    allocated_bytes: int | None
+    reserved_bytes: int | None
+    #: Peak since the last `torchmem.reset_peak()` (or start), exact across torchmem's peak windows.
+    peak_allocated_bytes: int | None
+    peak_reserved_bytes: int | None
+    active_bytes: int | None
+    #: Free blocks inside split segments: memory `empty_cache()` cannot give back (fragmentation).
+    inactive_split_bytes: int | None
+    num_alloc_retries: int | None
+    num_ooms: int | None
+    #: NVML: what the driver charges to this process on the device (CUDA context, libraries, reserved).
+    nvml_process_bytes: int | None
+    #: nvml_process_bytes - reserved_bytes: the CUDA context, cuBLAS/cuDNN workspaces, other libraries.
+    non_torch_bytes: int | None
+    device_total_bytes: int | None
+    device_free_bytes: int | None
+    #: CPU: resident set (statm), unique set (private pages, smaps_rollup), proportional set.
+    rss_bytes: int | None
+    uss_bytes: int | None
+    pss_bytes: int | None
+    t_ns: int
+
+    allocated = property(lambda self: self.allocated_bytes)
+    reserved = property(lambda self: self.reserved_bytes)
+    peak_allocated = property(lambda self: self.peak_allocated_bytes)
+    peak_reserved = property(lambda self: self.peak_reserved_bytes)
+    active = property(lambda self: self.active_bytes)
+    inactive_split = property(lambda self: self.inactive_split_bytes)
+    rss = property(lambda self: self.rss_bytes)
+    uss = property(lambda self: self.uss_bytes)
+    nvml_process = property(lambda self: self.nvml_process_bytes)
+    non_torch = property(lambda self: self.non_torch_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        lines = []
+        if self.device is None:
+            lines.append("GPU: no CUDA device in use")
+        else:
+            total = f" of {_fmt(self.device_total_bytes)}" if self.device_total_bytes else ""
+            lines.append(
+                f"GPU {self.device}{total}: allocated {_fmt(self.allocated_bytes)}, reserved {_fmt(self.reserved_bytes)}, "
+                f"peak allocated {_fmt(self.peak_allocated_bytes)}, peak reserved {_fmt(self.peak_reserved_bytes)}"
+            )
+            lines.append(
+                f"  active {_fmt(self.active_bytes)}, inactive split (fragmentation) {_fmt(self.inactive_split_bytes)}, "
+                f"alloc retries {self.num_alloc_retries}, OOMs {self.num_ooms}"
+            )
+            lines.append(
+                f"  NVML this process {_fmt(self.nvml_process_bytes)} (not PyTorch's: {_fmt(self.non_torch_bytes)}), "
+                f"device free {_fmt(self.device_free_bytes)}"
+            )
+        lines.append(f"CPU: RSS {_fmt(self.rss_bytes)}, USS {_fmt(self.uss_bytes)}, PSS {_fmt(self.pss_bytes)}")
+        return "\n".join(lines)
+
+
+def stats(device: Any = None, *, uss: bool = True) -> Stats:
+    """This process's memory now: PyTorch's allocator counters for `device` (default: the current CUDA
+    device), NVML's view of the process, and the CPU's RSS/USS/PSS. `uss=False` skips /proc/self/smaps_rollup,
+    which takes milliseconds on a process of several GiB (then `uss_bytes`/`pss_bytes` are None)."""
+    torch = _torch()
+    dev = _cuda_index(device, torch)
+    t_ns = time.monotonic_ns()
+    gpu: dict[str, int | None] = dict.fromkeys(
+        (
+            "allocated_bytes",
+            "reserved_bytes",
+            "peak_allocated_bytes",
+            "peak_reserved_bytes",
+            "active_bytes",
+            "inactive_split_bytes",
+            "num_alloc_retries",
+            "num_ooms",
+            "nvml_process_bytes",
+            "non_torch_bytes",
+            "device_total_bytes",
+            "device_free_bytes",
+        )
+    )
+    if dev is not None:
+        c = _counters(torch, dev) or (0, 0, 0, 0, 0, 0, 0, 0)
+        acc_alloc, acc_reserved = _PEAKS.gpu_acc.get(dev, (0, 0))
+        gpu.update(
+            allocated_bytes=c[0],
+            reserved_bytes=c[1],
+            peak_allocated_bytes=max(c[2], acc_alloc),
+            peak_reserved_bytes=max(c[3], acc_reserved),
+            active_bytes=c[4],
+            inactive_split_bytes=c[5],
+            num_alloc_retries=c[6],
+            num_ooms=c[7],
+        )
+        nv = _nvml(torch, dev)
+        if nv is not None:
+            total, _used, free, mine, _others = nv
+            gpu.update(device_total_bytes=total, device_free_bytes=free, nvml_process_bytes=mine)
+            if mine is not None:
+                gpu["non_torch_bytes"] = mine - c[1]
+    rss = _native.self_rss_bytes()
+    rollup = _native.self_rollup() if uss else None
+    return Stats(
+        device=dev,
+        rss_bytes=rss,
+        uss_bytes=rollup[2] if rollup else None,
+        pss_bytes=rollup[1] if rollup else None,
+        t_ns=t_ns,
+        **gpu,
+    )
+
+
+# --- peaks ------------------------------------------------------------------------------------------------
+
+
+class _Window:
+    """The maxima folded into one open peak window (values read before a counter reset)."""
+
+    __slots__ = ("dev", "alloc", "reserved", "rss")
+
+    def __init__(self, dev: int | None) -> None:
+        self.dev = dev
+        self.alloc = 0
+        self.reserved = 0
+        self.rss = 0
+
+
+class _PeakState:
+    """Process-wide: open windows and the accumulator since the last `reset_peak()`."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.windows: list[_Window] = []
+        self.gpu_acc: dict[int, tuple[int, int]] = {}
+        self.rss_acc = 0
+        self.rss_reset_works = True
+
+    def fold_and_reset(self, torch: Any, dev: int | None) -> tuple[int | None, tuple | None]:
+        """Folds the current peaks into every open window and the accumulator, then resets the counters
+        (device `dev` and the peak RSS). Returns the (rss, counters) read before the reset."""
+        mem = _native.self_memory()
+        rss, rss_peak = (mem[0], mem[1]) if mem else (None, 0)
+        counters = _counters(torch, dev) if (torch is not None and dev is not None) else None
+        for w in self.windows:
+            w.rss = max(w.rss, rss_peak)
+            if counters is not None and w.dev == dev:
+                w.alloc = max(w.alloc, counters[2])
+                w.reserved = max(w.reserved, counters[3])
+        self.rss_acc = max(self.rss_acc, rss_peak)
+        if counters is not None:
+            a, r = self.gpu_acc.get(dev, (0, 0))  # type: ignore[arg-type]
+            self.gpu_acc[dev] = (max(a, counters[2]), max(r, counters[3]))  # type: ignore[index]
+            _reset_torch_peak(torch, dev)  # type: ignore[arg-type]
+        if self.rss_reset_works:
+            self.rss_reset_works = _native.reset_peak_rss()
+        return rss, counters
+
+    def open(self, dev: int | None) -> tuple[_Window, int | None, tuple | None]:
+        with self.lock:
+            torch = _torch()
+            rss, counters = self.fold_and_reset(torch, dev)
+            w = _Window(dev)
+            if rss is not None:
+                w.rss = rss
+            if counters is not None:
+                w.alloc, w.reserved = counters[0], counters[1]
+            self.windows.append(w)
+            return w, rss, counters
+
+    def close(self, w: _Window) -> tuple[int | None, int | None, int | None, int | None, tuple | None]:
+        """Ends a window: (peak_rss, peak_allocated, peak_reserved, rss now, counters now)."""
+        with self.lock:
+            torch = _torch()
+            mem = _native.self_memory()
+            counters = _counters(torch, w.dev) if (torch is not None and w.dev is not None) else None
+            if w in self.windows:
+                self.windows.remove(w)
+            rss = mem[0] if mem else None
+            peak_rss = None
+            if mem:
+                # Without a working peak-RSS reset, VmHWM is the peak since start: use only what we saw.
+                peak_rss = max(w.rss, mem[1] if self.rss_reset_works else mem[0])
+            peak_alloc = max(w.alloc, counters[2]) if counters else (None if w.dev is None else w.alloc)
+            peak_reserved = max(w.reserved, counters[3]) if counters else (None if w.dev is None else w.reserved)
+            return peak_rss, peak_alloc, peak_reserved, rss, counters
+
+
+_PEAKS = _PeakState()
+
+
+def reset_peak(device: Any = None) -> None:
+    """Starts a new peak period for `torchmem.peak()`: PyTorch's peak counters of `device` and the peak RSS
+    are reset. Open `with peak()` / `track` windows keep their exact peaks (they are folded in first)."""
+    torch = _torch()
+    dev = _cuda_index(device, torch)
+    with _PEAKS.lock:
+        _PEAKS.fold_and_reset(torch, dev)
+        if dev is not None:
+            _PEAKS.gpu_acc.pop(dev, None)
+        mem = _native.self_memory()
+        _PEAKS.rss_acc = mem[0] if mem else 0
+
+
+@dataclasses.dataclass
+class Peak:
+    """Peak memory in bytes: GPU allocated and reserved (None without CUDA) and CPU RSS.
+
+    `torchmem.peak()` gives the peak since the last `reset_peak()`. Used as a context manager,
+    `with torchmem.peak() as p:` fills `p` with the peak reached inside the block."""
+
+    device: int | None
+    allocated_bytes: int | None
+    reserved_bytes: int | None
+    rss_bytes: int | None
+    _window: _Window | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    allocated = property(lambda self: self.allocated_bytes)
+    reserved = property(lambda self: self.reserved_bytes)
+    rss = property(lambda self: self.rss_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("device", "allocated_bytes", "reserved_bytes", "rss_bytes")}
+
+    def __str__(self) -> str:
+        gpu = "" if self.device is None else f"GPU {self.device} allocated {_fmt(self.allocated_bytes)}, reserved {_fmt(self.reserved_bytes)}, "
+        return f"peak: {gpu}CPU RSS {_fmt(self.rss_bytes)}"
+
+    def __enter__(self) -> Peak:
+        self._window, _, _ = _PEAKS.open(self.device)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._window is not None:
+            rss, alloc, reserved, _, _ = _PEAKS.close(self._window)
+            self.rss_bytes, self.allocated_bytes, self.reserved_bytes = rss, alloc, reserved
+            self._window = None
+
+
+def peak(device: Any = None) -> Peak:
+    """Peak since the last `reset_peak()` (or process start): GPU allocated/reserved of `device`, CPU RSS.
+    `with torchmem.peak() as p:` gives the peak inside the block instead."""
+    torch = _torch()
+    dev = _cuda_index(device, torch)
+    with _PEAKS.lock:
+        mem = _native.self_memory()
+        rss = max(_PEAKS.rss_acc, mem[1] if _PEAKS.rss_reset_works else 0) if mem else None
+        alloc = reserved = None
+        if dev is not None:
+            c = _counters(torch, dev) or (0, 0, 0, 0, 0, 0, 0, 0)
+            a, r = _PEAKS.gpu_acc.get(dev, (0, 0))
+            alloc, reserved = max(a, c[2]), max(r, c[3])
+    return Peak(dev, alloc, reserved, rss)
+
+
+# --- empty_cache ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheRelease:
+    """What `empty_cache()` gave back, in bytes: PyTorch's reserved memory and NVML's per-process memory
+    before and after (GPU, None without CUDA), and the CPU RSS after `malloc_trim`."""
+
+    device: int | None
+    reserved_before_bytes: int | None
+    reserved_after_bytes: int | None
+    nvml_process_before_bytes: int | None
+    nvml_process_after_bytes: int | None
+    rss_before_bytes: int | None
+    rss_after_bytes: int | None
+
+    @staticmethod
+    def _diff(before: int | None, after: int | None) -> int | None:
+        return None if before is None or after is None else before - after
+
+    @property
+    def released_reserved_bytes(self) -> int | None:
+        return self._diff(self.reserved_before_bytes, self.reserved_after_bytes)
+
+    @property
+    def released_nvml_bytes(self) -> int | None:
+        return self._diff(self.nvml_process_before_bytes, self.nvml_process_after_bytes)
+
+    @property
+    def released_rss_bytes(self) -> int | None:
+        return self._diff(self.rss_before_bytes, self.rss_after_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.update(
+            released_reserved_bytes=self.released_reserved_bytes,
+            released_nvml_bytes=self.released_nvml_bytes,
+            released_rss_bytes=self.released_rss_bytes,
+        )
+        return d
+
+    def __str__(self) -> str:
+        parts = []
+        if self.device is not None:
+            parts.append(
+                f"reserved {_fmt(self.reserved_before_bytes)} -> {_fmt(self.reserved_after_bytes)} "
+                f"(released {_fmt(self.released_reserved_bytes)}), NVML process "
+                f"{_fmt(self.nvml_process_before_bytes)} -> {_fmt(self.nvml_process_after_bytes)}"
+            )
+        parts.append(f"CPU RSS {_fmt(self.rss_before_bytes)} -> {_fmt(self.rss_after_bytes)}")
+        return "empty_cache: " + ", ".join(parts)
+
+
+def empty_cache(device: Any = None) -> CacheRelease:
+    """Releases PyTorch's cached, unused GPU blocks (`torch.cuda.empty_cache()`, when CUDA is initialised)
+    and glibc's free heap pages (`malloc_trim`), and returns what was really released, measured before and
+    after. Also records a "Cache emptied" mark for the journey."""
+    torch = _torch()
+    dev = _cuda_index(device, torch)
+    reserved_before = reserved_after = nvml_before = nvml_after = None
+    if dev is not None:
+        c = _counters(torch, dev)
+        reserved_before = c[1] if c else 0
+        nv = _nvml(torch, dev)
+        nvml_before = nv[3] if nv else None
+    rss_before = _native.self_rss_bytes()
+    if dev is not None and _cuda_initialized(torch):
+        with torch.cuda.device(dev):
+            torch.cuda.empty_cache()
+    _native.malloc_trim()
+    if dev is not None:
+        c = _counters(torch, dev)
+        reserved_after = c[1] if c else 0
+        nv = _nvml(torch, dev)
+        nvml_after = nv[3] if nv else None
+    rss_after = _native.self_rss_bytes()
+    _mark("Cache emptied", dev)
+    return CacheRelease(dev, reserved_before, reserved_after, nvml_before, nvml_after, rss_before, rss_after)
+
+
+# --- markers (shared with the Monitor) -------------------------------------------------------------------
+
+#: The "Device checked" mark of the last `device_info()` call (a Monitor made later starts its journey there).
+_last_device_check: dict[str, Any] | None = None
+
+#: Callables that receive every marker this process records (the open Monitors).
+_sinks: list[Callable[[dict[str, Any]], None]] = []
+
+
+def _memory_now(dev: int | None) -> dict[str, Any]:
+    """MarkerMemory fields read now: RSS (statm) and, with CUDA in use, allocated and reserved."""
+    mem: dict[str, Any] = {"rss_bytes": _native.self_rss_bytes()}
+    torch = _torch() if dev is not None else None
+    if torch is not None:
+        c = _counters(torch, dev)  # type: ignore[arg-type]
+        mem["allocated_bytes"], mem["reserved_bytes"] = (c[0], c[1]) if c else (0, 0)
+    return mem
+
+
+def _record(kind: str, edge: str, name: str, index: int | None, memory: dict[str, Any]) -> dict[str, Any]:
+    """One marker in `model::Marker` form: sent to the recorder under `torchmem run` and to open Monitors."""
+    marker = {"t_ns": time.monotonic_ns(), "kind": kind, "edge": edge, "name": name, "index": index, "memory": memory}
+    if _events.enabled():
+        _events.emit({"type": "marker", **marker})
+    for sink in list(_sinks):
+        sink(marker)
+    return marker
+
+
+def _mark(name: str, dev: int | None | str = "current") -> dict[str, Any]:
+    """A point mark (journey stage) with the memory at this moment."""
+    if dev == "current":
+        torch = _torch()
+        dev = _cuda_index(None, torch) if torch is not None and _cuda_initialized(torch) else None
+    return _record("mark", "point", name, None, _memory_now(dev))  # type: ignore[arg-type]
+
+
+def mark(name: str, device: Any = None) -> dict[str, Any]:
+    """Records a named point (e.g. "Model initialised") with the memory now, for the journey and the profile."""
+    torch = _torch()
+    dev = _cuda_index(device, torch) if torch is not None and _cuda_initialized(torch) else None
+    return _mark(name, dev)
+
+
+# --- track ------------------------------------------------------------------------------------------------
+
+
+class _Span:
+    """One open span (phase, step, epoch, track): entry memory and its peak window."""
+
+    __slots__ = ("kind", "name", "index", "dev", "window", "entry", "t0_ns", "start")
+
+    def __init__(self, kind: str, name: str, index: int | None, dev: int | None) -> None:
+        self.kind, self.name, self.index, self.dev = kind, name, index, dev
+        self.window, rss, counters = _PEAKS.open(dev)
+        self.entry: dict[str, Any] = {"rss_bytes": rss}
+        if dev is not None:
+            self.entry["allocated_bytes"], self.entry["reserved_bytes"] = (counters[0], counters[1]) if counters else (0, 0)
+        self.start = _record(kind, "start", name, index, self.entry)
+        self.t0_ns: int = self.start["t_ns"]
+
+    def close(self) -> dict[str, Any]:
+        peak_rss, peak_alloc, peak_reserved, rss, counters = _PEAKS.close(self.window)
+        exit_mem: dict[str, Any] = {"rss_bytes": rss, "peak_rss_bytes": peak_rss}
+        if self.dev is not None:
+            exit_mem["allocated_bytes"], exit_mem["reserved_bytes"] = (counters[0], counters[1]) if counters else (0, 0)
+            exit_mem["peak_allocated_bytes"], exit_mem["peak_reserved_bytes"] = peak_alloc, peak_reserved
+        return _record(self.kind, "end", self.name, self.index, exit_mem)
+
+
+def _span_device(device: Any) -> int | None:
+    torch = _torch()
+    if torch is None:
+        return None
+    return _cuda_index(device, torch)
+
+
+@dataclasses.dataclass
+class TrackResult:
+    """One run of a tracked phase, in bytes (GPU fields None without CUDA)."""
+
+    name: str
+    duration_ns: int
+    entry: dict[str, Any]
+    exit: dict[str, Any]
+
+    @property
+    def peak_allocated_bytes(self) -> int | None:
+        return self.exit.get("peak_allocated_bytes")
+
+    @property
+    def peak_reserved_bytes(self) -> int | None:
+        return self.exit.get("peak_reserved_bytes")
+
+    @property
+    def peak_rss_bytes(self) -> int | None:
+        return self.exit.get("peak_rss_bytes")
+
+    @property
+    def delta_allocated_bytes(self) -> int | None:
+        a, b = self.entry.get("allocated_bytes"), self.exit.get("allocated_bytes")
+        return None if a is None or b is None else b - a
+
+    @property
+    def delta_rss_bytes(self) -> int | None:
+        a, b = self.entry.get("rss_bytes"), self.exit.get("rss_bytes")
+        return None if a is None or b is None else b - a
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for k in ("peak_allocated_bytes", "peak_reserved_bytes", "peak_rss_bytes", "delta_allocated_bytes", "delta_rss_bytes"):
+            d[k] = getattr(self, k)
+        return d
+
+    def __str__(self) -> str:
+        def delta(v: int | None) -> str:
+            return "-" if v is None else ("+" if v >= 0 else "-") + _native.format_bytes(abs(v))
+
+        parts = []
+        if self.exit.get("allocated_bytes") is not None:
+            parts.append(
+                f"GPU allocated {_fmt(self.entry.get('allocated_bytes'))} -> {_fmt(self.exit.get('allocated_bytes'))} "
+                f"({delta(self.delta_allocated_bytes)}), peak {_fmt(self.peak_allocated_bytes)}, "
+                f"peak reserved {_fmt(self.peak_reserved_bytes)}"
+            )
+        parts.append(
+            f"CPU RSS {_fmt(self.entry.get('rss_bytes'))} -> {_fmt(self.exit.get('rss_bytes'))} "
+            f"({delta(self.delta_rss_bytes)}), peak {_fmt(self.peak_rss_bytes)}"
+        )
+        return f"{self.name} ({self.duration_ns / 1e9:.3f} s): " + "; ".join(parts)
+
+
+class track:
+    """Records a named phase: memory at entry and exit, the peak inside, the delta. A context manager
+    (`with torchmem.track("load") as t: ...; print(t.result)`) and a decorator (`@torchmem.track("step")`;
+    the last call's result is `func.last`). Under `torchmem run` the phase lands in the profile.
+    `verbose=True` prints one line per run."""
+
+    def __init__(self, name: str, device: Any = None, *, verbose: bool = False) -> None:
+        self.name = name
+        self.device = device
+        self.verbose = verbose
+        self.result: TrackResult | None = None
+        self.history: collections.deque[TrackResult] = collections.deque(maxlen=1000)
+        self._open: list[_Span] = []
+
+    def __enter__(self) -> track:
+        self._open.append(_Span("phase", self.name, None, _span_device(self.device)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        span = self._open.pop()
+        end = span.close()
+        self.result = TrackResult(self.name, end["t_ns"] - span.t0_ns, span.entry, end["memory"])
+        self.history.append(self.result)
+        if self.verbose:
+            print(f"torchmem: {self.result}", file=sys.stderr)
+
+    def __call__(self, func: Callable) -> Callable:
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with self:
+                return func(*args, **kwargs)
+
+        wrapper.tracker = self  # type: ignore[attr-defined]
+        return _TrackedFunction(wrapper, self)
+
+    def __str__(self) -> str:
+        return str(self.result) if self.result else f"{self.name}: not run yet"
+
+
+class _TrackedFunction:
+    """A function decorated with `track`: calls it inside the phase; `.last` is the last run's result."""
+
+    def __init__(self, wrapper: Callable, tracker: track) -> None:
+        functools.update_wrapper(self, wrapper)
+        self._wrapper = wrapper
+        self.tracker = tracker
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._wrapper(*args, **kwargs)
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        return self if obj is None else functools.partial(self.__call__, obj)
+
+    @property
+    def last(self) -> TrackResult | None:
+        return self.tracker.result
+
+    @property
+    def history(self) -> collections.deque[TrackResult]:
+        return self.tracker.history

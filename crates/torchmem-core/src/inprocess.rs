@@ -26,8 +26,45 @@ pub struct SelfMemory {
     pub peak_rss_bytes: u64,
 }
 
+/// This process's /proc files, opened once and re-read with `pread` (about half the cost of open+read+close).
+/// A fork gives the child the parent's descriptors, which still point at the parent: they are reopened when
+/// the pid changes.
+struct SelfFiles {
+    pid: u32,
+    statm: fs::File,
+    status: fs::File,
+    clear_refs: Option<fs::File>,
+}
+
+static SELF_FILES: std::sync::Mutex<Option<SelfFiles>> = std::sync::Mutex::new(None);
+
+fn with_self_files<T>(f: impl FnOnce(&SelfFiles) -> Option<T>) -> Option<T> {
+    let mut guard = SELF_FILES.lock().unwrap_or_else(|p| p.into_inner());
+    let pid = std::process::id();
+    if guard.as_ref().is_none_or(|files| files.pid != pid) {
+        *guard = Some(SelfFiles {
+            pid,
+            statm: fs::File::open("/proc/self/statm").ok()?,
+            status: fs::File::open("/proc/self/status").ok()?,
+            clear_refs: fs::OpenOptions::new()
+                .write(true)
+                .open("/proc/self/clear_refs")
+                .ok(),
+        });
+    }
+    f(guard.as_ref()?)
+}
+
+fn pread_text(file: &fs::File, buf: &mut [u8]) -> Option<usize> {
+    use std::os::unix::fs::FileExt;
+    let n = file.read_at(buf, 0).ok()?;
+    (n > 0).then_some(n)
+}
+
 pub fn self_memory() -> Option<SelfMemory> {
-    parse_self_status(&fs::read_to_string("/proc/self/status").ok()?)
+    let mut buf = [0u8; 4096];
+    let n = with_self_files(|f| pread_text(&f.status, &mut buf))?;
+    parse_self_status(std::str::from_utf8(&buf[..n]).ok()?)
 }
 
 pub fn parse_self_status(text: &str) -> Option<SelfMemory> {
@@ -39,19 +76,26 @@ pub fn parse_self_status(text: &str) -> Option<SelfMemory> {
 
 /// This process's RSS from `/proc/self/statm` (the cheapest read the kernel offers).
 pub fn self_rss_bytes() -> Option<u64> {
-    let text = fs::read_to_string("/proc/self/statm").ok()?;
-    crate::sources::procfs::parse_statm_rss_pages(&text)
+    let mut buf = [0u8; 256];
+    let n = with_self_files(|f| pread_text(&f.statm, &mut buf))?;
+    let text = std::str::from_utf8(&buf[..n]).ok()?;
+    crate::sources::procfs::parse_statm_rss_pages(text)
         .map(|p| p * crate::sources::procfs::page_size())
 }
 
 /// Resets `VmHWM` to the current RSS (writes "5" to `/proc/self/clear_refs`), so that the next peak read
 /// is the peak since now. Fails where the kernel or a sandbox forbids it; callers then keep the old peak.
 pub fn reset_peak_rss() -> Result<()> {
-    let mut f = fs::OpenOptions::new()
-        .write(true)
-        .open("/proc/self/clear_refs")?;
-    f.write_all(b"5")?;
-    Ok(())
+    let written = with_self_files(|f| {
+        let mut file = f.clear_refs.as_ref()?;
+        Some(file.write_all(b"5").is_ok())
+    });
+    match written {
+        Some(true) => Ok(()),
+        _ => Err(CoreError::Invalid(
+            "cannot write /proc/self/clear_refs: the peak RSS cannot be reset here".into(),
+        )),
+    }
 }
 
 /// Returns freed heap memory at the top and in the middle of glibc's arenas to the kernel (the CPU side of
@@ -435,6 +479,91 @@ mod tests {
                 }
             }
             Err(e) => assert!(e.to_string().contains("NVML unavailable")),
+        }
+    }
+}
+
+/// One NVIDIA device as `torchmem.device_info()` reports it (NVML index order).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DeviceEntry {
+    pub index: u32,
+    pub name: String,
+    pub uuid: String,
+    pub total_bytes: u64,
+    pub used_bytes: u64,
+    pub free_bytes: u64,
+    /// NVML's used memory of this process on the device; None when NVML does not list it.
+    pub this_process_bytes: Option<u64>,
+    /// Memory used by every other process NVML lists on the device.
+    pub other_processes_bytes: u64,
+    pub processes: std::collections::BTreeMap<u32, u64>,
+}
+
+/// The host and its NVIDIA devices, without torch and without creating a CUDA context.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DeviceInfo {
+    pub host_total_bytes: Option<u64>,
+    pub host_available_bytes: Option<u64>,
+    /// Why there are no devices (no driver, NVML failed); None when NVML answered.
+    pub nvml_error: Option<String>,
+    pub driver_version: Option<String>,
+    pub cuda_driver_version: Option<String>,
+    pub devices: Vec<DeviceEntry>,
+}
+
+pub fn device_info(pid: u32) -> DeviceInfo {
+    use crate::sources::gpu::{GpuSource, NvmlSource};
+    let host = crate::sources::host::host_memory();
+    let mut info = DeviceInfo {
+        host_total_bytes: host.map(|h| h.total_bytes),
+        host_available_bytes: host.map(|h| h.available_bytes),
+        nvml_error: None,
+        driver_version: None,
+        cuda_driver_version: None,
+        devices: Vec::new(),
+    };
+    match NvmlSource::open() {
+        Err(e) => info.nvml_error = Some(e.to_string()),
+        Ok(src) => {
+            let driver = src.driver_info();
+            info.driver_version = Some(driver.driver_version);
+            info.cuda_driver_version = Some(driver.cuda_driver_version);
+            let readings = src.read();
+            for dev in src.devices() {
+                let Some(r) = readings.iter().find(|r| r.index == dev.index) else {
+                    continue;
+                };
+                info.devices.push(DeviceEntry {
+                    index: dev.index,
+                    name: dev.name.clone(),
+                    uuid: dev.uuid.clone(),
+                    total_bytes: r.total_bytes,
+                    used_bytes: r.used_bytes,
+                    free_bytes: r.free_bytes,
+                    this_process_bytes: r.process_bytes.get(&pid).copied(),
+                    other_processes_bytes: r
+                        .process_bytes
+                        .iter()
+                        .filter(|(p, _)| **p != pid)
+                        .map(|(_, b)| b)
+                        .sum(),
+                    processes: r.process_bytes.clone(),
+                });
+            }
+        }
+    }
+    info
+}
+
+#[cfg(test)]
+mod device_info_tests {
+    #[test]
+    fn host_is_always_there_and_gpus_only_with_nvml() {
+        let info = super::device_info(std::process::id());
+        assert!(info.host_total_bytes.unwrap() >= info.host_available_bytes.unwrap());
+        assert_eq!(info.nvml_error.is_some(), info.driver_version.is_none());
+        if info.nvml_error.is_some() {
+            assert!(info.devices.is_empty());
         }
     }
 }

@@ -1,7 +1,445 @@
-//! api (placeholder)
+//! Bindings for what the Python API must run inside the user's process: this process's memory (/proc), NVML's
+//! view of it, the Monitor's summaries rendered by the core, and the allocator sampler thread that
+//! `torchmem run` starts to stream PyTorch's allocator counters to the recorder.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use torchmem_core::inprocess::{self, AllocatorCounters, ProcessGpu};
 
-pub fn register(_m: &Bound<'_, PyModule>) -> PyResult<()> {
+use crate::errors::to_py;
+
+// --- this process's memory -------------------------------------------------------------------------------
+
+/// `(rss_bytes, peak_rss_bytes)` from one read of /proc/self/status; None where /proc is missing.
+#[pyfunction]
+fn self_memory() -> Option<(u64, u64)> {
+    inprocess::self_memory().map(|m| (m.rss_bytes, m.peak_rss_bytes))
+}
+
+/// RSS in bytes from /proc/self/statm (the cheapest read).
+#[pyfunction]
+fn self_rss_bytes() -> Option<u64> {
+    inprocess::self_rss_bytes()
+}
+
+/// `(rss_bytes, pss_bytes, uss_bytes, swap_bytes)` from /proc/self/smaps_rollup (ms on big processes).
+#[pyfunction]
+fn self_rollup(py: Python<'_>) -> Option<(u64, u64, u64, u64)> {
+    let pid = std::process::id();
+    py.detach(|| torchmem_core::sources::procfs::smaps_rollup(pid))
+        .map(|r| (r.rss_bytes, r.pss_bytes, r.uss_bytes, r.swap_bytes))
+}
+
+/// Resets the peak RSS (VmHWM) to the current RSS; False where the kernel forbids it.
+#[pyfunction]
+fn reset_peak_rss() -> bool {
+    inprocess::reset_peak_rss().is_ok()
+}
+
+/// glibc `malloc_trim(0)`: gives freed heap pages back to the kernel. True when something was released.
+#[pyfunction]
+fn malloc_trim(py: Python<'_>) -> bool {
+    py.detach(inprocess::malloc_trim)
+}
+
+#[pyfunction]
+fn format_bytes(bytes: u64) -> String {
+    inprocess::human_bytes(bytes)
+}
+
+// --- NVML ------------------------------------------------------------------------------------------------
+
+static NVML: OnceLock<std::result::Result<Mutex<ProcessGpu>, String>> = OnceLock::new();
+
+fn nvml() -> PyResult<&'static Mutex<ProcessGpu>> {
+    NVML.get_or_init(|| {
+        ProcessGpu::open()
+            .map(Mutex::new)
+            .map_err(|e| e.to_string())
+    })
+    .as_ref()
+    .map_err(|e| crate::errors::TorchmemError::new_err(e.clone()))
+}
+
+/// Why NVML cannot be used here, or None when it can (opens it once per process).
+#[pyfunction]
+fn nvml_error(py: Python<'_>) -> Option<String> {
+    py.detach(|| nvml().err().map(|e| e.to_string()))
+}
+
+/// The NVML index of the device with this UUID ("GPU-…"/"MIG-…"), None when NVML does not know it.
+#[pyfunction]
+fn nvml_index_of_uuid(py: Python<'_>, uuid: &str) -> PyResult<Option<u32>> {
+    let uuid = uuid.to_string();
+    py.detach(|| Ok(nvml()?.lock().expect("NVML lock").index_of_uuid(&uuid)))
+}
+
+/// `(total_bytes, used_bytes, free_bytes, process_bytes or None, other_processes_bytes)` of NVML device
+/// `index`, where process_bytes is what NVML charges to `pid`.
+#[pyfunction]
+fn nvml_read(py: Python<'_>, index: u32, pid: u32) -> PyResult<(u64, u64, u64, Option<u64>, u64)> {
+    py.detach(|| {
+        let r = nvml()?
+            .lock()
+            .expect("NVML lock")
+            .read(index, pid)
+            .map_err(to_py)?;
+        Ok((
+            r.total_bytes,
+            r.used_bytes,
+            r.free_bytes,
+            r.process_bytes,
+            r.other_processes_bytes,
+        ))
+    })
+}
+
+/// The host and its NVIDIA devices as JSON (`inprocess::DeviceInfo`); never creates a CUDA context.
+#[pyfunction]
+fn device_info_json(py: Python<'_>) -> PyResult<String> {
+    let pid = std::process::id();
+    let info = py.detach(|| inprocess::device_info(pid));
+    serde_json::to_string(&info).map_err(|e| to_py(e.into()))
+}
+
+// --- Monitor summaries -----------------------------------------------------------------------------------
+
+/// The Monitor's summary (epochs, phases, growth, journey) as JSON, from markers in `model::Marker` form.
+#[pyfunction]
+#[pyo3(signature = (markers_json, capacity_bytes=None))]
+fn summary_json(
+    py: Python<'_>,
+    markers_json: &str,
+    capacity_bytes: Option<u64>,
+) -> PyResult<String> {
+    let markers = inprocess::parse_markers(markers_json).map_err(to_py)?;
+    py.detach(|| inprocess::summary_json(&markers, capacity_bytes))
+        .map_err(to_py)
+}
+
+/// The per-epoch and per-phase tables and growth warnings as text.
+#[pyfunction]
+#[pyo3(signature = (markers_json, capacity_bytes=None))]
+fn summary_text(
+    py: Python<'_>,
+    markers_json: &str,
+    capacity_bytes: Option<u64>,
+) -> PyResult<String> {
+    let markers = inprocess::parse_markers(markers_json).map_err(to_py)?;
+    Ok(py.detach(|| inprocess::summary_text(&markers, capacity_bytes)))
+}
+
+/// The journey as "text" or "mermaid".
+#[pyfunction]
+#[pyo3(signature = (markers_json, capacity_bytes=None, format="text", title="torchmem memory journey"))]
+fn journey(
+    markers_json: &str,
+    capacity_bytes: Option<u64>,
+    format: &str,
+    title: &str,
+) -> PyResult<String> {
+    let mermaid = match format {
+        "text" => false,
+        "mermaid" => true,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "journey format {other:?}: use \"text\" or \"mermaid\""
+            )))
+        }
+    };
+    let markers = inprocess::parse_markers(markers_json).map_err(to_py)?;
+    Ok(inprocess::journey_render(
+        &markers,
+        capacity_bytes,
+        mermaid,
+        title,
+    ))
+}
+
+/// `{"line", "row", "growth", "growth_per_epoch_bytes"}` for the last finished epoch, from epoch markers.
+#[pyfunction]
+fn epoch_report_json(markers_json: &str) -> PyResult<String> {
+    let markers = inprocess::parse_markers(markers_json).map_err(to_py)?;
+    serde_json::to_string(&inprocess::epoch_report(&markers)).map_err(|e| to_py(e.into()))
+}
+
+// --- allocator sampler -----------------------------------------------------------------------------------
+
+/// torch objects the sampler calls, looked up once torch is fully imported.
+struct TorchFns {
+    is_initialized: Py<PyAny>,
+    device_count: Py<PyAny>,
+    memory_stats: Py<PyAny>,
+}
+
+fn lookup_torch(py: Python<'_>) -> Option<TorchFns> {
+    let modules = py.import("sys").ok()?.getattr("modules").ok()?;
+    let modules = modules.cast::<PyDict>().ok()?;
+    let torch = modules.get_item("torch").ok()??;
+    let cuda = torch.getattr("cuda").ok()?;
+    Some(TorchFns {
+        is_initialized: cuda.getattr("is_initialized").ok()?.unbind(),
+        device_count: cuda.getattr("device_count").ok()?.unbind(),
+        memory_stats: torch
+            .getattr("_C")
+            .ok()?
+            .getattr("_cuda_memoryStats")
+            .ok()?
+            .unbind(),
+    })
+}
+
+fn nested_u64(d: &Bound<'_, PyAny>, path: &[&str]) -> u64 {
+    let mut cur = d.clone();
+    for key in path {
+        match cur.get_item(*key) {
+            Ok(v) => cur = v,
+            Err(_) => return 0,
+        }
+    }
+    cur.extract::<i64>().map(|v| v.max(0) as u64).unwrap_or(0)
+}
+
+/// Reads the counters from `torch._C._cuda_memoryStats(dev)`'s nested dict.
+fn counters_from_nested(d: &Bound<'_, PyAny>) -> AllocatorCounters {
+    AllocatorCounters {
+        allocated_bytes: nested_u64(d, &["allocated_bytes", "all", "current"]),
+        reserved_bytes: nested_u64(d, &["reserved_bytes", "all", "current"]),
+        peak_allocated_bytes: nested_u64(d, &["allocated_bytes", "all", "peak"]),
+        peak_reserved_bytes: nested_u64(d, &["reserved_bytes", "all", "peak"]),
+        active_bytes: nested_u64(d, &["active_bytes", "all", "current"]),
+        inactive_split_bytes: nested_u64(d, &["inactive_split_bytes", "all", "current"]),
+        num_alloc_retries: nested_u64(d, &["num_alloc_retries"]),
+        num_ooms: nested_u64(d, &["num_ooms"]),
+    }
+}
+
+/// One sampler tick: wire lines for every device whose allocator has been used, or nothing when torch is
+/// not imported or CUDA not initialised (never initialises CUDA: that would cost ~500 MB of GPU memory).
+fn sample_lines(py: Python<'_>, cache: &mut Option<TorchFns>) -> Vec<String> {
+    if cache.is_none() {
+        *cache = lookup_torch(py);
+    }
+    let Some(fns) = cache.as_ref() else {
+        return Vec::new();
+    };
+    let initialised = fns
+        .is_initialized
+        .bind(py)
+        .call0()
+        .and_then(|v| v.is_truthy())
+        .unwrap_or(false);
+    if !initialised {
+        return Vec::new();
+    }
+    let count: u32 = fns
+        .device_count
+        .bind(py)
+        .call0()
+        .and_then(|v| v.extract())
+        .unwrap_or(0);
+    let mut lines = Vec::new();
+    for dev in 0..count {
+        let Ok(d) = fns.memory_stats.bind(py).call1((dev,)) else {
+            continue;
+        };
+        let c = counters_from_nested(&d);
+        if !c.never_used() {
+            lines.push(c.wire_line(torchmem_core::clock::monotonic_ns(), dev));
+        }
+    }
+    lines
+}
+
+/// The counters of one device as the sampler reads them: `(allocated, reserved, peak_allocated,
+/// peak_reserved, active, inactive_split, num_alloc_retries, num_ooms)` from a `_cuda_memoryStats` dict.
+#[pyfunction]
+fn allocator_counters(nested: &Bound<'_, PyAny>) -> (u64, u64, u64, u64, u64, u64, u64, u64) {
+    let c = counters_from_nested(nested);
+    (
+        c.allocated_bytes,
+        c.reserved_bytes,
+        c.peak_allocated_bytes,
+        c.peak_reserved_bytes,
+        c.active_bytes,
+        c.inactive_split_bytes,
+        c.num_alloc_retries,
+        c.num_ooms,
+    )
+}
+
+/// One sampler read, returned instead of sent (to time it and to test it).
+#[pyfunction]
+fn read_allocator_once(py: Python<'_>) -> Vec<String> {
+    sample_lines(py, &mut None)
+}
+
+struct Sampler {
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<()>,
+    /// The process that started the thread: after fork the child has the handle but not the thread.
+    pid: u32,
+}
+
+static SAMPLER: Mutex<Option<Sampler>> = Mutex::new(None);
+static ATEXIT_REGISTERED: AtomicBool = AtomicBool::new(false);
+
+fn event_fd() -> Option<i32> {
+    let fd: i32 = std::env::var("TORCHMEM_EVENT_FD")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    // SAFETY: F_GETFD only asks whether the descriptor is open.
+    (unsafe { libc::fcntl(fd, libc::F_GETFD) } != -1).then_some(fd)
+}
+
+/// Writes the whole buffer; false when the recorder is gone (EPIPE, EBADF).
+fn write_all(fd: i32, mut data: &[u8]) -> bool {
+    while !data.is_empty() {
+        // SAFETY: writes from a live slice to a descriptor; a closed one returns an error, nothing else.
+        let n = unsafe { libc::write(fd, data.as_ptr().cast(), data.len()) };
+        if n < 0 {
+            if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return false;
+        }
+        data = &data[n as usize..];
+    }
+    true
+}
+
+fn sampler_loop(stop: Arc<AtomicBool>, fd: i32, interval: Duration) {
+    let mut cache: Option<TorchFns> = None;
+    loop {
+        std::thread::park_timeout(interval);
+        if stop.load(Ordering::Acquire) {
+            break;
+        }
+        // try_attach returns None once the interpreter is finalizing: the thread then just ends.
+        let Some(lines) = Python::try_attach(|py| {
+            if stop.load(Ordering::Acquire) {
+                None
+            } else {
+                Some(sample_lines(py, &mut cache))
+            }
+        }) else {
+            break;
+        };
+        let Some(lines) = lines else { break };
+        // Each line is one write (< PIPE_BUF), so it never interleaves with the Python side's events.
+        if !lines.iter().all(|l| write_all(fd, l.as_bytes())) {
+            break;
+        }
+    }
+    // Release the references with the interpreter attached while it still runs; otherwise pyo3 defers the
+    // decrefs (the closure and `cache` are dropped unrun), which is safe.
+    if let Some(fns) = cache.take() {
+        let _ = Python::try_attach(move |_py| drop(fns));
+    }
+}
+
+/// Starts the thread that sends the allocator's counters to `torchmem run`'s recorder every `interval_ms`.
+/// Returns False (and does nothing) when `TORCHMEM_EVENT_FD` is unset or closed; True when running.
+#[pyfunction]
+fn start_allocator_sampler(py: Python<'_>, interval_ms: f64) -> PyResult<bool> {
+    if !(interval_ms.is_finite() && interval_ms > 0.0) {
+        return Err(PyValueError::new_err(format!(
+            "interval_ms must be a positive number of milliseconds, got {interval_ms}"
+        )));
+    }
+    let Some(fd) = event_fd() else {
+        return Ok(false);
+    };
+    let me = std::process::id();
+    {
+        let mut guard = SAMPLER.lock().expect("sampler lock");
+        if let Some(s) = guard.as_ref() {
+            if s.pid == me && !s.thread.is_finished() {
+                return Ok(true);
+            }
+        }
+        if let Some(old) = guard.take() {
+            // A finished thread, or one that belonged to our parent before fork: nothing to join here.
+            if old.pid == me {
+                let _ = old.thread.join();
+            }
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let interval = Duration::from_secs_f64(interval_ms / 1000.0);
+        let thread_stop = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("torchmem-allocator-sampler".into())
+            .spawn(move || sampler_loop(thread_stop, fd, interval))
+            .map_err(|e| {
+                crate::errors::TorchmemError::new_err(format!(
+                    "cannot start the sampler thread: {e}"
+                ))
+            })?;
+        *guard = Some(Sampler {
+            stop,
+            thread,
+            pid: me,
+        });
+    }
+    if !ATEXIT_REGISTERED.swap(true, Ordering::AcqRel) {
+        let stopper = wrap_pyfunction!(stop_allocator_sampler, py)?;
+        py.import("atexit")?.call_method1("register", (stopper,))?;
+    }
+    Ok(true)
+}
+
+/// Stops and joins the sampler thread (called at interpreter exit too). True when one was running.
+#[pyfunction]
+fn stop_allocator_sampler(py: Python<'_>) -> bool {
+    let taken = SAMPLER.lock().expect("sampler lock").take();
+    let Some(s) = taken else { return false };
+    if s.pid != std::process::id() {
+        // Forked child: the thread lives only in the parent.
+        return false;
+    }
+    s.stop.store(true, Ordering::Release);
+    s.thread.thread().unpark();
+    // Join detached: the thread may be waiting to attach, and must get the interpreter to finish its tick.
+    py.detach(move || s.thread.join().is_ok())
+}
+
+/// True when the sampler thread runs in this process.
+#[pyfunction]
+fn allocator_sampler_running() -> bool {
+    SAMPLER
+        .lock()
+        .expect("sampler lock")
+        .as_ref()
+        .is_some_and(|s| s.pid == std::process::id() && !s.thread.is_finished())
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(self_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(self_rss_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(self_rollup, m)?)?;
+    m.add_function(wrap_pyfunction!(reset_peak_rss, m)?)?;
+    m.add_function(wrap_pyfunction!(malloc_trim, m)?)?;
+    m.add_function(wrap_pyfunction!(format_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(nvml_error, m)?)?;
+    m.add_function(wrap_pyfunction!(nvml_index_of_uuid, m)?)?;
+    m.add_function(wrap_pyfunction!(nvml_read, m)?)?;
+    m.add_function(wrap_pyfunction!(device_info_json, m)?)?;
+    m.add_function(wrap_pyfunction!(summary_json, m)?)?;
+    m.add_function(wrap_pyfunction!(summary_text, m)?)?;
+    m.add_function(wrap_pyfunction!(journey, m)?)?;
+    m.add_function(wrap_pyfunction!(epoch_report_json, m)?)?;
+    m.add_function(wrap_pyfunction!(allocator_counters, m)?)?;
+    m.add_function(wrap_pyfunction!(read_allocator_once, m)?)?;
+    m.add_function(wrap_pyfunction!(start_allocator_sampler, m)?)?;
+    m.add_function(wrap_pyfunction!(stop_allocator_sampler, m)?)?;
+    m.add_function(wrap_pyfunction!(allocator_sampler_running, m)?)?;
     Ok(())
 }
