@@ -193,3 +193,24 @@ fn worker_children_are_summed_without_double_counting() {
     let procs = report_json(&prof)["processes"].as_array().unwrap().len();
     assert_eq!(procs, 4);
 }
+
+#[test]
+fn info_reports_host_torch_and_gpus_or_why_not() {
+    let out = torchmem().args(["info", "--json"]).output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();
+    let total_kib: u64 = meminfo.lines().next().unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
+    assert_eq!(j["host_total_bytes"].as_u64(), Some(total_kib * 1024));
+    let gpus = j["gpus"].as_array().unwrap();
+    if gpus.is_empty() {
+        // Never a fake zero: an explicit reason instead.
+        assert!(j["gpu_unavailable"].as_str().unwrap().contains("no CUDA device") || j["gpu_unavailable"].as_str().unwrap().contains("NVML"));
+    } else {
+        assert!(gpus.iter().all(|g| g["total_bytes"].as_u64().unwrap() > 0));
+    }
+    let torch_here = Command::new(python()).args(["-c", "import torch"]).status().unwrap().success();
+    assert_eq!(j["torch"]["torch_version"].is_string(), torch_here);
+    let table = torchmem().arg("info").output().unwrap();
+    assert!(String::from_utf8_lossy(&table.stdout).contains("Host RAM"));
+}
