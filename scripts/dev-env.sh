@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing) with everything torchmem's build, tests and benchmarks need, and builds the
+# extension into it (release). Shared by setup.sh and test.sh; safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import torch, maturin, pytest, memory_profiler, psutil, numpy" 2>/dev/null || [ ! -x .venv/bin/ruff ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q "maturin>=1.9,<2" torch pytest ruff memory_profiler psutil numpy
+fi
+.venv/bin/maturin develop -q --release
