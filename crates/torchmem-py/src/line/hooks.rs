@@ -1,0 +1,337 @@
+//! The line profiler's native hooks: a `PyEval_SetTrace` C callback (Python ≤ 3.11; the symbol is not in
+//! the limited API, so it and `PyFrame_GetCode` are looked up with `dlsym` at run time) and raw
+//! `METH_FASTCALL` builtins registered as `sys.monitoring` callbacks (Python ≥ 3.12), which CPython calls
+//! by vectorcall without a Python frame. Both feed `drive`, which reads memory only when the time since
+//! the thread's previous profiled event passes the gate, and never lets an error or a panic escape into
+//! the profiled program.
+
+use std::ffi::{c_int, c_void};
+use std::sync::OnceLock;
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+use super::sampler::ticks;
+use super::state::{self, Ev, Gpu, Sample, Verdict};
+
+/// How an event names its place, before the code object is known to be profiled.
+#[derive(Clone, Copy)]
+pub enum Raw {
+    /// sys.monitoring PY_START.
+    Start,
+    /// settrace CALL: a fresh call when the frame's line is at or before `co_firstlineno`, else a resume.
+    Call { frame_line: u32 },
+    /// sys.monitoring PY_RESUME / PY_THROW at a bytecode offset.
+    ResumeAt { offset: u32 },
+    Line(u32),
+    Exit,
+}
+
+enum Lookup {
+    Off,
+    Known(u32),
+    Unknown(Option<Py<PyAny>>),
+}
+
+/// Handle one event. Never raises, never panics outward.
+pub fn drive(code_ptr: *mut ffi::PyObject, frame: usize, raw: Raw) -> Verdict {
+    std::panic::catch_unwind(|| drive_inner(code_ptr, frame, raw)).unwrap_or_else(|_| {
+        state::with(|p| {
+            p.active = false;
+            p.warnings.push("line profiler stopped after an internal error (panic)".into());
+        });
+        Verdict::NotProfiled
+    })
+}
+
+fn drive_inner(code_ptr: *mut ffi::PyObject, frame: usize, raw: Raw) -> Verdict {
+    let key = code_ptr as usize;
+    let lookup = state::with(|p| {
+        if !p.active {
+            return Lookup::Off;
+        }
+        match p.by_ptr.get(&key) {
+            Some(i) => Lookup::Known(*i),
+            None if p.rejected.contains_key(&key) => Lookup::Unknown(None),
+            None => Lookup::Unknown(p.matcher.as_ref().map(|m| m.clone_ref(unsafe { Python::assume_attached() }))),
+        }
+    })
+    .unwrap_or(Lookup::Off);
+    // SAFETY: every hook runs on a thread attached to the interpreter.
+    let py = unsafe { Python::assume_attached() };
+    let idx = match lookup {
+        Lookup::Off => return Verdict::NotProfiled,
+        Lookup::Known(i) => i,
+        Lookup::Unknown(matcher) => {
+            let first_sight = matches!(raw, Raw::Start | Raw::Call { .. });
+            let Some(matcher) = matcher.filter(|_| first_sight) else {
+                return Verdict::NotProfiled;
+            };
+            // SAFETY: code_ptr is a live code object for the duration of the event.
+            let code = unsafe { Bound::from_borrowed_ptr(py, code_ptr) };
+            let accepted = matcher.call1(py, (code.clone(),)).and_then(|r| r.is_truthy(py)).unwrap_or(false);
+            let known = state::with(|p| {
+                let k = p.by_ptr.get(&key).copied();
+                if k.is_none() {
+                    p.rejected.insert(key, code.clone().unbind());
+                }
+                k
+            })
+            .flatten();
+            match known {
+                Some(i) if accepted => i,
+                _ => return Verdict::NotProfiled,
+            }
+        }
+    };
+
+    let now = ticks();
+    let (need, probe) = state::with(|p| {
+        let need = p.needs_read(now);
+        (need, if need { p.probe_due(now) } else { None })
+    })
+    .unwrap_or((false, None));
+    if let Some(probe) = probe {
+        match probe.call0(py) {
+            Ok(r) if !r.is_none(py) => {
+                let parsed: PyResult<(i64, Py<PyAny>, Py<PyAny>)> = r.extract(py);
+                state::with(|p| match parsed {
+                    Ok((device, stats, reset)) => p.gpu = Gpu::Ready { device, stats, reset },
+                    Err(e) => {
+                        p.gpu = Gpu::Off;
+                        p.warnings.push(format!("GPU columns off: the CUDA probe answered badly ({e})"));
+                    }
+                });
+            }
+            Ok(_) => {}
+            Err(e) => {
+                state::with(|p| {
+                    p.gpu = Gpu::Off;
+                    p.warnings.push(format!("GPU columns off: the CUDA probe failed ({e})"));
+                });
+            }
+        }
+    }
+    let mut sample: Option<Sample> = None;
+    if need {
+        let gpu = state::with(|p| match &p.gpu {
+            Gpu::Ready { device, stats, reset } => Some((*device, stats.clone_ref(py), reset.clone_ref(py))),
+            _ => None,
+        })
+        .flatten();
+        let mut s = state::with(|p| p.last_sample()).unwrap_or_default();
+        if let Some((device, stats, reset)) = gpu {
+            match read_gpu(py, device, &stats, &reset) {
+                Ok((alloc, peak, reserved)) => {
+                    s.gpu_alloc_bytes = alloc;
+                    s.gpu_peak_bytes = peak;
+                    s.gpu_reserved_bytes = reserved;
+                    state::with(|p| p.gpu_seen = true);
+                }
+                Err(e) => {
+                    state::with(|p| {
+                        p.gpu = Gpu::Off;
+                        p.warnings.push(format!("GPU columns stopped: reading the allocator failed ({e})"));
+                    });
+                }
+            }
+        }
+        sample = Some(s);
+    }
+    state::with(|p| {
+        let ev = match raw {
+            Raw::Start => Ev::Start,
+            Raw::Call { frame_line } => {
+                if frame_line <= p.codes[idx as usize].first_line {
+                    Ev::Start
+                } else {
+                    Ev::Resume(frame_line)
+                }
+            }
+            Raw::ResumeAt { offset } => Ev::Resume(p.codes[idx as usize].line_of_offset(offset)),
+            Raw::Line(l) => Ev::Line(l),
+            Raw::Exit => Ev::Exit,
+        };
+        if let Some(s) = sample.as_mut() {
+            s.rss_bytes = p.rss_now();
+        }
+        p.account(idx, frame, ev, sample, ticks());
+    });
+    Verdict::Profiled
+}
+
+/// `(allocated, peak since our last reset, reserved)` of one device from the nested stats dict (~13 µs);
+/// resets the allocator's peak when it is above allocated, so the next segment's peak is its own.
+fn read_gpu(py: Python<'_>, device: i64, stats: &Py<PyAny>, reset: &Py<PyAny>) -> PyResult<(i64, i64, i64)> {
+    let d = stats.call1(py, (device,))?;
+    let d = d.bind(py);
+    let all = d.get_item("allocated_bytes")?.get_item("all")?;
+    let alloc: i64 = all.get_item("current")?.extract()?;
+    let peak: i64 = all.get_item("peak")?.extract()?;
+    let reserved: i64 = d.get_item("reserved_bytes")?.get_item("all")?.get_item("current")?.extract()?;
+    if peak > alloc {
+        reset.call1(py, (device,))?;
+    }
+    Ok((alloc, peak, reserved))
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Python ≤ 3.11: PyEval_SetTrace with a C callback.
+
+type SetTraceFn = unsafe extern "C" fn(Option<TraceFn>, *mut ffi::PyObject);
+type TraceFn = unsafe extern "C" fn(*mut ffi::PyObject, *mut ffi::PyFrameObject, c_int, *mut ffi::PyObject) -> c_int;
+type GetCodeFn = unsafe extern "C" fn(*mut ffi::PyFrameObject) -> *mut ffi::PyObject;
+
+struct TraceSyms {
+    set_trace: SetTraceFn,
+    get_code: GetCodeFn,
+}
+
+fn trace_syms() -> Option<&'static TraceSyms> {
+    static SYMS: OnceLock<Option<TraceSyms>> = OnceLock::new();
+    SYMS.get_or_init(|| {
+        // SAFETY: dlsym with RTLD_DEFAULT and NUL-terminated names; the signatures are CPython's stable
+        // `PyEval_SetTrace(Py_tracefunc, PyObject*)` and `PyFrame_GetCode(PyFrameObject*)`.
+        unsafe {
+            let st = libc::dlsym(libc::RTLD_DEFAULT, c"PyEval_SetTrace".as_ptr());
+            let gc = libc::dlsym(libc::RTLD_DEFAULT, c"PyFrame_GetCode".as_ptr());
+            if st.is_null() || gc.is_null() {
+                return None;
+            }
+            Some(TraceSyms {
+                set_trace: std::mem::transmute::<*mut c_void, SetTraceFn>(st),
+                get_code: std::mem::transmute::<*mut c_void, GetCodeFn>(gc),
+            })
+        }
+    })
+    .as_ref()
+}
+
+const PYTRACE_CALL: c_int = 0;
+const PYTRACE_LINE: c_int = 2;
+const PYTRACE_RETURN: c_int = 3;
+
+unsafe extern "C" fn trace_cb(
+    _obj: *mut ffi::PyObject,
+    frame: *mut ffi::PyFrameObject,
+    what: c_int,
+    _arg: *mut ffi::PyObject,
+) -> c_int {
+    if !(what == PYTRACE_LINE || what == PYTRACE_CALL || what == PYTRACE_RETURN) {
+        return 0;
+    }
+    let Some(syms) = trace_syms() else { return 0 };
+    let code = (syms.get_code)(frame);
+    if code.is_null() {
+        ffi::PyErr_Clear();
+        return 0;
+    }
+    let raw = match what {
+        PYTRACE_LINE => Raw::Line(ffi::PyFrame_GetLineNumber(frame).max(0) as u32),
+        PYTRACE_CALL => Raw::Call {
+            frame_line: ffi::PyFrame_GetLineNumber(frame).max(0) as u32,
+        },
+        _ => Raw::Exit,
+    };
+    drive(code, frame as usize, raw);
+    ffi::Py_DecRef(code);
+    0
+}
+
+/// Install the C trace function on the calling thread. False when the symbols are missing.
+pub fn trace_install(on: bool) -> bool {
+    let Some(syms) = trace_syms() else { return false };
+    // SAFETY: called with the GIL held; NULL obj is allowed.
+    unsafe { (syms.set_trace)(if on { Some(trace_cb) } else { None }, std::ptr::null_mut()) };
+    true
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Python ≥ 3.12: sys.monitoring callbacks as raw METH_FASTCALL builtins.
+
+const METH_FASTCALL: c_int = 0x0080;
+type FastFn = unsafe extern "C" fn(*mut ffi::PyObject, *const *mut ffi::PyObject, ffi::Py_ssize_t) -> *mut ffi::PyObject;
+
+unsafe fn none() -> *mut ffi::PyObject {
+    let n = ffi::Py_None();
+    ffi::Py_IncRef(n);
+    n
+}
+
+unsafe fn arg_u32(args: *const *mut ffi::PyObject, n: ffi::Py_ssize_t, i: isize) -> Option<u32> {
+    if (i as ffi::Py_ssize_t) >= n {
+        return None;
+    }
+    let v = ffi::PyLong_AsLong(*args.offset(i));
+    if v == -1 && !ffi::PyErr_Occurred().is_null() {
+        ffi::PyErr_Clear();
+        return None;
+    }
+    Some(v.max(0) as u32)
+}
+
+unsafe extern "C" fn mon_line(_s: *mut ffi::PyObject, args: *const *mut ffi::PyObject, n: ffi::Py_ssize_t) -> *mut ffi::PyObject {
+    if let Some(line) = arg_u32(args, n, 1) {
+        drive(*args, 0, Raw::Line(line));
+    }
+    none()
+}
+
+unsafe extern "C" fn mon_start(_s: *mut ffi::PyObject, args: *const *mut ffi::PyObject, n: ffi::Py_ssize_t) -> *mut ffi::PyObject {
+    if n < 1 {
+        return none();
+    }
+    if drive(*args, 0, Raw::Start) == Verdict::NotProfiled {
+        // Only reached for code that is not ours (global PY_START while --line specs are pending):
+        // switch PY_START off for that code so it costs nothing from now on.
+        let disable = state::with(|p| p.disable.as_ref().map(|d| d.as_ptr())).flatten();
+        if let Some(d) = disable {
+            ffi::Py_IncRef(d);
+            return d;
+        }
+    }
+    none()
+}
+
+unsafe extern "C" fn mon_resume(_s: *mut ffi::PyObject, args: *const *mut ffi::PyObject, n: ffi::Py_ssize_t) -> *mut ffi::PyObject {
+    if let Some(offset) = arg_u32(args, n, 1) {
+        drive(*args, 0, Raw::ResumeAt { offset });
+    }
+    none()
+}
+
+unsafe extern "C" fn mon_exit(_s: *mut ffi::PyObject, args: *const *mut ffi::PyObject, n: ffi::Py_ssize_t) -> *mut ffi::PyObject {
+    if n >= 1 {
+        drive(*args, 0, Raw::Exit);
+    }
+    none()
+}
+
+/// A builtin function object calling `f` by vectorcall. The method table is leaked (lives forever).
+pub fn fastcall_builtin(py: Python<'_>, name: &'static std::ffi::CStr, f: FastFn) -> PyResult<Py<PyAny>> {
+    let def = Box::leak(Box::new(ffi::PyMethodDef {
+        ml_name: name.as_ptr(),
+        // SAFETY: METH_FASTCALL tells CPython to call through the fast signature.
+        ml_meth: ffi::PyMethodDefPointer {
+            PyCFunction: unsafe {
+                std::mem::transmute::<FastFn, unsafe extern "C" fn(*mut ffi::PyObject, *mut ffi::PyObject) -> *mut ffi::PyObject>(f)
+            },
+        },
+        ml_flags: METH_FASTCALL,
+        ml_doc: std::ptr::null(),
+    }));
+    // SAFETY: def is 'static; NULL self and module are allowed.
+    unsafe {
+        let obj = ffi::PyCFunction_NewEx(def, std::ptr::null_mut(), std::ptr::null_mut());
+        Ok(Bound::from_owned_ptr_or_err(py, obj)?.unbind())
+    }
+}
+
+pub fn monitoring_callbacks(py: Python<'_>) -> PyResult<Vec<(&'static str, Py<PyAny>)>> {
+    Ok(vec![
+        ("line", fastcall_builtin(py, c"torchmem_line", mon_line)?),
+        ("start", fastcall_builtin(py, c"torchmem_start", mon_start)?),
+        ("resume", fastcall_builtin(py, c"torchmem_resume", mon_resume)?),
+        ("exit", fastcall_builtin(py, c"torchmem_exit", mon_exit)?),
+    ])
+}
