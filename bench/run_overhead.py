@@ -1,0 +1,105 @@
+"""Whole-run recording overhead: the untraced program, `torchmem run` and memory_profiler's `mprof run` (the
+anchor for whole-run memory timelines), side by side in one run, interleaved, several repetitions.
+
+    .venv/bin/python bench/run_overhead.py [--reps 5] [--interval-ms 10] [-- PROGRAM ARGS...]
+
+Default program: examples/train.py --epochs 3. Prints the median wall time of each and the ratio to the
+untraced run, plus the profile size, the number of samples and the recorder's own peak RSS."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def timed(cmd: list[str], env: dict) -> tuple[float, int]:
+    """Wall seconds and the peak RSS (KiB) of the largest child, via wait4's rusage."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _, status, rusage = os.wait4(proc.pid, 0)
+    elapsed = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"failed ({status}): {' '.join(cmd)}")
+    return elapsed, rusage.ru_maxrss
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--interval-ms", type=float, default=10.0)
+    ap.add_argument("program", nargs="*", default=[])
+    args = ap.parse_args()
+    program = args.program or [str(ROOT / "examples" / "train.py"), "--epochs", "3"]
+    python = sys.executable
+    torchmem = shutil.which("torchmem", path=str(Path(python).parent)) or shutil.which("torchmem")
+    mprof = shutil.which("mprof", path=str(Path(python).parent)) or shutil.which("mprof")
+    if torchmem is None:
+        raise SystemExit("torchmem is not installed in this Python's bin folder: run ./setup.sh first")
+    env = dict(os.environ, TORCHMEM_PYTHON=python)
+    tmp = Path(tempfile.mkdtemp(prefix="torchmem-bench-"))
+    profile = tmp / "bench.sqlite"
+    variants = {
+        "untraced": [python, *program],
+        f"torchmem run ({args.interval_ms:g} ms)": [
+            torchmem,
+            "run",
+            "-q",
+            "--interval",
+            str(args.interval_ms),
+            "-o",
+            str(profile),
+            "--",
+            python,
+            *program,
+        ],
+    }
+    if mprof:
+        variants["mprof run (100 ms)"] = [mprof, "run", "-o", str(tmp / "mprof.dat"), python, *program]
+        variants["mprof run (10 ms)"] = [
+            mprof,
+            "run",
+            "-T",
+            "0.01",
+            "-o",
+            str(tmp / "mprof10.dat"),
+            python,
+            *program,
+        ]
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    maxrss: dict[str, int] = {}
+    timed(variants["untraced"], env)  # warm the page cache and torch's import
+    for _ in range(args.reps):
+        for name, cmd in variants.items():
+            t, rss = timed(cmd, env)
+            times[name].append(t)
+            maxrss[name] = max(maxrss.get(name, 0), rss)
+    base = statistics.median(times["untraced"])
+    print(f"program: {' '.join(program)}   reps: {args.reps}   python: {sys.version.split()[0]}")
+    print(f"{'variant':<26} {'median s':>9} {'min s':>8} {'ratio':>7}")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"{name:<26} {med:9.3f} {min(ts):8.3f} {med / base:7.3f}")
+    con = sqlite3.connect(profile)
+    samples = con.execute("select count(*) from cpu_samples").fetchone()[0]
+    duration_s = con.execute("select max(t_ns) from cpu_samples").fetchone()[0] / 1e9
+    size = profile.stat().st_size
+    print(
+        f"torchmem profile: {samples} CPU samples over {duration_s:.2f} s "
+        f"({samples / duration_s:.0f} Hz), {size / 1024:.0f} KiB "
+        f"= {size / 1024 / 1024 / (duration_s / 60):.2f} MiB per minute"
+    )
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
