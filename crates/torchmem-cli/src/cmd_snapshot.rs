@@ -1,24 +1,210 @@
-//! `torchmem snapshot` and `torchmem explain-oom` (placeholder: the snapshot reader lands in torchmem-snapshot).
+//! `torchmem snapshot` (summary, `--top`, `--at`, `--json`, `--html`, and `snapshot diff A B`) and
+//! `torchmem explain-oom "MESSAGE"`. All the work is in the torchmem-snapshot crate.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use torchmem_snapshot::{diff, fmt::bytes, fmt::signed_bytes, html, oom, sites, summary};
 
 #[derive(Debug, clap::Args)]
 pub struct SnapshotArgs {
     /// Snapshot file (`_dump_snapshot` pickle or its JSON form), or `diff A B`.
     #[arg(required = true)]
     pub files: Vec<PathBuf>,
+    /// Show the N allocation sites holding the most memory (at the traced peak unless --at).
+    #[arg(long, value_name = "N")]
+    pub top: Option<usize>,
+    /// With --top: the moment to look at, in the trace's microseconds (time_us).
+    #[arg(long, value_name = "TIME_US")]
+    pub at: Option<i64>,
+    /// Print everything as JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Write a self-contained offline HTML report to this path.
+    #[arg(long, value_name = "OUT.html")]
+    pub html: Option<PathBuf>,
 }
 
 #[derive(Debug, clap::Args)]
 pub struct ExplainOomArgs {
-    /// The out-of-memory message, as printed by PyTorch.
+    /// The out-of-memory message, as printed by PyTorch (use - to read it from stdin).
     pub message: String,
+    /// Print the parsed numbers and the diagnosis as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
-pub fn run(_args: SnapshotArgs) -> anyhow::Result<i32> {
-    anyhow::bail!("torchmem snapshot is not built yet")
+fn load(path: &Path) -> anyhow::Result<torchmem_snapshot::Snapshot> {
+    crate::existing_file(&path.to_path_buf(), "snapshot file")?;
+    Ok(torchmem_snapshot::read_path(path)?)
 }
 
-pub fn explain_oom(_args: ExplainOomArgs) -> anyhow::Result<i32> {
-    anyhow::bail!("torchmem explain-oom is not built yet")
+pub fn run(args: SnapshotArgs) -> anyhow::Result<i32> {
+    let first_is_diff = args.files.first().is_some_and(|f| f.as_os_str() == "diff")
+        && !(args.files.len() == 1 && args.files[0].exists());
+    if first_is_diff {
+        if args.files.len() != 3 {
+            anyhow::bail!(
+                "usage: torchmem snapshot diff BEFORE AFTER (got {} file(s))",
+                args.files.len() - 1
+            );
+        }
+        return run_diff(
+            &args.files[1],
+            &args.files[2],
+            args.json,
+            args.top.unwrap_or(20),
+        );
+    }
+    if args.files.len() != 1 {
+        anyhow::bail!(
+            "give one snapshot file (or `diff BEFORE AFTER`); got {} paths",
+            args.files.len()
+        );
+    }
+    if args.at.is_some() && args.top.is_none() && !args.json {
+        anyhow::bail!("--at needs --top N (the sites alive at that moment)");
+    }
+    let path = &args.files[0];
+    let snap = load(path)?;
+    let sum = summary::summarize(&snap);
+    let name = path.display().to_string();
+    let top_n = args.top.unwrap_or(10);
+    let tops = sites::top_sites(&snap, &sum, top_n, args.at);
+    if let Some(out) = &args.html {
+        let page = html::render(&snap, &sum, &name);
+        std::fs::write(out, page).with_context(|| format!("cannot write {}", out.display()))?;
+        if !args.json {
+            eprintln!("wrote {}", out.display());
+        }
+    }
+    if args.json {
+        let v = serde_json::json!({ "file": name, "summary": sum, "top": tops });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(0);
+    }
+    if args.html.is_some() && args.top.is_none() {
+        return Ok(0);
+    }
+    if args.top.is_some() {
+        print!("{}", render_top(&tops));
+    } else {
+        print!("{}", summary::render_text(&sum, &name));
+    }
+    Ok(0)
+}
+
+fn render_top(tops: &[sites::TopSites]) -> String {
+    use std::fmt::Write;
+    let mut o = String::new();
+    for t in tops {
+        let when = match (t.moment.as_str(), t.time_us) {
+            ("peak", Some(us)) => format!("at the traced peak (t={us} us)"),
+            ("peak", None) => "at the start of the trace (the peak)".to_string(),
+            ("time", Some(us)) => format!("at t={us} us"),
+            _ => "at the end (no trace recorded)".to_string(),
+        };
+        let _ = writeln!(
+            o,
+            "Device {}: top allocation sites {when}; {} alive",
+            t.device,
+            bytes(t.total_bytes)
+        );
+        let _ = writeln!(o, "  {:>12} {:>8}  site", "bytes", "blocks");
+        for r in &t.rows {
+            let note = if r.before_history_count > 0 {
+                format!(
+                    "  ({} allocated before the recorded history)",
+                    r.before_history_count
+                )
+            } else {
+                String::new()
+            };
+            let _ = writeln!(
+                o,
+                "  {:>12} {:>8}  {}{note}",
+                bytes(r.bytes),
+                r.count,
+                r.site
+            );
+            // The frames between the site and the allocation, site side first.
+            let inner: Vec<&String> = if r.site.ends_with("(C++)") {
+                Vec::new()
+            } else {
+                r.example_stack
+                    .iter()
+                    .take_while(|f| !r.site.starts_with(f.as_str()))
+                    .collect()
+            };
+            for f in inner.iter().rev().take(3) {
+                let _ = writeln!(o, "  {:>12} {:>8}    via {f}", "", "");
+            }
+        }
+        o.push('\n');
+    }
+    o
+}
+
+fn run_diff(a: &Path, b: &Path, json: bool, n: usize) -> anyhow::Result<i32> {
+    let sa = load(a)?;
+    let sb = load(b)?;
+    let d = diff::diff(&sa, &sb);
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(
+                &serde_json::json!({ "before": a.display().to_string(), "after": b.display().to_string(), "diff": d })
+            )?
+        );
+        return Ok(0);
+    }
+    println!("Snapshot diff: {} -> {}", a.display(), b.display());
+    println!(
+        "  reserved  {} -> {} ({})",
+        bytes(d.reserved_before_bytes),
+        bytes(d.reserved_after_bytes),
+        signed_bytes(d.reserved_after_bytes as i64 - d.reserved_before_bytes as i64)
+    );
+    println!(
+        "  allocated {} -> {} ({})",
+        bytes(d.allocated_before_bytes),
+        bytes(d.allocated_after_bytes),
+        signed_bytes(d.allocated_after_bytes as i64 - d.allocated_before_bytes as i64)
+    );
+    println!(
+        "\n  {:>12} {:>12} {:>12} {:>8}  site (live blocks at each snapshot)",
+        "change", "before", "after", "blocks"
+    );
+    for r in d.rows.iter().take(n) {
+        println!(
+            "  {:>12} {:>12} {:>12} {:>8}  {}",
+            signed_bytes(r.delta_bytes),
+            bytes(r.before_bytes),
+            bytes(r.after_bytes),
+            format!("{}->{}", r.before_count, r.after_count),
+            r.site
+        );
+    }
+    if d.rows.is_empty() {
+        println!("  (no site changed)");
+    }
+    Ok(0)
+}
+
+pub fn explain_oom(args: ExplainOomArgs) -> anyhow::Result<i32> {
+    let msg = if args.message == "-" {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)?;
+        s
+    } else {
+        args.message
+    };
+    let numbers = oom::parse_message(&msg).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let d = oom::diagnose(&numbers);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&d)?);
+    } else {
+        print!("{}", oom::render_text(&d));
+    }
+    Ok(0)
 }

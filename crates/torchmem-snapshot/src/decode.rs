@@ -1,0 +1,470 @@
+//! Turns an unpickled snapshot into the typed [`Snapshot`]. While the pickle streams in, the
+//! [`SnapshotCompactor`] replaces each finished frame, block and trace-entry dict by a small handle,
+//! and each frame list by an interned stack id, so memory follows unique objects, not file size.
+
+use std::io::Read;
+
+use crate::model::*;
+use crate::pickle::{self, dict_get, Compactor, Value};
+
+const KIND_FRAME: u8 = 1;
+const KIND_STACK: u8 = 2;
+const KIND_TRACE: u8 = 3;
+const KIND_BLOCK: u8 = 4;
+
+/// Collects typed records while the unpickler runs.
+pub struct SnapshotCompactor {
+    pub interner: Interner,
+    pub traces: Vec<TraceEntry>,
+    pub blocks: Vec<Block>,
+}
+
+impl Default for SnapshotCompactor {
+    fn default() -> Self {
+        SnapshotCompactor {
+            interner: Interner::new(),
+            traces: Vec::new(),
+            blocks: Vec::new(),
+        }
+    }
+}
+
+fn has(items: &[(Value, Value)], key: &str) -> bool {
+    items.iter().any(|(k, _)| k.as_str() == Some(key))
+}
+
+fn req_u64(items: &[(Value, Value)], key: &str, what: &str) -> Result<u64, String> {
+    match dict_get(items, key) {
+        Some(v) => v.as_u64().ok_or_else(|| {
+            format!(
+                "{what}: '{key}' should be a non-negative int, found {}",
+                v.type_name()
+            )
+        }),
+        None => Err(format!("{what}: key '{key}' is missing")),
+    }
+}
+
+fn opt_u64(items: &[(Value, Value)], key: &str, what: &str) -> Result<Option<u64>, String> {
+    match dict_get(items, key) {
+        None | Some(Value::None) => Ok(None),
+        Some(v) => v.as_u64().map(Some).ok_or_else(|| {
+            format!(
+                "{what}: '{key}' should be a non-negative int, found {}",
+                v.type_name()
+            )
+        }),
+    }
+}
+
+/// Signed fields that may hold a pointer-sized value (streams): accept i64 or u64.
+fn opt_i64(items: &[(Value, Value)], key: &str, what: &str) -> Result<i64, String> {
+    match dict_get(items, key) {
+        None | Some(Value::None) => Ok(0),
+        Some(v) => v
+            .as_i64()
+            .or_else(|| v.as_u64().map(|u| u as i64))
+            .ok_or_else(|| format!("{what}: '{key}' should be an int, found {}", v.type_name())),
+    }
+}
+
+fn opt_str(items: &[(Value, Value)], key: &str, what: &str) -> Result<Option<String>, String> {
+    match dict_get(items, key) {
+        None | Some(Value::None) => Ok(None),
+        Some(Value::Str(s)) => Ok(Some(s.to_string())),
+        Some(v) => Err(format!(
+            "{what}: '{key}' should be a str, found {}",
+            v.type_name()
+        )),
+    }
+}
+
+impl SnapshotCompactor {
+    fn frame(&mut self, items: &[(Value, Value)]) -> Result<u32, String> {
+        let filename = opt_str(items, "filename", "frame")?.unwrap_or_default();
+        let name = opt_str(items, "name", "frame")?.unwrap_or_default();
+        let line = opt_i64(items, "line", "frame")?;
+        let f = Frame {
+            filename: self.interner.string(&filename),
+            name: self.interner.string(&name),
+            line,
+        };
+        Ok(self.interner.frame(f))
+    }
+
+    /// Interns a `frames` value; a list becomes a stack id and is recorded for memo replacement.
+    fn stack_of(
+        &mut self,
+        v: Option<Value>,
+        what: &str,
+        replaced: &mut Vec<(Value, Value)>,
+    ) -> Result<StackId, String> {
+        match v {
+            None | Some(Value::None) => Ok(NO_STACK),
+            Some(Value::Opaque {
+                kind: KIND_STACK,
+                id,
+            }) => Ok(id),
+            Some(list @ Value::List(_)) => {
+                let Value::List(l) = &list else {
+                    unreachable!()
+                };
+                let mut ids = Vec::new();
+                for f in l.items.borrow().iter() {
+                    match f {
+                        Value::Opaque {
+                            kind: KIND_FRAME,
+                            id,
+                        } => ids.push(*id),
+                        Value::Dict(d) => {
+                            let items = d.items.borrow();
+                            ids.push(self.frame(&items)?);
+                        }
+                        other => {
+                            return Err(format!(
+                                "{what}: a frame should be a dict, found {}",
+                                other.type_name()
+                            ))
+                        }
+                    }
+                }
+                let id = self.interner.stack(ids);
+                replaced.push((
+                    list.clone(),
+                    Value::Opaque {
+                        kind: KIND_STACK,
+                        id,
+                    },
+                ));
+                Ok(id)
+            }
+            Some(v) => Err(format!(
+                "{what}: 'frames' should be a list, found {}",
+                v.type_name()
+            )),
+        }
+    }
+
+    fn trace(
+        &mut self,
+        items: &[(Value, Value)],
+        replaced: &mut Vec<(Value, Value)>,
+    ) -> Result<TraceEntry, String> {
+        let what = "trace entry";
+        let action = match dict_get(items, "action") {
+            Some(Value::Str(s)) => Action::parse(&s),
+            Some(v) => {
+                return Err(format!(
+                    "{what}: 'action' should be a str, found {}",
+                    v.type_name()
+                ))
+            }
+            None => return Err(format!("{what}: 'action' is missing")),
+        };
+        let user_metadata = opt_str(items, "user_metadata", what)?.unwrap_or_default();
+        let compile_context = opt_str(items, "compile_context", what)?.unwrap_or_default();
+        Ok(TraceEntry {
+            action,
+            addr: opt_u64(items, "addr", what)?.unwrap_or(0),
+            size_bytes: opt_u64(items, "size", what)?.unwrap_or(0),
+            stream: opt_i64(items, "stream", what)?,
+            time_us: opt_i64(items, "time_us", what)?,
+            device_free_bytes: opt_u64(items, "device_free", what)?,
+            stack: self.stack_of(dict_get(items, "frames"), what, replaced)?,
+            user_metadata: self.interner.string(&user_metadata),
+            compile_context: self.interner.string(&compile_context),
+        })
+    }
+
+    fn block(
+        &mut self,
+        items: &[(Value, Value)],
+        replaced: &mut Vec<(Value, Value)>,
+    ) -> Result<Block, String> {
+        let what = "block";
+        let state = match opt_str(items, "state", what)?.as_deref() {
+            Some("active_allocated") => BlockState::ActiveAllocated,
+            Some("active_pending_free") => BlockState::ActivePendingFree,
+            Some("inactive") => BlockState::Inactive,
+            Some(other) => return Err(format!("{what}: unknown state {other:?}")),
+            None => return Err(format!("{what}: 'state' is missing")),
+        };
+        Ok(Block {
+            address: req_u64(items, "address", what)?,
+            size_bytes: req_u64(items, "size", what)?,
+            requested_bytes: opt_u64(items, "requested_size", what)?.unwrap_or(0),
+            state,
+            stack: self.stack_of(dict_get(items, "frames"), what, replaced)?,
+        })
+    }
+}
+
+impl Compactor for SnapshotCompactor {
+    fn on_dict(
+        &mut self,
+        items: &[(Value, Value)],
+        replaced: &mut Vec<(Value, Value)>,
+    ) -> Result<Option<Value>, String> {
+        if has(items, "action") {
+            let t = self.trace(items, replaced)?;
+            let id = self.traces.len() as u32;
+            self.traces.push(t);
+            return Ok(Some(Value::Opaque {
+                kind: KIND_TRACE,
+                id,
+            }));
+        }
+        if has(items, "state")
+            && has(items, "size")
+            && has(items, "address")
+            && !has(items, "blocks")
+        {
+            let b = self.block(items, replaced)?;
+            let id = self.blocks.len() as u32;
+            self.blocks.push(b);
+            return Ok(Some(Value::Opaque {
+                kind: KIND_BLOCK,
+                id,
+            }));
+        }
+        if has(items, "filename") && has(items, "line") && has(items, "name") && items.len() <= 8 {
+            let id = self.frame(items)?;
+            return Ok(Some(Value::Opaque {
+                kind: KIND_FRAME,
+                id,
+            }));
+        }
+        Ok(None)
+    }
+}
+
+/// Plain JSON for small generic values (allocator settings); depth-limited.
+pub fn value_to_json(v: &Value, depth: usize) -> serde_json::Value {
+    use serde_json::Value as J;
+    if depth > 16 {
+        return J::Null;
+    }
+    match v {
+        Value::None => J::Null,
+        Value::Bool(b) => J::Bool(*b),
+        Value::Int(i) => J::from(*i),
+        Value::BigInt(_) => v.as_u64().map(J::from).unwrap_or(J::Null),
+        Value::Float(f) => serde_json::Number::from_f64(*f)
+            .map(J::Number)
+            .unwrap_or(J::Null),
+        Value::Str(s) => J::String(s.to_string()),
+        Value::Bytes(b) => J::String(format!("<{} bytes>", b.len())),
+        Value::List(l) => J::Array(
+            l.items
+                .borrow()
+                .iter()
+                .take(10_000)
+                .map(|x| value_to_json(x, depth + 1))
+                .collect(),
+        ),
+        Value::Tuple(t) => J::Array(
+            t.iter()
+                .take(10_000)
+                .map(|x| value_to_json(x, depth + 1))
+                .collect(),
+        ),
+        Value::Dict(d) => {
+            let mut m = serde_json::Map::new();
+            for (k, val) in d.items.borrow().iter().take(10_000) {
+                let key = match k {
+                    Value::Str(s) => s.to_string(),
+                    other => format!("{}", value_to_json(other, depth + 1)),
+                };
+                m.insert(key, value_to_json(val, depth + 1));
+            }
+            J::Object(m)
+        }
+        Value::Opaque { .. } => J::Null,
+    }
+}
+
+fn list_items(v: &Value, what: &str) -> Result<Vec<Value>, String> {
+    match v {
+        Value::List(l) => Ok(l.items.borrow().clone()),
+        Value::Tuple(t) => Ok(t.as_ref().clone()),
+        other => Err(format!(
+            "{what} should be a list, found {}",
+            other.type_name()
+        )),
+    }
+}
+
+fn dict_items(v: &Value, what: &str) -> Result<Vec<(Value, Value)>, String> {
+    match v {
+        Value::Dict(d) => Ok(d.items.borrow().clone()),
+        other => Err(format!(
+            "{what} should be a dict, found {}",
+            other.type_name()
+        )),
+    }
+}
+
+fn segment(c: &mut SnapshotCompactor, v: &Value, idx: usize) -> Result<Segment, String> {
+    let what = format!("segments[{idx}]");
+    let items = dict_items(v, &what)?;
+    let mut blocks = Vec::new();
+    if let Some(bl) = dict_get(&items, "blocks") {
+        for (j, b) in list_items(&bl, &format!("{what}.blocks"))?
+            .iter()
+            .enumerate()
+        {
+            match b {
+                Value::Opaque {
+                    kind: KIND_BLOCK,
+                    id,
+                } => blocks.push(c.blocks[*id as usize]),
+                Value::Dict(d) => {
+                    let bi = d.items.borrow();
+                    let mut scratch = Vec::new();
+                    blocks.push(
+                        c.block(&bi, &mut scratch)
+                            .map_err(|e| format!("{what}.blocks[{j}]: {e}"))?,
+                    );
+                }
+                other => {
+                    return Err(format!(
+                        "{what}.blocks[{j}] should be a dict, found {}",
+                        other.type_name()
+                    ))
+                }
+            }
+        }
+    }
+    let pool_id = match dict_get(&items, "segment_pool_id") {
+        Some(Value::Tuple(t)) if t.len() == 2 => {
+            (t[0].as_i64().unwrap_or(0), t[1].as_i64().unwrap_or(0))
+        }
+        Some(Value::List(l)) if l.items.borrow().len() == 2 => {
+            let l = l.items.borrow();
+            (l[0].as_i64().unwrap_or(0), l[1].as_i64().unwrap_or(0))
+        }
+        _ => (0, 0),
+    };
+    Ok(Segment {
+        device: opt_i64(&items, "device", &what)?,
+        address: req_u64(&items, "address", &what)?,
+        total_bytes: req_u64(&items, "total_size", &what)?,
+        allocated_bytes: opt_u64(&items, "allocated_size", &what)?.unwrap_or(0),
+        active_bytes: opt_u64(&items, "active_size", &what)?.unwrap_or(0),
+        requested_bytes: opt_u64(&items, "requested_size", &what)?.unwrap_or(0),
+        stream: opt_i64(&items, "stream", &what)?,
+        segment_type: opt_str(&items, "segment_type", &what)?.unwrap_or_default(),
+        pool_id,
+        is_expandable: matches!(dict_get(&items, "is_expandable"), Some(Value::Bool(true))),
+        blocks,
+    })
+}
+
+/// Builds the snapshot from the unpickled root and the compactor's records.
+pub fn build(root: &Value, mut c: SnapshotCompactor) -> Result<Snapshot, String> {
+    let mut snap = Snapshot::default();
+    // Old dumps (torch < 1.13 `memory_snapshot()`) are a bare list of segments.
+    let (segments_v, traces_v, settings_v, annotations_v) = match root {
+        Value::Dict(_) => {
+            let items = dict_items(root, "the snapshot")?;
+            if !has(&items, "segments") && !has(&items, "device_traces") {
+                return Err("the top-level dict has neither 'segments' nor 'device_traces'. Was it written by torch.cuda.memory._dump_snapshot?".into());
+            }
+            (
+                dict_get(&items, "segments"),
+                dict_get(&items, "device_traces"),
+                dict_get(&items, "allocator_settings"),
+                dict_get(&items, "external_annotations"),
+            )
+        }
+        Value::List(_) => (Some(root.clone()), None, None, None),
+        other => {
+            return Err(format!(
+                "the top-level object is a {}, not a dict with 'segments' and 'device_traces'",
+                other.type_name()
+            ))
+        }
+    };
+    if let Some(sv) = segments_v {
+        for (i, s) in list_items(&sv, "'segments'")?.iter().enumerate() {
+            snap.segments.push(segment(&mut c, s, i)?);
+        }
+    }
+    if let Some(tv) = traces_v {
+        for (d, dev) in list_items(&tv, "'device_traces'")?.iter().enumerate() {
+            let mut idxs = Vec::new();
+            let entries = match dev {
+                Value::List(l) => l.items.borrow().clone(),
+                Value::None => Vec::new(),
+                other => {
+                    return Err(format!(
+                        "device_traces[{d}] should be a list, found {}",
+                        other.type_name()
+                    ))
+                }
+            };
+            for (i, e) in entries.iter().enumerate() {
+                match e {
+                    Value::Opaque {
+                        kind: KIND_TRACE,
+                        id,
+                    } => idxs.push(*id),
+                    Value::Dict(dd) => {
+                        let items = dd.items.borrow();
+                        let mut scratch = Vec::new();
+                        let t = c
+                            .trace(&items, &mut scratch)
+                            .map_err(|m| format!("device_traces[{d}][{i}]: {m}"))?;
+                        idxs.push(c.traces.len() as u32);
+                        c.traces.push(t);
+                    }
+                    other => {
+                        return Err(format!(
+                            "device_traces[{d}][{i}] should be a dict, found {}",
+                            other.type_name()
+                        ))
+                    }
+                }
+            }
+            snap.device_traces.push(idxs);
+        }
+    }
+    if let Some(Value::Dict(_)) = &settings_v {
+        if let serde_json::Value::Object(m) = value_to_json(settings_v.as_ref().expect("some"), 0) {
+            snap.allocator_settings = m;
+        }
+    }
+    if let Some(av) = annotations_v {
+        if let Ok(list) = list_items(&av, "'external_annotations'") {
+            for a in list {
+                if let Value::Dict(d) = &a {
+                    let items = d.items.borrow();
+                    snap.annotations.push(Annotation {
+                        name: opt_str(&items, "name", "annotation")
+                            .ok()
+                            .flatten()
+                            .unwrap_or_default(),
+                        stage: opt_str(&items, "stage", "annotation")
+                            .ok()
+                            .flatten()
+                            .unwrap_or_default(),
+                        device: opt_i64(&items, "device", "annotation").unwrap_or(0),
+                        time_us: opt_i64(&items, "time_us", "annotation").unwrap_or(0),
+                    });
+                }
+            }
+        }
+    }
+    snap.traces = std::mem::take(&mut c.traces);
+    snap.strings = std::mem::take(&mut c.interner.strings);
+    snap.frames = std::mem::take(&mut c.interner.frames);
+    snap.stacks = std::mem::take(&mut c.interner.stacks);
+    Ok(snap)
+}
+
+/// Reads a snapshot pickle from a reader.
+pub fn read_pickle<R: Read>(reader: R) -> Result<Snapshot, crate::error::PickleOrSchema> {
+    let mut c = SnapshotCompactor::default();
+    let doc = pickle::unpickle(reader, &mut c).map_err(crate::error::PickleOrSchema::Pickle)?;
+    build(&doc.root, c).map_err(crate::error::PickleOrSchema::Schema)
+}

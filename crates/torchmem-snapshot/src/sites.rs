@@ -1,0 +1,390 @@
+//! Replays a device's trace to find the traced peak and the blocks alive at any moment, and groups
+//! live blocks by allocation site (first user Python frame, else first Python frame, else first
+//! meaningful C++ frame). Levels are the requested bytes the trace records.
+
+use std::collections::{HashMap, HashSet};
+
+use serde::Serialize;
+
+use crate::model::*;
+use crate::summary::Summary;
+
+/// A block alive at some moment of the replay.
+#[derive(Debug, Clone, Copy)]
+pub struct LiveBlock {
+    pub addr: u64,
+    pub size_bytes: u64,
+    pub stack: StackId,
+    /// True when the block was allocated before the recorded history (its stack may be the free's).
+    pub before_history: bool,
+}
+
+/// The outcome of replaying one device's trace.
+#[derive(Debug, Clone, Default)]
+pub struct Replay {
+    /// Requested bytes alive before the first recorded event (blocks allocated before history).
+    pub base_bytes: u64,
+    /// Requested bytes alive at the traced peak, and where it happened.
+    pub peak_bytes: u64,
+    /// Position in the device trace after which the peak holds (`None`: before any event).
+    pub peak_index: Option<usize>,
+    pub peak_time_us: Option<i64>,
+    pub end_bytes: u64,
+    /// Frees (free_completed) of blocks whose alloc is not in the trace.
+    pub frees_without_alloc: u64,
+    pub frees_without_alloc_bytes: u64,
+    /// Blocks alive at the end whose alloc is not in the trace.
+    pub live_without_alloc: u64,
+    pub live_without_alloc_bytes: u64,
+}
+
+fn end_blocks(snap: &Snapshot, device: usize) -> impl Iterator<Item = &Block> {
+    snap.segments
+        .iter()
+        .filter(move |s| s.device == device as i64)
+        .flat_map(|s| s.blocks.iter())
+        .filter(|b| b.state != BlockState::Inactive)
+}
+
+/// Replays device `device`'s trace once.
+pub fn replay(snap: &Snapshot, device: usize) -> Replay {
+    let empty = Vec::new();
+    let idxs = snap.device_traces.get(device).unwrap_or(&empty);
+    let mut live: HashMap<u64, u64> = HashMap::new();
+    let mut r = Replay::default();
+    let mut cur: i128 = 0;
+    let mut max_cur: i128 = 0;
+    let mut max_at: Option<usize> = None;
+    for (i, &ti) in idxs.iter().enumerate() {
+        let e = &snap.traces[ti as usize];
+        match e.action {
+            Action::Alloc => {
+                live.insert(e.addr, e.size_bytes);
+                cur += e.size_bytes as i128;
+            }
+            Action::FreeCompleted => match live.remove(&e.addr) {
+                Some(sz) => cur -= sz as i128,
+                None => {
+                    r.frees_without_alloc += 1;
+                    r.frees_without_alloc_bytes += e.size_bytes;
+                    cur -= e.size_bytes as i128;
+                }
+            },
+            _ => continue,
+        }
+        if cur > max_cur || max_at.is_none() && cur >= max_cur {
+            max_cur = cur;
+            max_at = Some(i);
+        }
+    }
+    for b in end_blocks(snap, device) {
+        if !live.contains_key(&b.address) {
+            r.live_without_alloc += 1;
+            r.live_without_alloc_bytes += b.requested_bytes;
+        }
+    }
+    r.base_bytes = r.frees_without_alloc_bytes + r.live_without_alloc_bytes;
+    // The lowest point of `cur` may be below zero if frees of pre-history blocks come first.
+    let base = r.base_bytes as i128;
+    r.end_bytes = (base + cur).max(0) as u64;
+    if max_cur <= 0 {
+        r.peak_bytes = r.base_bytes;
+        r.peak_index = None;
+    } else {
+        r.peak_bytes = (base + max_cur) as u64;
+        r.peak_index = max_at;
+        r.peak_time_us = max_at.map(|i| snap.traces[idxs[i] as usize].time_us);
+    }
+    r
+}
+
+/// Blocks alive right after position `upto` of the device trace (`None`: before any event).
+pub fn live_at(snap: &Snapshot, device: usize, upto: Option<usize>) -> Vec<LiveBlock> {
+    let empty = Vec::new();
+    let idxs = snap.device_traces.get(device).unwrap_or(&empty);
+    // Which addresses get allocated inside the trace (to tell pre-history blocks apart).
+    let mut live: HashMap<u64, LiveBlock> = HashMap::new();
+    let mut seen_alloc: HashSet<u64> = HashSet::new();
+    let mut ghosts: Vec<LiveBlock> = Vec::new();
+    for (i, &ti) in idxs.iter().enumerate() {
+        let e = &snap.traces[ti as usize];
+        let before = upto.is_some_and(|u| i <= u);
+        match e.action {
+            Action::Alloc => {
+                seen_alloc.insert(e.addr);
+                if before {
+                    live.insert(
+                        e.addr,
+                        LiveBlock {
+                            addr: e.addr,
+                            size_bytes: e.size_bytes,
+                            stack: e.stack,
+                            before_history: false,
+                        },
+                    );
+                }
+            }
+            Action::FreeCompleted => {
+                let had_alloc = seen_alloc.contains(&e.addr);
+                if before {
+                    live.remove(&e.addr);
+                } else if !had_alloc {
+                    // allocated before the recorded history and still alive at `upto`.
+                    ghosts.push(LiveBlock {
+                        addr: e.addr,
+                        size_bytes: e.size_bytes,
+                        stack: e.stack,
+                        before_history: true,
+                    });
+                }
+                seen_alloc.insert(e.addr);
+            }
+            _ => {}
+        }
+    }
+    for b in end_blocks(snap, device) {
+        if !seen_alloc.contains(&b.address) {
+            ghosts.push(LiveBlock {
+                addr: b.address,
+                size_bytes: b.requested_bytes,
+                stack: b.stack,
+                before_history: true,
+            });
+        }
+    }
+    let mut out: Vec<LiveBlock> = live.into_values().collect();
+    out.extend(ghosts);
+    out
+}
+
+/// Position of the last event at or before `time_us` in a device trace.
+pub fn index_at_time(snap: &Snapshot, device: usize, time_us: i64) -> Option<usize> {
+    let idxs = snap.device_traces.get(device)?;
+    let mut found = None;
+    for (i, &ti) in idxs.iter().enumerate() {
+        if snap.traces[ti as usize].time_us <= time_us {
+            found = Some(i);
+        } else {
+            break;
+        }
+    }
+    found
+}
+
+fn is_library(path: &str) -> bool {
+    path.contains("/site-packages/")
+        || path.contains("/dist-packages/")
+        || path.contains("/lib/python3")
+        || path.starts_with('<')
+        || path.contains("/torch/")
+}
+
+/// The frame that names an allocation site, or `None` when the stack has nothing useful.
+pub fn site_frame(snap: &Snapshot, stack: StackId) -> Option<u32> {
+    let frames = snap.stack(stack);
+    let py = |f: &u32| snap.str(snap.frames[*f as usize].filename).ends_with(".py");
+    if let Some(f) = frames
+        .iter()
+        .find(|f| py(f) && !is_library(snap.str(snap.frames[**f as usize].filename)))
+    {
+        return Some(*f);
+    }
+    if let Some(f) = frames.iter().find(|f| py(f)) {
+        return Some(*f);
+    }
+    // C++-only stacks (e.g. backward on the autograd thread): the autograd node, else the ATen op,
+    // else the first frame that is not the unwinder or the allocator.
+    let name_of = |f: &u32| snap.str(snap.frames[*f as usize].name);
+    if let Some(f) = frames
+        .iter()
+        .find(|f| name_of(f).starts_with("torch::autograd::generated::"))
+    {
+        return Some(*f);
+    }
+    if let Some(f) = frames.iter().find(|f| name_of(f).starts_with("at::_ops::")) {
+        return Some(*f);
+    }
+    frames
+        .iter()
+        .find(|f| {
+            let name = name_of(f);
+            !name.is_empty()
+                && !name.contains("unwind")
+                && !name.contains("CapturedTraceback")
+                && !name.contains("gather_with_cpp")
+                && !name.contains("CachingAllocator")
+                && !name.starts_with("c10::")
+                && !name.starts_with("at::detail::empty")
+                && name != "??"
+        })
+        .copied()
+}
+
+/// A C++ function name without its parameter list (`ns::f(int, long)` → `ns::f`).
+fn strip_params(name: &str) -> &str {
+    if !name.ends_with(')') {
+        return name;
+    }
+    let mut depth = 0i32;
+    for (i, c) in name.char_indices().rev() {
+        match c {
+            ')' => depth += 1,
+            '(' => {
+                depth -= 1;
+                if depth == 0 {
+                    return &name[..i];
+                }
+            }
+            _ => {}
+        }
+    }
+    name
+}
+
+/// The label of a site frame: `file:line:function`.
+pub fn site_label(snap: &Snapshot, stack: StackId) -> String {
+    match site_frame(snap, stack) {
+        Some(f) => {
+            let fr = &snap.frames[f as usize];
+            let file = snap.str(fr.filename);
+            if file.ends_with(".py") {
+                snap.frame_text(f)
+            } else {
+                format!("{} (C++)", strip_params(snap.str(fr.name)))
+            }
+        }
+        None => "(no frames recorded)".to_string(),
+    }
+}
+
+/// Python frames of a stack (innermost first), for showing next to a site; at most `n`.
+pub fn python_frames(snap: &Snapshot, stack: StackId, n: usize) -> Vec<String> {
+    let frames = snap.stack(stack);
+    let mut out: Vec<String> = frames
+        .iter()
+        .filter(|f| {
+            snap.str(snap.frames[**f as usize].filename)
+                .ends_with(".py")
+        })
+        .take(n)
+        .map(|f| snap.frame_text(*f))
+        .collect();
+    if out.is_empty() {
+        out = frames.iter().take(n).map(|f| snap.frame_text(*f)).collect();
+    }
+    out
+}
+
+/// One row of `--top`.
+#[derive(Debug, Clone, Serialize)]
+pub struct SiteRow {
+    pub site: String,
+    pub bytes: u64,
+    pub count: u64,
+    /// Blocks counted here that were allocated before the recorded history.
+    pub before_history_count: u64,
+    /// Python frames of the largest block's stack, innermost first.
+    pub example_stack: Vec<String>,
+}
+
+/// Groups live blocks by site, largest first.
+pub fn group_sites(snap: &Snapshot, blocks: &[LiveBlock]) -> Vec<SiteRow> {
+    let mut by_site: HashMap<String, (SiteRow, u64)> = HashMap::new();
+    let mut label_cache: HashMap<StackId, String> = HashMap::new();
+    for b in blocks {
+        let label = label_cache
+            .entry(b.stack)
+            .or_insert_with(|| site_label(snap, b.stack))
+            .clone();
+        let e = by_site.entry(label.clone()).or_insert_with(|| {
+            (
+                SiteRow {
+                    site: label,
+                    bytes: 0,
+                    count: 0,
+                    before_history_count: 0,
+                    example_stack: Vec::new(),
+                },
+                0,
+            )
+        });
+        e.0.bytes += b.size_bytes;
+        e.0.count += 1;
+        if b.before_history {
+            e.0.before_history_count += 1;
+        }
+        if b.size_bytes >= e.1 && e.0.example_stack.is_empty() || b.size_bytes > e.1 {
+            e.1 = b.size_bytes;
+            e.0.example_stack = python_frames(snap, b.stack, 6);
+        }
+    }
+    let mut rows: Vec<SiteRow> = by_site.into_values().map(|(r, _)| r).collect();
+    rows.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.site.cmp(&b.site)));
+    rows
+}
+
+/// Top sites of one device at a moment.
+#[derive(Debug, Clone, Serialize)]
+pub struct TopSites {
+    pub device: usize,
+    /// "peak", "time" or "end".
+    pub moment: String,
+    pub time_us: Option<i64>,
+    pub total_bytes: u64,
+    pub rows: Vec<SiteRow>,
+}
+
+/// Top `n` sites for every device with a trace, at the traced peak or at `at_time_us`.
+pub fn top_sites(
+    snap: &Snapshot,
+    summary: &Summary,
+    n: usize,
+    at_time_us: Option<i64>,
+) -> Vec<TopSites> {
+    let mut out = Vec::new();
+    for d in &summary.devices {
+        let device = d.device;
+        let has_trace = snap
+            .device_traces
+            .get(device)
+            .is_some_and(|t| !t.is_empty());
+        let (upto, moment, time_us) = match (at_time_us, has_trace) {
+            (Some(t), true) => (index_at_time(snap, device, t), "time", Some(t)),
+            (None, true) => (d.peak_index, "peak", d.peak_time_us),
+            (_, false) => {
+                // No trace: the end state from the segments.
+                let blocks: Vec<LiveBlock> = end_blocks(snap, device)
+                    .map(|b| LiveBlock {
+                        addr: b.address,
+                        size_bytes: b.size_bytes,
+                        stack: b.stack,
+                        before_history: false,
+                    })
+                    .collect();
+                let total = blocks.iter().map(|b| b.size_bytes).sum();
+                let mut rows = group_sites(snap, &blocks);
+                rows.truncate(n);
+                out.push(TopSites {
+                    device,
+                    moment: "end".into(),
+                    time_us: None,
+                    total_bytes: total,
+                    rows,
+                });
+                continue;
+            }
+        };
+        let blocks = live_at(snap, device, upto);
+        let total = blocks.iter().map(|b| b.size_bytes).sum();
+        let mut rows = group_sites(snap, &blocks);
+        rows.truncate(n);
+        out.push(TopSites {
+            device,
+            moment: moment.into(),
+            time_us,
+            total_bytes: total,
+            rows,
+        });
+    }
+    out
+}
