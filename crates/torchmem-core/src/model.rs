@@ -162,4 +162,7 @@ pub struct RunMeta {
     pub gpu_total_bytes: Vec<u64>,
     pub gpu_names: Vec<String>,
     pub host_total_bytes: Option<u64>,
+    /// CLOCK_MONOTONIC at the run's start (ns): add it to any `t_ns` to compare with `time.monotonic_ns()`.
+    #[serde(default)]
+    pub start_monotonic_ns: Option<u64>,
 }
