@@ -24,9 +24,9 @@ import torchmem
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--epochs", type=int, default=4, help="number of epochs (default 4)")
-    p.add_argument("--steps", type=int, default=25, help="steps per epoch (default 25)")
-    p.add_argument("--batch", type=int, default=256, help="batch size (default 256)")
-    p.add_argument("--hidden", type=int, default=1024, help="hidden width of the MLP (default 1024)")
+    p.add_argument("--steps", type=int, default=20, help="steps per epoch (default 20)")
+    p.add_argument("--batch", type=int, default=128, help="batch size (default 128)")
+    p.add_argument("--hidden", type=int, default=512, help="hidden width of the MLP (default 512)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     p.add_argument(
         "--leak",

@@ -59,16 +59,16 @@ def _cuda_initialized(torch: Any) -> bool:
 
 
 def _cuda_index(device: Any, torch: Any) -> int | None:
-    """The CUDA device index `device` names, or None for the CPU / a machine without CUDA."""
-    if torch is None or not _cuda_available_now(torch):
-        return None
+    """The CUDA device index `device` names, or None for the CPU / a machine without CUDA / no torch."""
+    kind, index = "cuda", None
     if device is None:
-        return int(torch.cuda.current_device()) if _cuda_initialized(torch) else 0
-    if isinstance(device, int):
-        return device
-    kind, index = None, None
-    if isinstance(device, str):
+        pass
+    elif isinstance(device, int) and not isinstance(device, bool):
+        index = device
+    elif isinstance(device, str):
         kind, _, rest = device.partition(":")
+        if rest and not rest.isdigit():
+            raise ValueError(f"device {device!r}: expected 'cuda', 'cuda:N' or 'cpu'")
         index = int(rest) if rest else None
     elif hasattr(device, "type"):
         kind, index = device.type, device.index
@@ -77,7 +77,9 @@ def _cuda_index(device: Any, torch: Any) -> int | None:
     if kind == "cpu":
         return None
     if kind != "cuda":
-        raise ValueError(f"device {device!r}: torchmem reads CUDA devices and the CPU; got {kind!r}")
+        raise ValueError(f"device {device!r}: torchmem reads CUDA devices and the CPU, not {kind!r}")
+    if torch is None or not _cuda_available_now(torch):
+        return None
     if index is None:
         return int(torch.cuda.current_device()) if _cuda_initialized(torch) else 0
     return int(index)

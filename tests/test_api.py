@@ -1,0 +1,382 @@
+"""Tests of torchmem's in-process API (stats, peak, reset_peak, empty_cache, track, device_info and the
+allocator sampler) against real torch on the CPU, real /proc and real child processes."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import torchmem
+from torchmem import _native
+
+MIB = 1 << 20
+CUDA = torch.cuda.is_available()
+
+
+def allocate_torch(n_bytes: int):
+    return torch.ones(n_bytes // 4, dtype=torch.float32)
+
+
+def allocate_numpy(n_bytes: int):
+    return np.ones(n_bytes, dtype=np.uint8)
+
+
+def allocate_bytearray(n_bytes: int):
+    return bytearray(b"\x01" * n_bytes)
+
+
+def allocate_mmap(n_bytes: int):
+    """Fresh anonymous pages, never reused from glibc's heap (which earlier tests may have left resident)."""
+    m = mmap.mmap(-1, n_bytes)
+    m.write(b"\x01" * n_bytes)
+    return m
+
+
+ALLOCATORS = [allocate_torch, allocate_numpy, allocate_bytearray, allocate_mmap]
+
+
+def run_python(code: str, env: dict | None = None, pass_fds: tuple = (), timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        pass_fds=pass_fds,
+    )
+
+
+def run_with_recorder_pipe(code: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """Runs `code` in a child with TORCHMEM_EVENT_FD on a real pipe; returns the JSON lines it sent."""
+    r, w = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code)],
+            env={**os.environ, "TORCHMEM_EVENT_FD": str(w)},
+            pass_fds=(w,),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        os.close(w)
+        w = -1
+        chunks = []
+        while True:
+            data = os.read(r, 65536)
+            if not data:
+                break
+            chunks.append(data)
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+    lines = [json.loads(line) for line in b"".join(chunks).decode().splitlines() if line.strip()]
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), lines
+
+
+# --- stats ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(CUDA, reason="checks the CPU-only machine's answers")
+@pytest.mark.parametrize("device", [None, "cpu", "cuda", "cuda:0", 0, torch.device("cpu")])
+def test_stats_on_a_cpu_only_machine_has_no_gpu_numbers(device):
+    s = torchmem.stats(device)
+    gpu_fields = [
+        "allocated_bytes", "reserved_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "active_bytes",
+        "inactive_split_bytes", "num_alloc_retries", "num_ooms", "nvml_process_bytes", "non_torch_bytes",
+    ]
+    for f in gpu_fields:
+        assert getattr(s, f) is None, f
+    assert s.device is None
+    assert s.allocated is None and s.reserved is None
+    assert s.rss_bytes > 10 * MIB
+    assert 0 < s.uss_bytes <= s.rss_bytes
+    assert s.uss_bytes <= s.pss_bytes <= s.rss_bytes
+    text = str(s)
+    assert "no CUDA device" in text and "RSS" in text and "MiB" in text
+    d = s.to_dict()
+    assert d["allocated_bytes"] is None and d["rss_bytes"] == s.rss_bytes
+    json.dumps(d)
+
+
+def test_stats_without_uss_skips_smaps():
+    s = torchmem.stats(uss=False)
+    assert s.uss_bytes is None and s.pss_bytes is None and s.rss_bytes > 0
+
+
+@pytest.mark.parametrize("bad", ["xla", "cuda:x", 1.5])
+def test_stats_rejects_unknown_devices(bad):
+    with pytest.raises((ValueError, TypeError)):
+        torchmem.stats(bad)
+
+
+@pytest.mark.parametrize("allocate", ALLOCATORS)
+def test_allocating_64_mib_shows_at_least_64_mib_more_rss(allocate):
+    before = torchmem.stats(uss=False).rss_bytes
+    block = allocate(64 * MIB)
+    after = torchmem.stats()
+    assert after.rss_bytes - before >= 64 * MIB, (before, after.rss_bytes)
+    assert after.uss_bytes >= 64 * MIB
+    del block
+
+
+# --- peak -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("allocate", ALLOCATORS)
+def test_peak_context_sees_a_freed_spike(allocate):
+    with torchmem.peak() as p:
+        entry = torchmem.stats(uss=False).rss_bytes
+        block = allocate(96 * MIB)
+        del block
+        exit_rss = torchmem.stats(uss=False).rss_bytes
+    assert exit_rss < entry + 48 * MIB, "the spike was freed"
+    assert p.rss_bytes >= entry + 96 * MIB - 4 * MIB, (p.rss_bytes, entry)
+    assert p.allocated_bytes is None if not CUDA else p.allocated_bytes is not None
+    assert "CPU RSS" in str(p)
+
+
+def test_nested_peak_windows_and_global_peak_stay_exact():
+    torchmem.reset_peak()
+    with torchmem.peak() as outer:
+        block = allocate_torch(128 * MIB)
+        del block
+        base = torchmem.stats(uss=False).rss_bytes
+        with torchmem.peak() as inner:  # resets the kernel's peak RSS: the outer window must keep its spike
+            small = allocate_torch(16 * MIB)
+            del small
+    assert inner.rss_bytes < base + 64 * MIB, "the inner window starts after the big spike"
+    assert inner.rss_bytes >= base + 16 * MIB - 4 * MIB
+    assert outer.rss_bytes >= base + 128 * MIB - 8 * MIB, (outer.rss_bytes, base)
+    assert torchmem.peak().rss_bytes >= outer.rss_bytes
+
+
+def test_reset_peak_starts_a_new_period():
+    block = allocate_torch(128 * MIB)
+    del block
+    spiked = torchmem.peak().rss_bytes
+    torchmem.reset_peak()
+    now = torchmem.stats(uss=False).rss_bytes
+    after = torchmem.peak().rss_bytes
+    assert after < spiked - 64 * MIB, (after, spiked)
+    assert after >= now - MIB
+
+
+# --- empty_cache ------------------------------------------------------------------------------------------
+
+
+def test_empty_cache_gives_back_fragmented_heap_on_cpu():
+    # 1 KiB objects live in glibc's heap; a survivor at the top stops free() from shrinking it, so only
+    # malloc_trim (what empty_cache does on the CPU) returns the freed middle to the kernel.
+    blocks = [bytearray(1024) for _ in range(150_000)]
+    for b in blocks:
+        b[0] = 1
+    survivor = bytearray(1024)
+    del blocks
+    released = torchmem.empty_cache()
+    assert released.device is None and released.reserved_before_bytes is None
+    assert released.released_rss_bytes >= 32 * MIB, str(released)
+    assert "CPU RSS" in str(released)
+    assert released.to_dict()["released_rss_bytes"] == released.released_rss_bytes
+    del survivor
+
+
+# --- track ------------------------------------------------------------------------------------------------
+
+
+def test_track_context_records_entry_exit_peak_and_delta():
+    with torchmem.track("load") as t:
+        kept = allocate_numpy(64 * MIB)
+        spike = allocate_numpy(64 * MIB)
+        del spike
+    r = t.result
+    assert r.name == "load" and r.duration_ns > 0
+    assert r.delta_rss_bytes >= 64 * MIB - 2 * MIB
+    assert r.peak_rss_bytes >= r.entry["rss_bytes"] + 128 * MIB - 4 * MIB
+    assert r.delta_allocated_bytes is None if not CUDA else r.delta_allocated_bytes is not None
+    assert "load" in str(t) and "CPU RSS" in str(r)
+    del kept
+
+
+def test_track_decorator_returns_the_value_and_keeps_each_run():
+    @torchmem.track("make")
+    def make(n_mib: int):
+        return allocate_mmap(n_mib * MIB)
+
+    a = make(48)
+    assert len(a) == 48 * MIB
+    assert make.last.delta_rss_bytes >= 46 * MIB
+    make(40)
+    assert len(make.history) == 2
+    assert make.__name__ == "make"
+
+
+def test_markers_reach_the_recorder_pipe_in_wire_form():
+    proc, lines = run_with_recorder_pipe(
+        """
+        import numpy as np, torchmem
+        torchmem.device_info()
+        with torchmem.track("load"):
+            a = np.ones(32 << 20, dtype=np.uint8)
+        torchmem.empty_cache()
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    markers = [m for m in lines if m["type"] == "marker"]
+    names = [(m["kind"], m["edge"], m["name"]) for m in markers]
+    assert names == [
+        ("mark", "point", "Device checked"),
+        ("phase", "start", "load"),
+        ("phase", "end", "load"),
+        ("mark", "point", "Cache emptied"),
+    ], names
+    times = [m["t_ns"] for m in markers]
+    assert times == sorted(times)
+    end = markers[2]["memory"]
+    assert set(end) <= {"rss_bytes", "allocated_bytes", "reserved_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "peak_rss_bytes"}
+    assert end["rss_bytes"] - markers[1]["memory"]["rss_bytes"] >= 30 * MIB
+    assert end["peak_rss_bytes"] >= end["rss_bytes"]
+
+
+# --- device_info ------------------------------------------------------------------------------------------
+
+
+def test_device_info_reports_host_and_says_why_there_is_no_gpu():
+    info = torchmem.device_info()
+    assert info["host_total_bytes"] >= info["host_available_bytes"] > 0
+    assert info["torch_version"].startswith(torch.__version__.split("+")[0])
+    if not CUDA:
+        assert info["devices"] == [] or info["nvml_error"] is None
+        if info["devices"] == []:
+            assert info["nvml_error"] is None or "NVML" in info["nvml_error"]
+    for d in info["devices"]:
+        assert d["total_bytes"] >= d["free_bytes"] and d["name"]
+
+
+def test_without_torch_everything_still_works():
+    proc = run_python(
+        """
+        import sys, builtins
+        real_import = builtins.__import__
+        def blocked(name, *a, **k):
+            if name == "torch" or name.startswith("torch."):
+                raise ImportError("torch is blocked in this test")
+            return real_import(name, *a, **k)
+        builtins.__import__ = blocked
+        sys.modules["torch"] = None
+        import torchmem
+        assert "torch" not in sys.modules or sys.modules["torch"] is None
+        s = torchmem.stats()
+        assert s.device is None and s.allocated_bytes is None and s.rss_bytes > 0, s
+        info = torchmem.device_info()
+        assert info["host_total_bytes"] > 0 and info["torch_cuda_available"] is None
+        with torchmem.peak() as p:
+            x = bytearray(32 << 20)
+        assert p.rss_bytes > 32 << 20 and p.allocated_bytes is None
+        with torchmem.track("t") as t:
+            pass
+        r = torchmem.empty_cache()
+        assert r.device is None
+        mon = torchmem.Monitor()
+        with mon.epoch():
+            with mon.step():
+                y = bytearray(1 << 20)
+        assert "epoch" in mon.summary()
+        print("OK", str(s).splitlines()[0])
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "OK GPU: no CUDA device in use" in proc.stdout
+
+
+# --- the allocator sampler --------------------------------------------------------------------------------
+
+
+def test_sampler_needs_the_recorder_pipe():
+    env = {k: v for k, v in os.environ.items() if k != "TORCHMEM_EVENT_FD"}
+    proc = subprocess.run(
+        [sys.executable, "-c", "import torchmem._native as n; print(n.start_allocator_sampler(5.0), n.allocator_sampler_running())"],
+        capture_output=True, text=True, env=env, timeout=60,
+    )
+    assert proc.stdout.split() == ["False", "False"], proc.stderr
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan")])
+def test_sampler_rejects_bad_intervals(bad):
+    with pytest.raises(ValueError, match="interval_ms"):
+        _native.start_allocator_sampler(bad)
+
+
+def test_sampler_stays_silent_without_cuda_and_stops_at_exit():
+    proc, lines = run_with_recorder_pipe(
+        """
+        import time, torch, torchmem._native as n
+        assert n.start_allocator_sampler(2.0) and n.allocator_sampler_running()
+        assert n.start_allocator_sampler(2.0)  # idempotent
+        x = torch.ones(1 << 20)
+        time.sleep(0.2)
+        assert not torch.cuda.is_initialized(), "the sampler must never initialise CUDA"
+        print("alive")
+        """,
+        timeout=60,
+    )
+    assert proc.returncode == 0 and "alive" in proc.stdout, proc.stderr
+    assert [m for m in lines if m["type"] == "torch"] == []
+
+
+FAKE_TORCH = """
+import sys, types, time
+# A FAKE torch module (named as such): it only gives the sampler thread CUDA-shaped counters to send, so that
+# the thread, the pipe and the wire format are tested here; scripts/gpu_check_api.py checks real numbers.
+fake = types.ModuleType("torch")
+fake.cuda = types.SimpleNamespace(is_initialized=lambda: True, device_count=lambda: 2)
+calls = []
+def fake_memory_stats(dev):
+    calls.append(dev)
+    if dev == 1:
+        return {"allocated_bytes": {"all": {"current": 0, "peak": 0}}, "reserved_bytes": {"all": {"current": 0, "peak": 0}}}
+    n = len(calls)
+    return {
+        "allocated_bytes": {"all": {"current": 1000 * n, "peak": 5000 * n}},
+        "reserved_bytes": {"all": {"current": 2 << 20, "peak": 4 << 20}},
+        "active_bytes": {"all": {"current": 1500}},
+        "inactive_split_bytes": {"all": {"current": 512}},
+        "num_alloc_retries": 0, "num_ooms": 0,
+    }
+fake._C = types.SimpleNamespace(_cuda_memoryStats=fake_memory_stats)
+sys.modules["torch"] = fake
+import torchmem._native as n
+assert n.start_allocator_sampler(5.0)
+time.sleep(0.3)
+"""
+
+
+@pytest.mark.parametrize("stop", ["atexit", "explicit"])
+def test_sampler_streams_counters_of_used_devices(stop):
+    code = FAKE_TORCH + ("print(n.stop_allocator_sampler(), n.allocator_sampler_running())\n" if stop == "explicit" else "print('exit')\n")
+    proc, lines = run_with_recorder_pipe(code, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    torch_lines = [m for m in lines if m["type"] == "torch"]
+    assert len(torch_lines) >= 10, len(torch_lines)  # 5 ms period over 0.3 s
+    assert {m["device"] for m in torch_lines} == {0}, "a device whose allocator was never used is skipped"
+    first = torch_lines[0]
+    assert first["reserved"] == 2 << 20 and first["peak_reserved"] == 4 << 20
+    assert first["active"] == 1500 and first["inactive_split"] == 512
+    assert first["peak_allocated"] == 5 * first["allocated"]
+    times = [m["t_ns"] for m in torch_lines]
+    assert times == sorted(times)
+    if stop == "explicit":
+        assert proc.stdout.split() == ["True", "False"]
+
+
+def test_read_allocator_once_is_empty_without_cuda():
+    assert _native.read_allocator_once() == [] or torch.cuda.is_initialized()
