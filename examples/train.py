@@ -16,9 +16,8 @@ import argparse
 import time
 
 import torch
-from torch import nn
-
 import torchmem
+from torch import nn
 
 
 def parse_args() -> argparse.Namespace:
@@ -48,16 +47,24 @@ def main() -> None:
     info = torchmem.device_info()
     if device.type == "cuda":
         for d in info["devices"]:
-            print(f"GPU {d['index']}: {d['name']}, total {d['total_bytes'] / 2**30:.2f} GiB, "
-                  f"free {d['free_bytes'] / 2**30:.2f} GiB, other processes {d['other_processes_bytes'] / 2**20:.0f} MiB")
-    print(f"host RAM: total {info['host_total_bytes'] / 2**30:.2f} GiB, available {info['host_available_bytes'] / 2**30:.2f} GiB")
+            print(
+                f"GPU {d['index']}: {d['name']}, total {d['total_bytes'] / 2**30:.2f} GiB, "
+                f"free {d['free_bytes'] / 2**30:.2f} GiB, "
+                f"other processes {d['other_processes_bytes'] / 2**20:.0f} MiB"
+            )
+    print(
+        f"host RAM: total {info['host_total_bytes'] / 2**30:.2f} GiB, "
+        f"available {info['host_available_bytes'] / 2**30:.2f} GiB"
+    )
     print(f"training on {device}")
 
     # 2. The model and optimizer; the Monitor hooks forward, backward and the optimizer step.
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Linear(512, args.hidden), nn.ReLU(),
-        nn.Linear(args.hidden, args.hidden), nn.ReLU(),
+        nn.Linear(512, args.hidden),
+        nn.ReLU(),
+        nn.Linear(args.hidden, args.hidden),
+        nn.ReLU(),
         nn.Linear(args.hidden, 10),
     ).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

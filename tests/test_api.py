@@ -13,7 +13,6 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-
 import torchmem
 from torchmem import _native
 
@@ -43,7 +42,9 @@ def allocate_mmap(n_bytes: int):
 ALLOCATORS = [allocate_torch, allocate_numpy, allocate_bytearray, allocate_mmap]
 
 
-def run_python(code: str, env: dict | None = None, pass_fds: tuple = (), timeout: float = 120) -> subprocess.CompletedProcess:
+def run_python(
+    code: str, env: dict | None = None, pass_fds: tuple = (), timeout: float = 120
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True,
@@ -91,8 +92,16 @@ def run_with_recorder_pipe(code: str, timeout: float = 120) -> tuple[subprocess.
 def test_stats_on_a_cpu_only_machine_has_no_gpu_numbers(device):
     s = torchmem.stats(device)
     gpu_fields = [
-        "allocated_bytes", "reserved_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "active_bytes",
-        "inactive_split_bytes", "num_alloc_retries", "num_ooms", "nvml_process_bytes", "non_torch_bytes",
+        "allocated_bytes",
+        "reserved_bytes",
+        "peak_allocated_bytes",
+        "peak_reserved_bytes",
+        "active_bytes",
+        "inactive_split_bytes",
+        "num_alloc_retries",
+        "num_ooms",
+        "nvml_process_bytes",
+        "non_torch_bytes",
     ]
     for f in gpu_fields:
         assert getattr(s, f) is None, f
@@ -242,7 +251,14 @@ def test_markers_reach_the_recorder_pipe_in_wire_form():
     times = [m["t_ns"] for m in markers]
     assert times == sorted(times)
     end = markers[2]["memory"]
-    assert set(end) <= {"rss_bytes", "allocated_bytes", "reserved_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "peak_rss_bytes"}
+    assert set(end) <= {
+        "rss_bytes",
+        "allocated_bytes",
+        "reserved_bytes",
+        "peak_allocated_bytes",
+        "peak_reserved_bytes",
+        "peak_rss_bytes",
+    }
     assert end["rss_bytes"] - markers[1]["memory"]["rss_bytes"] >= 30 * MIB
     assert end["peak_rss_bytes"] >= end["rss_bytes"]
 
@@ -304,8 +320,15 @@ def test_without_torch_everything_still_works():
 def test_sampler_needs_the_recorder_pipe():
     env = {k: v for k, v in os.environ.items() if k != "TORCHMEM_EVENT_FD"}
     proc = subprocess.run(
-        [sys.executable, "-c", "import torchmem._native as n; print(n.start_allocator_sampler(5.0), n.allocator_sampler_running())"],
-        capture_output=True, text=True, env=env, timeout=60,
+        [
+            sys.executable,
+            "-c",
+            "import torchmem._native as n; print(n.start_allocator_sampler(5.0), n.allocator_sampler_running())",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
     )
     assert proc.stdout.split() == ["False", "False"], proc.stderr
 
@@ -343,7 +366,8 @@ calls = []
 def fake_memory_stats(dev):
     calls.append(dev)
     if dev == 1:
-        return {"allocated_bytes": {"all": {"current": 0, "peak": 0}}, "reserved_bytes": {"all": {"current": 0, "peak": 0}}}
+        zero = {"all": {"current": 0, "peak": 0}}
+        return {"allocated_bytes": zero, "reserved_bytes": zero}
     n = len(calls)
     return {
         "allocated_bytes": {"all": {"current": 1000 * n, "peak": 5000 * n}},
@@ -362,7 +386,11 @@ time.sleep(0.3)
 
 @pytest.mark.parametrize("stop", ["atexit", "explicit"])
 def test_sampler_streams_counters_of_used_devices(stop):
-    code = FAKE_TORCH + ("print(n.stop_allocator_sampler(), n.allocator_sampler_running())\n" if stop == "explicit" else "print('exit')\n")
+    code = FAKE_TORCH + (
+        "print(n.stop_allocator_sampler(), n.allocator_sampler_running())\n"
+        if stop == "explicit"
+        else "print('exit')\n"
+    )
     proc, lines = run_with_recorder_pipe(code, timeout=60)
     assert proc.returncode == 0, proc.stderr
     torch_lines = [m for m in lines if m["type"] == "torch"]

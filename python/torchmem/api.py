@@ -132,7 +132,7 @@ def _nvml_index(torch: Any, dev: int) -> int | None:
 
 
 def _nvml(torch: Any, dev: int) -> tuple[int, int, int, int | None, int] | None:
-    """NVML (total, used, free, this process's bytes or None, other processes' bytes) for CUDA device `dev`."""
+    """NVML (total, used, free, this process's bytes or None, other processes' bytes) of CUDA device `dev`."""
     index = _nvml_index(torch, dev)
     if index is None:
         return None
@@ -229,15 +229,18 @@ class Stats:
         else:
             total = f" of {_fmt(self.device_total_bytes)}" if self.device_total_bytes else ""
             lines.append(
-                f"GPU {self.device}{total}: allocated {_fmt(self.allocated_bytes)}, reserved {_fmt(self.reserved_bytes)}, "
-                f"peak allocated {_fmt(self.peak_allocated_bytes)}, peak reserved {_fmt(self.peak_reserved_bytes)}"
+                f"GPU {self.device}{total}: allocated {_fmt(self.allocated_bytes)}, "
+                f"reserved {_fmt(self.reserved_bytes)}, peak allocated {_fmt(self.peak_allocated_bytes)}, "
+                f"peak reserved {_fmt(self.peak_reserved_bytes)}"
             )
             lines.append(
-                f"  active {_fmt(self.active_bytes)}, inactive split (fragmentation) {_fmt(self.inactive_split_bytes)}, "
+                f"  active {_fmt(self.active_bytes)}, "
+                f"inactive split (fragmentation) {_fmt(self.inactive_split_bytes)}, "
                 f"alloc retries {self.num_alloc_retries}, OOMs {self.num_ooms}"
             )
             lines.append(
-                f"  NVML this process {_fmt(self.nvml_process_bytes)} (not PyTorch's: {_fmt(self.non_torch_bytes)}), "
+                f"  NVML this process {_fmt(self.nvml_process_bytes)} "
+                f"(not PyTorch's: {_fmt(self.non_torch_bytes)}), "
                 f"device free {_fmt(self.device_free_bytes)}"
             )
         lines.append(f"CPU: RSS {_fmt(self.rss_bytes)}, USS {_fmt(self.uss_bytes)}, PSS {_fmt(self.pss_bytes)}")
@@ -410,7 +413,11 @@ class Peak:
         return {k: getattr(self, k) for k in ("device", "allocated_bytes", "reserved_bytes", "rss_bytes")}
 
     def __str__(self) -> str:
-        gpu = "" if self.device is None else f"GPU {self.device} allocated {_fmt(self.allocated_bytes)}, reserved {_fmt(self.reserved_bytes)}, "
+        gpu = (
+            ""
+            if self.device is None
+            else f"GPU {self.device} allocated {_fmt(self.allocated_bytes)}, reserved {_fmt(self.reserved_bytes)}, "
+        )
         return f"peak: {gpu}CPU RSS {_fmt(self.rss_bytes)}"
 
     def __enter__(self) -> Peak:
@@ -541,7 +548,14 @@ def _memory_now(dev: int | None) -> dict[str, Any]:
 
 def _record(kind: str, edge: str, name: str, index: int | None, memory: dict[str, Any]) -> dict[str, Any]:
     """One marker in `model::Marker` form: sent to the recorder under `torchmem run` and to open Monitors."""
-    marker = {"t_ns": time.monotonic_ns(), "kind": kind, "edge": edge, "name": name, "index": index, "memory": memory}
+    marker = {
+        "t_ns": time.monotonic_ns(),
+        "kind": kind,
+        "edge": edge,
+        "name": name,
+        "index": index,
+        "memory": memory,
+    }
     if _events.enabled():
         _events.emit({"type": "marker", **marker})
     for sink in list(_sinks):
@@ -558,7 +572,7 @@ def _mark(name: str, dev: int | None | str = "current") -> dict[str, Any]:
 
 
 def mark(name: str, device: Any = None) -> dict[str, Any]:
-    """Records a named point (e.g. "Model initialised") with the memory now, for the journey and the profile."""
+    """Records a named point (e.g. "Model initialised") with the memory now, for the journey and profile."""
     torch = _torch()
     dev = _cuda_index(device, torch) if torch is not None and _cuda_initialized(torch) else None
     return _mark(name, dev)
@@ -577,7 +591,9 @@ class _Span:
         self.window, rss, counters = _PEAKS.open(dev)
         self.entry: dict[str, Any] = {"rss_bytes": rss}
         if dev is not None:
-            self.entry["allocated_bytes"], self.entry["reserved_bytes"] = (counters[0], counters[1]) if counters else (0, 0)
+            self.entry["allocated_bytes"], self.entry["reserved_bytes"] = (
+                (counters[0], counters[1]) if counters else (0, 0)
+            )
         self.start = _record(kind, "start", name, index, self.entry)
         self.t0_ns: int = self.start["t_ns"]
 
@@ -630,7 +646,13 @@ class TrackResult:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        for k in ("peak_allocated_bytes", "peak_reserved_bytes", "peak_rss_bytes", "delta_allocated_bytes", "delta_rss_bytes"):
+        for k in (
+            "peak_allocated_bytes",
+            "peak_reserved_bytes",
+            "peak_rss_bytes",
+            "delta_allocated_bytes",
+            "delta_rss_bytes",
+        ):
             d[k] = getattr(self, k)
         return d
 
@@ -641,7 +663,8 @@ class TrackResult:
         parts = []
         if self.exit.get("allocated_bytes") is not None:
             parts.append(
-                f"GPU allocated {_fmt(self.entry.get('allocated_bytes'))} -> {_fmt(self.exit.get('allocated_bytes'))} "
+                f"GPU allocated {_fmt(self.entry.get('allocated_bytes'))} -> "
+                f"{_fmt(self.exit.get('allocated_bytes'))} "
                 f"({delta(self.delta_allocated_bytes)}), peak {_fmt(self.peak_allocated_bytes)}, "
                 f"peak reserved {_fmt(self.peak_reserved_bytes)}"
             )
