@@ -1,0 +1,285 @@
+"""Tests of `torchmem.Monitor` with real torch training loops on the CPU: phases found by hooks, epochs and
+steps, exact per-phase peaks, the growth warning, the journey, and markers sent to the recorder's pipe."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+import torchmem
+from test_api import run_with_recorder_pipe
+from torch import nn
+from torchmem.monitor import MemoryGrowthWarning
+
+MIB = 1 << 20
+
+
+class TupleOut(nn.Module):
+    """Returns (logits, hidden): the backward hook must find a tensor inside a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 10)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.b(h), h
+
+
+class DictOut(nn.Module):
+    """Returns a dict, as Hugging Face models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+    def forward(self, x):
+        return {"logits": self.net(x)}
+
+
+class SmallCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 8 * 8, 10)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x.view(-1, 1, 8, 8))).flatten(1))
+
+
+def logits_of(out):
+    if isinstance(out, tuple):
+        return out[0]
+    if isinstance(out, dict):
+        return out["logits"]
+    return out
+
+
+MODELS = {
+    "mlp": lambda: nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)),
+    "tuple": TupleOut,
+    "dict": DictOut,
+    "cnn": SmallCNN,
+}
+
+
+def train(mon, model, opt, epochs=2, steps=3, leak=None):
+    loss_fn = nn.CrossEntropyLoss()
+    for _ in range(epochs):
+        with mon.epoch():
+            for _ in range(steps):
+                with mon.step():
+                    x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+                    loss = loss_fn(logits_of(model(x)), y)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    if leak is not None:
+                        leak.append(loss)
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_hooks_record_forward_backward_optimizer_in_order(kind):
+    torch.manual_seed(0)
+    model = MODELS[kind]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = torchmem.Monitor(model, opt, verbose=False)
+    train(mon, model, opt, epochs=2, steps=3)
+    mon.close()
+    phases = [(m["name"], m["edge"]) for m in mon.markers if m["kind"] == "phase"]
+    one_step = [
+        ("forward", "start"),
+        ("forward", "end"),
+        ("backward", "start"),
+        ("backward", "end"),
+        ("optimizer step", "start"),
+        ("optimizer step", "end"),
+    ]
+    assert phases == one_step * 6, phases
+    data = mon.to_dict()
+    assert [p["name"] for p in data["phases"]] == ["forward", "backward", "optimizer step"]
+    assert all(p["count"] == 6 for p in data["phases"])
+    assert len(data["epochs"]) == 2 and data["steps"] == 6
+    json.dumps(data)
+    # Every phase nests inside its step, every step inside its epoch.
+    kinds = [m["kind"] for m in mon.markers if m["kind"] in ("epoch", "step")]
+    assert kinds[:2] == ["epoch", "step"] and kinds[-2:] == ["step", "epoch"]
+
+
+def test_closed_monitor_records_nothing_more():
+    model = MODELS["mlp"]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = torchmem.Monitor(model, opt, verbose=False)
+    mon.close()
+    n = len(mon.markers)
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    assert len(mon.markers) == n
+
+
+def test_eval_forward_under_no_grad_has_no_backward():
+    model = MODELS["mlp"]()
+    mon = torchmem.Monitor(model, verbose=False)
+    with torch.no_grad():
+        model(torch.randn(4, 64))
+    names = [m["name"] for m in mon.markers if m["kind"] == "phase"]
+    assert names == ["forward", "forward"]
+
+
+class Spiky(nn.Module):
+    """Its forward makes and frees a 96 MiB temporary: only an exact peak window sees it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x):
+        tmp = torch.ones(24 * MIB)  # 96 MiB, freed before forward returns
+        s = tmp.sum()
+        del tmp
+        return self.fc(x) + s * 0
+
+
+def test_phase_peak_catches_a_temporary_freed_inside_forward():
+    model = Spiky()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = torchmem.Monitor(model, opt, verbose=False)
+    train(mon, model, opt, epochs=1, steps=2)
+    ends = [m for m in mon.markers if m["kind"] == "phase" and m["edge"] == "end"]
+    fwd = [m for m in ends if m["name"] == "forward"]
+    starts = [m for m in mon.markers if m["kind"] == "phase" and m["edge"] == "start" and m["name"] == "forward"]
+    for s, e in zip(starts, fwd):
+        assert e["memory"]["peak_rss_bytes"] >= s["memory"]["rss_bytes"] + 90 * MIB, (s, e)
+        assert e["memory"]["rss_bytes"] < s["memory"]["rss_bytes"] + 48 * MIB
+    opt_end = [m for m in ends if m["name"] == "optimizer step"]
+    assert all(m["memory"]["peak_rss_bytes"] < fwd[0]["memory"]["peak_rss_bytes"] - 48 * MIB for m in opt_end)
+    row = next(p for p in mon.to_dict()["phases"] if p["name"] == "forward")
+    assert row["max_peak_rss_bytes"] >= fwd[0]["memory"]["peak_rss_bytes"]
+    mon.close()
+
+
+class Leaky(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(64, 4096)
+        self.fc2 = nn.Linear(4096, 10)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("leak", [True, False])
+def test_growth_warning_only_when_memory_grows_every_epoch(leak, capsys):
+    torch.manual_seed(0)
+    model = Leaky()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = torchmem.Monitor(model, opt)
+    loss_fn = nn.CrossEntropyLoss()
+    kept = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            with mon.epoch():
+                for _ in range(4):
+                    with mon.step():
+                        x, y = torch.randn(256, 64), torch.randint(0, 10, (256,))
+                        loss = loss_fn(model(x), y)
+                        loss.backward()
+                        opt.step()
+                        opt.zero_grad()
+                        if leak:
+                            # `total_loss += loss` on a loss with its graph alive: ~8 MiB per step kept.
+                            kept.append(loss_fn(model(x), y))
+    growth = [w for w in caught if issubclass(w.category, MemoryGrowthWarning)]
+    err = capsys.readouterr().err
+    assert err.count("torchmem: epoch ") == 4, err
+    if leak:
+        assert len(growth) == 1, [str(w.message) for w in caught]
+        msg = str(growth[0].message)
+        assert "per epoch" in msg and "CPU RSS" in msg, msg
+        assert "WARNING" in mon.summary()
+        assert mon.to_dict()["growth"][0]["per_unit_bytes"] >= 16 * MIB
+    else:
+        assert growth == [], [str(w.message) for w in growth]
+        assert "WARNING" not in mon.summary()
+    mon.close()
+
+
+def test_summary_and_journey_text_and_mermaid():
+    torchmem.device_info()
+    model = MODELS["mlp"]()
+    opt = torch.optim.Adam(model.parameters())
+    mon = torchmem.Monitor(model, opt, verbose=False)
+    train(mon, model, opt, epochs=2, steps=2)
+    torchmem.empty_cache()
+    text = mon.summary()
+    for word in ("forward", "backward", "optimizer step", "RSS"):
+        assert word in text, text
+    journey = mon.journey()
+    order = ["Device checked", "Model initialised", "forward", "backward", "optimizer step", "Peak", "Cache emptied"]
+    positions = [journey.index(name) for name in order]
+    assert positions == sorted(positions), journey
+    mermaid = mon.journey(format="mermaid")
+    lines = mermaid.splitlines()
+    assert lines[0] == "journey" and lines[1].startswith("    title ")
+    tasks = [line for line in lines if line.startswith("      ")]
+    assert len(tasks) == len(order)
+    assert all(line.count(":") == 2 and line.split(":")[1].strip() in "12345" for line in tasks), tasks
+    with pytest.raises(ValueError, match="mermaid"):
+        mon.journey(format="svg")
+    mon.close()
+
+
+def test_monitor_without_model_marks_epochs_and_steps():
+    mon = torchmem.Monitor(verbose=False)
+    with mon.epoch():
+        with mon.step():
+            x = bytearray(8 * MIB)
+    with mon.epoch(index=7):
+        pass
+    data = mon.to_dict()
+    assert [e["index"] for e in data["epochs"]] == [0, 7]
+    assert data["phases"] == [] and data["steps"] == 1
+    assert data["epochs"][0]["peak_rss_bytes"] >= data["epochs"][0]["rss_bytes"]
+    del x
+
+
+def test_monitor_markers_reach_the_recorder_on_the_same_clock():
+    proc, lines = run_with_recorder_pipe(
+        """
+        import time, torch, torchmem
+        from torch import nn
+        t0 = time.monotonic_ns()
+        model = nn.Linear(8, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        mon = torchmem.Monitor(model, opt, verbose=False)
+        with mon.epoch():
+            with mon.step():
+                model(torch.randn(4, 8)).sum().backward()
+                opt.step()
+        print(t0, time.monotonic_ns())
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    t0, t1 = map(int, proc.stdout.split())
+    markers = [m for m in lines if m["type"] == "marker"]
+    seq = [(m["kind"], m["edge"], m["name"]) for m in markers]
+    assert seq == [
+        ("mark", "point", "Device checked"),
+        ("mark", "point", "Model initialised"),
+        ("epoch", "start", "epoch"),
+        ("step", "start", "step"),
+        ("phase", "start", "forward"),
+        ("phase", "end", "forward"),
+        ("phase", "start", "backward"),
+        ("phase", "end", "backward"),
+        ("phase", "start", "optimizer step"),
+        ("phase", "end", "optimizer step"),
+        ("step", "end", "step"),
+        ("epoch", "end", "epoch"),
+    ], seq
+    assert all(t0 <= m["t_ns"] <= t1 for m in markers)
+    assert markers[-1]["index"] == 0 and markers[-1]["memory"]["peak_rss_bytes"] > 0
