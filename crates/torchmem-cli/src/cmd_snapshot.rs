@@ -87,62 +87,11 @@ pub fn run(args: SnapshotArgs) -> anyhow::Result<i32> {
         return Ok(0);
     }
     if args.top.is_some() {
-        print!("{}", render_top(&tops));
+        print!("{}", sites::render_top_text(&tops));
     } else {
         print!("{}", summary::render_text(&sum, &name));
     }
     Ok(0)
-}
-
-fn render_top(tops: &[sites::TopSites]) -> String {
-    use std::fmt::Write;
-    let mut o = String::new();
-    for t in tops {
-        let when = match (t.moment.as_str(), t.time_us) {
-            ("peak", Some(us)) => format!("at the traced peak (t={us} us)"),
-            ("peak", None) => "at the start of the trace (the peak)".to_string(),
-            ("time", Some(us)) => format!("at t={us} us"),
-            _ => "at the end (no trace recorded)".to_string(),
-        };
-        let _ = writeln!(
-            o,
-            "Device {}: top allocation sites {when}; {} alive",
-            t.device,
-            bytes(t.total_bytes)
-        );
-        let _ = writeln!(o, "  {:>12} {:>8}  site", "bytes", "blocks");
-        for r in &t.rows {
-            let note = if r.before_history_count > 0 {
-                format!(
-                    "  ({} allocated before the recorded history)",
-                    r.before_history_count
-                )
-            } else {
-                String::new()
-            };
-            let _ = writeln!(
-                o,
-                "  {:>12} {:>8}  {}{note}",
-                bytes(r.bytes),
-                r.count,
-                r.site
-            );
-            // The frames between the site and the allocation, site side first.
-            let inner: Vec<&String> = if r.site.ends_with("(C++)") {
-                Vec::new()
-            } else {
-                r.example_stack
-                    .iter()
-                    .take_while(|f| !r.site.starts_with(f.as_str()))
-                    .collect()
-            };
-            for f in inner.iter().rev().take(3) {
-                let _ = writeln!(o, "  {:>12} {:>8}    via {f}", "", "");
-            }
-        }
-        o.push('\n');
-    }
-    o
 }
 
 fn run_diff(a: &Path, b: &Path, json: bool, n: usize) -> anyhow::Result<i32> {

@@ -1,7 +1,127 @@
-//! snapshot (placeholder)
+//! Allocator snapshots for Python: read a snapshot (file or bytes) into summary JSON, text or HTML,
+//! and diagnose an out-of-memory failure from its numbers or its message. Bad snapshots raise
+//! `torchmem.SnapshotError`.
 
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use torchmem_snapshot::{html, oom, sites, summary, Snapshot};
 
-pub fn register(_m: &Bound<'_, PyModule>) -> PyResult<()> {
+use crate::errors::SnapshotError;
+
+fn load(path: &str) -> PyResult<Snapshot> {
+    torchmem_snapshot::read_path(std::path::Path::new(path))
+        .map_err(|e| SnapshotError::new_err(e.to_string()))
+}
+
+fn summary_json(
+    snap: &Snapshot,
+    name: &str,
+    top: usize,
+    at_time_us: Option<i64>,
+) -> PyResult<String> {
+    let sum = summary::summarize(snap);
+    let tops = sites::top_sites(snap, &sum, top, at_time_us);
+    let v = serde_json::json!({ "file": name, "summary": sum, "top": tops });
+    serde_json::to_string(&v).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// Summary and top sites of a snapshot file (pickle or JSON) as a JSON string.
+#[pyfunction]
+#[pyo3(signature = (path, top=10, at_time_us=None))]
+fn snapshot_summary_json(
+    py: Python<'_>,
+    path: String,
+    top: usize,
+    at_time_us: Option<i64>,
+) -> PyResult<String> {
+    let snap = py.detach(|| load(&path))?;
+    summary_json(&snap, &path, top, at_time_us)
+}
+
+/// The same for snapshot bytes (e.g. `pickle.dumps(torch.cuda.memory._snapshot())`).
+#[pyfunction]
+#[pyo3(signature = (data, top=10, at_time_us=None))]
+fn snapshot_summary_bytes_json(
+    data: &[u8],
+    top: usize,
+    at_time_us: Option<i64>,
+) -> PyResult<String> {
+    let snap = torchmem_snapshot::read_bytes(data, "<bytes>")
+        .map_err(|e| SnapshotError::new_err(e.to_string()))?;
+    summary_json(&snap, "<bytes>", top, at_time_us)
+}
+
+/// The text of `torchmem snapshot FILE` followed by `--top N`.
+#[pyfunction]
+#[pyo3(signature = (path, top=10))]
+fn snapshot_text(py: Python<'_>, path: String, top: usize) -> PyResult<String> {
+    let snap = py.detach(|| load(&path))?;
+    let sum = summary::summarize(&snap);
+    let tops = sites::top_sites(&snap, &sum, top, None);
+    Ok(format!(
+        "{}\n{}",
+        summary::render_text(&sum, &path),
+        sites::render_top_text(&tops)
+    ))
+}
+
+/// Writes the offline HTML report of a snapshot file to `out_path`.
+#[pyfunction]
+fn snapshot_html(py: Python<'_>, path: String, out_path: String) -> PyResult<()> {
+    let snap = py.detach(|| load(&path))?;
+    let sum = summary::summarize(&snap);
+    let page = html::render(&snap, &sum, &path);
+    std::fs::write(&out_path, page)
+        .map_err(|e| PyValueError::new_err(format!("cannot write {out_path}: {e}")))
+}
+
+fn diagnosis_json(d: &oom::Diagnosis) -> PyResult<String> {
+    let mut v = serde_json::to_value(d).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    v["text"] = serde_json::Value::String(oom::render_text(d));
+    Ok(v.to_string())
+}
+
+/// Diagnoses an out-of-memory failure from the allocator's numbers (bytes). Returns JSON with the
+/// verdict, explanation, next steps and a `text` rendering.
+#[pyfunction]
+#[pyo3(signature = (requested_bytes, allocated_bytes, reserved_bytes, total_bytes=None, free_bytes=None, process_bytes=None, device=None))]
+#[allow(clippy::too_many_arguments)]
+fn oom_diagnosis_json(
+    requested_bytes: u64,
+    allocated_bytes: u64,
+    reserved_bytes: u64,
+    total_bytes: Option<u64>,
+    free_bytes: Option<u64>,
+    process_bytes: Option<u64>,
+    device: Option<i64>,
+) -> PyResult<String> {
+    let n = oom::OomNumbers {
+        device,
+        requested_bytes,
+        total_bytes,
+        free_bytes,
+        process_bytes,
+        allocated_bytes,
+        reserved_unallocated_bytes: reserved_bytes.saturating_sub(allocated_bytes),
+        other_processes: Vec::new(),
+        largest_free_block_bytes: None,
+    };
+    diagnosis_json(&oom::diagnose(&n))
+}
+
+/// Parses a PyTorch OOM message and diagnoses it (JSON, like `torchmem explain-oom --json`).
+#[pyfunction]
+fn explain_oom_json(message: &str) -> PyResult<String> {
+    let n = oom::parse_message(message).map_err(PyValueError::new_err)?;
+    diagnosis_json(&oom::diagnose(&n))
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(snapshot_summary_json, m)?)?;
+    m.add_function(wrap_pyfunction!(snapshot_summary_bytes_json, m)?)?;
+    m.add_function(wrap_pyfunction!(snapshot_text, m)?)?;
+    m.add_function(wrap_pyfunction!(snapshot_html, m)?)?;
+    m.add_function(wrap_pyfunction!(oom_diagnosis_json, m)?)?;
+    m.add_function(wrap_pyfunction!(explain_oom_json, m)?)?;
     Ok(())
 }
