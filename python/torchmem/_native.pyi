@@ -15,6 +15,73 @@ def cli_main() -> int:
     """Run the `torchmem` command line with `sys.argv`; returns the exit code."""
 
 # --- memory readers and reports (crates/torchmem-py/src/api.rs) ---
+def self_memory() -> tuple[int, int] | None:
+    """(rss_bytes, peak_rss_bytes) of this process from one read of /proc/self/status (VmRSS, VmHWM)."""
+
+def self_rss_bytes() -> int | None:
+    """RSS of this process in bytes from /proc/self/statm (~2 µs)."""
+
+def self_rollup() -> tuple[int, int, int, int] | None:
+    """(rss_bytes, pss_bytes, uss_bytes, swap_bytes) from /proc/self/smaps_rollup (milliseconds on big processes)."""
+
+def reset_peak_rss() -> bool:
+    """Resets VmHWM to the current RSS (/proc/self/clear_refs "5"); False where the kernel forbids it."""
+
+def malloc_trim() -> bool:
+    """glibc malloc_trim(0): returns freed heap pages to the kernel; True when something was released."""
+
+def format_bytes(bytes: int) -> str:
+    """Binary units as every report prints them: "512 B", "1.5 KiB", "64.0 MiB", "1.25 GiB"."""
+
+def nvml_error() -> str | None:
+    """Why NVML cannot be used in this process, or None when it can (NVML is opened once)."""
+
+def nvml_index_of_uuid(uuid: str) -> int | None:
+    """NVML index of the device with this UUID ("GPU-..." or "MIG-..."). Raises TorchmemError without NVML."""
+
+def nvml_read(index: int, pid: int) -> tuple[int, int, int, int | None, int]:
+    """NVML device `index`: (total_bytes, used_bytes, free_bytes, bytes charged to `pid` or None,
+    bytes of all other processes). Raises TorchmemError without NVML."""
+
+def device_info_json() -> str:
+    """JSON of the host (total/available RAM) and every NVML device (name, uuid, total/used/free, this
+    process's and other processes' bytes, driver and CUDA driver versions, or `nvml_error`). No CUDA context."""
+
+def summary_json(markers_json: str, capacity_bytes: int | None = None) -> str:
+    """analysis::Summary (epochs, steps, phases, growth, journey) as JSON, from a JSON list of markers in
+    model::Marker form ({"t_ns", "kind", "edge", "name", "index", "memory": MarkerMemory})."""
+
+def summary_text(markers_json: str, capacity_bytes: int | None = None) -> str:
+    """The per-epoch and per-phase tables and growth warnings as text, from markers."""
+
+def journey(
+    markers_json: str, capacity_bytes: int | None = None, format: str = "text", title: str = "torchmem memory journey"
+) -> str:
+    """The memory journey from markers, as "text" or "mermaid" (ValueError on any other format)."""
+
+def epoch_report_json(markers_json: str) -> str:
+    """{"line", "row", "growth", "growth_per_epoch_bytes"} for the last finished epoch, from epoch markers."""
+
+def allocator_counters(nested: dict[str, Any]) -> tuple[int, int, int, int, int, int, int, int]:
+    """(allocated, reserved, peak_allocated, peak_reserved, active, inactive_split, num_alloc_retries, num_ooms)
+    in bytes/counts from `torch._C._cuda_memoryStats(dev)`'s nested dict (missing keys read as 0)."""
+
+def read_allocator_once() -> list[str]:
+    """One allocator-sampler read: a wire line {"type":"torch",...} per CUDA device whose allocator was used;
+    [] when torch is not imported or CUDA not initialised (never initialises CUDA)."""
+
+def start_allocator_sampler(interval_ms: float) -> bool:
+    """Starts the thread that sends read_allocator_once()'s lines every interval_ms to the fd in
+    TORCHMEM_EVENT_FD (torchmem run's recorder). False when that variable is unset or the fd closed; True
+    when running. Stops by itself at interpreter exit (atexit) or when the pipe closes. ValueError when
+    interval_ms is not a positive number."""
+
+def stop_allocator_sampler() -> bool:
+    """Stops and joins the sampler thread; True when one was running in this process."""
+
+def allocator_sampler_running() -> bool:
+    """True while the sampler thread runs in this process."""
+
 
 # --- line profiler (crates/torchmem-py/src/line.rs) ---
 
