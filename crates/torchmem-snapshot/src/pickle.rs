@@ -601,6 +601,22 @@ impl<R: Read> Unpickler<R> {
         if let Some(new) = new {
             self.memo_replace(&dict, &new);
             self.stack[pos] = new;
+            replaced.push((dict, Value::None));
+        }
+        // The compactor took over these containers. Empty them: in a real snapshot nothing else holds
+        // them any more, and in a crafted pickle they could form a cycle no one can reach to free.
+        for (old, _) in replaced {
+            match &old {
+                Value::List(l) => {
+                    let items = std::mem::take(&mut *l.items.borrow_mut());
+                    drop_iteratively(items);
+                }
+                Value::Dict(d) => {
+                    let pairs = std::mem::take(&mut *d.items.borrow_mut());
+                    drop_iteratively(pairs.into_iter().flat_map(|(k, v)| [k, v]).collect());
+                }
+                _ => {}
+            }
         }
         Ok(())
     }
