@@ -26,7 +26,7 @@ def run_example(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("leak", [False, True])
 def test_example_runs_on_cpu_and_warns_only_when_leaking(leak):
-    args = ["--device", "cpu", "--epochs", "4", "--steps", "8"] + (["--leak"] if leak else [])
+    args = ["--device", "cpu", "--epochs", "4", "--steps", "16", "--batch", "256"] + (["--leak"] if leak else [])
     proc = run_example(*args)
     assert proc.returncode == 0, proc.stderr
     out, err = proc.stdout, proc.stderr
