@@ -351,7 +351,7 @@ pub fn render_text(s: &Summary, name: &str) -> String {
         .iter()
         .filter(|g| g.inactive_split_bytes > 0)
         .collect();
-    frag.sort_by(|a, b| b.inactive_split_bytes.cmp(&a.inactive_split_bytes));
+    frag.sort_by_key(|g| std::cmp::Reverse(g.inactive_split_bytes));
     if !frag.is_empty() {
         let _ = writeln!(
             o,

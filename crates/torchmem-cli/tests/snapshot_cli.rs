@@ -1,0 +1,127 @@
+//! End-to-end tests of `torchmem snapshot` and `torchmem explain-oom` with the built binary on the real
+//! H200 fixtures, plus malicious and truncated inputs (clear errors, exit code 1).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/snapshots")
+        .join(name)
+}
+
+fn torchmem(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_torchmem"))
+        .args(args)
+        .output()
+        .expect("run torchmem");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn every_fixture_parses_and_summarizes() {
+    for name in [
+        "snapshot_gpt2_bs8_amp_cppstacks.pickle",
+        "snapshot_mlp_adam_cppstacks.pickle",
+        "snapshot_mlp_adam_pystacks.pickle",
+        "snapshot_resnet50_bs64_amp_cppstacks.pickle",
+        "snapshot_resnet50_bs64_fp32_cppstacks.pickle",
+    ] {
+        let f = fixture(name);
+        let (code, out, err) = torchmem(&["snapshot", f.to_str().unwrap()]);
+        assert_eq!(code, 0, "{name}: {err}");
+        assert!(
+            out.contains("Device 0") && out.contains("reserved") && out.contains("Trace actions"),
+            "{name}: {out}"
+        );
+        let (code, out, _) = torchmem(&["snapshot", f.to_str().unwrap(), "--json"]);
+        assert_eq!(code, 0);
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert!(
+            v["summary"]["devices"][0]["reserved_bytes"]
+                .as_u64()
+                .unwrap()
+                > 0
+        );
+    }
+}
+
+#[test]
+fn top_sites_and_at() {
+    let f = fixture("snapshot_mlp_adam_pystacks.pickle");
+    let (code, out, err) = torchmem(&["snapshot", f.to_str().unwrap(), "--top", "3"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("top allocation sites at the traced peak"),
+        "{out}"
+    );
+    assert!(out.contains("/home/user/train/probe.py:"), "{out}");
+    let (code, out, _) = torchmem(&["snapshot", f.to_str().unwrap(), "--top", "3", "--at", "0"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("at t=0 us"), "{out}");
+    let (code, _, err) = torchmem(&["snapshot", f.to_str().unwrap(), "--at", "5"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("--at needs --top"), "{err}");
+}
+
+#[test]
+fn diff_reports_growth_by_site() {
+    let a = fixture("snapshot_mlp_adam_pystacks.pickle");
+    let b = fixture("snapshot_mlp_adam_cppstacks.pickle");
+    let (code, out, err) =
+        torchmem(&["snapshot", "diff", a.to_str().unwrap(), b.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("Snapshot diff") && out.contains("reserved") && out.contains("site"),
+        "{out}"
+    );
+}
+
+#[test]
+fn malicious_and_truncated_pickles_fail_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    // GLOBAL 'os\nsystem', then REDUCE: what pickle.dumps(os.system) + call looks like.
+    let evil = dir.path().join("evil.pickle");
+    std::fs::write(
+        &evil,
+        b"\x80\x02cos\nsystem\nq\x00X\x04\x00\x00\x00trueq\x01\x85q\x02Rq\x03.",
+    )
+    .unwrap();
+    let (code, _, err) = torchmem(&["snapshot", evil.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("refusing opcode GLOBAL (0x63) at byte offset 2"),
+        "{err}"
+    );
+    let data = std::fs::read(fixture("snapshot_mlp_adam_pystacks.pickle")).unwrap();
+    let cut = dir.path().join("cut.pickle");
+    std::fs::write(&cut, &data[..1000]).unwrap();
+    let (code, _, err) = torchmem(&["snapshot", cut.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(err.contains("truncated"), "{err}");
+    let proto6 = dir.path().join("p6.pickle");
+    std::fs::write(&proto6, b"\x80\x06N.").unwrap();
+    let (code, _, err) = torchmem(&["snapshot", proto6.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(err.contains("protocol 6"), "{err}");
+}
+
+#[test]
+fn explain_oom_message() {
+    let msg = std::fs::read_to_string(fixture("oom_message_2.11.txt")).unwrap();
+    let (code, out, err) = torchmem(&["explain-oom", msg.trim()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("tried to allocate")
+            && out.contains("60.00 GiB")
+            && out.contains("Diagnosis: capacity"),
+        "{out}"
+    );
+    let (code, _, err) = torchmem(&["explain-oom", "not an oom"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("out-of-memory message"), "{err}");
+}
