@@ -287,15 +287,19 @@ def test_tables_printed_at_exit_and_on_demand(tmp_path: Path) -> None:
     assert "GPU peak" not in out
 
 
-def test_decorator_returns_function_and_accepts_memory_profiler_kwargs() -> None:
-    import torchmem
-
-    def f(x):
-        return x + 1
-
-    assert torchmem.profile(f) is f
-    assert torchmem.profile(precision=3)(f) is f
-    assert f(1) == 2
+def test_decorator_returns_function_and_accepts_memory_profiler_kwargs(tmp_path: Path) -> None:
+    d = run_script(
+        tmp_path,
+        """
+        def f(x):
+            return x + 1
+        assert torchmem.profile(f) is f
+        assert torchmem.profile(precision=3)(f) is f
+        assert f(1) == 2
+        """,
+        "calibrated",
+    )
+    assert line(func(d, "f"), "return x + 1")["hits"] == 1
 
 
 def test_recorder_receives_line_profile_event(tmp_path: Path) -> None:
