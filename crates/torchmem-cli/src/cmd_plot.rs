@@ -54,9 +54,8 @@ pub fn run(args: PlotArgs) -> anyhow::Result<i32> {
     ));
     std::fs::write(&tmp, text.as_bytes())
         .and_then(|_| std::fs::rename(&tmp, &output))
-        .map_err(|e| {
+        .inspect_err(|_| {
             let _ = std::fs::remove_file(&tmp);
-            e
         })
         .with_context(|| format!("cannot write {}. Check that its directory exists and is writable, or choose another path with -o", output.display()))?;
     eprintln!(
