@@ -542,3 +542,80 @@ fn truncated_and_corrupted_profiles_give_clear_errors() {
         }
     }
 }
+
+#[test]
+fn line_profiles_in_the_profile_reach_every_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("lines.sqlite");
+    let mut w = ProfileWriter::create(
+        &p,
+        &RunMeta {
+            command: vec!["python".into(), "x.py".into()],
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    w.push(Record::Cpu(CpuSample {
+        t_ns: 0,
+        rss_bytes: 100 * MIB,
+        pss_bytes: None,
+        uss_bytes: None,
+        process_count: 1,
+    }));
+    let mib = MIB as i64;
+    w.push(Record::LineProfile {
+        t_ns: 1,
+        data: serde_json::json!({
+            "schema": "torchmem.lines/1", "hook": "settrace", "gate_ns": 400.0, "gpu_device": null, "warnings": [],
+            "functions": [{
+                "name": "load_batch", "filename": "/tmp/x.py", "first_line": 3, "calls": 2, "threads": 1,
+                "lines": [
+                    {"line": 3, "source": "def load_batch():", "hits": 0},
+                    {"line": 4, "source": "    a = bytearray(64 << 20)  # <b>", "hits": 2,
+                     "cpu_rss_bytes": 200 * mib, "cpu_delta_bytes": 128 * mib, "cpu_delta_max_bytes": 64 * mib}
+                ]
+            }]
+        }),
+    });
+    w.flush().unwrap();
+    w.finish(Some(0), 1_000_000).unwrap();
+    let text = stdout(&torchmem(&["report", p.to_str().unwrap()]));
+    assert!(
+        text.contains("load_batch") && text.contains("+128.0 MiB"),
+        "{text}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(
+        &torchmem(&["report", p.to_str().unwrap(), "--format", "json"]).stdout,
+    )
+    .unwrap();
+    assert_eq!(v["lines"]["functions"][0]["name"], "load_batch");
+    assert_eq!(
+        v["lines"]["functions"][0]["lines"][1]["cpu_delta_bytes"],
+        128 * MIB
+    );
+    let md = stdout(&torchmem(&[
+        "report",
+        p.to_str().unwrap(),
+        "--format",
+        "markdown",
+    ]));
+    assert!(
+        md.contains("### Line profile") && md.contains("load_batch"),
+        "{md}"
+    );
+    let html_path = dir.path().join("lines.html");
+    assert!(torchmem(&[
+        "plot",
+        p.to_str().unwrap(),
+        "-o",
+        html_path.to_str().unwrap()
+    ])
+    .status
+    .success());
+    let html = std::fs::read_to_string(&html_path).unwrap();
+    assert!(html.contains("<h2>Line profile</h2>") && html.contains("load_batch"));
+    assert!(
+        html.contains("# &lt;b&gt;") && !html.contains("# <b>"),
+        "source is escaped"
+    );
+}
