@@ -619,3 +619,55 @@ fn line_profiles_in_the_profile_reach_every_report() {
         "source is escaped"
     );
 }
+
+#[test]
+fn a_profile_without_samples_reports_and_plots() {
+    // e.g. the program could not start: the recorder wrote the metadata and nothing else
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("empty.sqlite");
+    let w = ProfileWriter::create(
+        &p,
+        &RunMeta {
+            command: vec!["missing-program".into()],
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    w.finish(Some(127), 1_000).unwrap();
+    let o = torchmem(&["report", p.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(
+        text.contains("exit code 127")
+            && text.contains("no CPU samples")
+            && text.contains("none recorded"),
+        "{text}"
+    );
+    assert_eq!(
+        stdout(&torchmem(&[
+            "report",
+            p.to_str().unwrap(),
+            "--format",
+            "csv"
+        ])),
+        "t_s,cpu_rss_bytes,cpu_pss_bytes,cpu_uss_bytes,processes\n"
+    );
+    let v: serde_json::Value = serde_json::from_slice(
+        &torchmem(&["report", p.to_str().unwrap(), "--format", "json"]).stdout,
+    )
+    .unwrap();
+    assert_eq!(v["samples"], 0);
+    assert!(v["peak"]["cpu_rss_bytes"].is_null());
+    let html_path = dir.path().join("empty.html");
+    assert!(torchmem(&[
+        "plot",
+        p.to_str().unwrap(),
+        "-o",
+        html_path.to_str().unwrap()
+    ])
+    .status
+    .success());
+    assert!(std::fs::read_to_string(&html_path)
+        .unwrap()
+        .contains("no memory samples in this profile"));
+}

@@ -246,7 +246,7 @@ pub fn peaks_table(summary: &Summary) -> Table {
 pub fn epochs_table(rows: &[EpochRow]) -> Table {
     let mut t = Table::new(
         "Epochs",
-        "none recorded (mark them with `with mon.epoch():` or `torchmem.Monitor`)",
+        "none recorded; mark them with `with mon.epoch():` (torchmem.Monitor)",
     );
     let gpu = rows.iter().any(|r| {
         r.allocated_bytes.is_some()
@@ -284,7 +284,7 @@ pub fn epochs_table(rows: &[EpochRow]) -> Table {
 pub fn phases_table(rows: &[PhaseRow]) -> Table {
     let mut t = Table::new(
         "Phases",
-        "none recorded (use `torchmem.track(name)` or `torchmem.Monitor(model, optimizer)`)",
+        "none recorded; record them with `torchmem.track(name)` or `torchmem.Monitor(model, optimizer)`",
     );
     let gpu = rows
         .iter()

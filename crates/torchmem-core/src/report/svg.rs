@@ -103,7 +103,10 @@ pub fn byte_axis(max_bytes: u64) -> Axis {
         (1, "B")
     };
     let value = max as f64 / unit_bytes as f64;
-    let step = nice_step(value / 5.0);
+    let mut step = nice_step(value / 5.0);
+    if unit_bytes == 1 {
+        step = step.max(1.0); // no fractions of a byte
+    }
     let ticks = (value / step).ceil().max(1.0) as usize;
     Axis {
         unit_bytes,
@@ -292,7 +295,7 @@ pub fn render_chart(profile: &Profile, tl: &Timeline, lay: &Layout, interactive:
     s.push_str("</g>");
     // Grid and y axis.
     s.push_str(r#"<g class="y-axis">"#);
-    for i in 0..=axis.ticks {
+    for i in (0..=axis.ticks).filter(|_| !tl.series.is_empty()) {
         let y = lay.top + lay.plot_h * (1.0 - i as f64 / axis.ticks as f64);
         s.push_str(&format!(r##"<line x1="{}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#000" stroke-opacity="0.1"/>"##, lay.left, lay.left + lay.plot_w()));
         s.push_str(&format!(
@@ -326,7 +329,11 @@ pub fn render_chart(profile: &Profile, tl: &Timeline, lay: &Layout, interactive:
     }
     // X axis.
     let axis_y = lane_y + lay.lane_h + 4.0;
-    let (step, count) = time_ticks(t_end_s);
+    let (step, count) = if tl.series.is_empty() {
+        (1.0, 0)
+    } else {
+        time_ticks(t_end_s)
+    };
     s.push_str(r#"<g class="x-axis">"#);
     for i in 0..=count {
         let t = step * i as f64;
@@ -413,6 +420,7 @@ mod tests {
         assert_eq!((a.unit, a.step), ("MiB", 100.0));
         assert_eq!(a.label(3), "300 MiB");
         assert_eq!(byte_axis(0).unit, "B");
+        assert_eq!(byte_axis(3).label(1), "1 B");
         let a = byte_axis(130 << 20);
         assert_eq!(a.label(1), "50 MiB");
         assert_eq!(byte_axis(3 << 30).label(1), "1 GiB");
