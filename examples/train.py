@@ -97,7 +97,7 @@ def main() -> None:
 
     # 4. Where the memory went.
     print(torchmem.peak())
-    print(torchmem.stats())
+    print(torchmem.stats(uss=True))
     print(mon.summary())
     print(mon.journey())
     if args.mermaid:

@@ -247,10 +247,11 @@ class Stats:
         return "\n".join(lines)
 
 
-def stats(device: Any = None, *, uss: bool = True) -> Stats:
+def stats(device: Any = None, *, uss: bool = False) -> Stats:
     """This process's memory now: PyTorch's allocator counters for `device` (default: the current CUDA
-    device), NVML's view of the process, and the CPU's RSS/USS/PSS. `uss=False` skips /proc/self/smaps_rollup,
-    which takes milliseconds on a process of several GiB (then `uss_bytes`/`pss_bytes` are None)."""
+    device), NVML's view of the process, and the CPU's RSS (and USS/PSS with `uss=True`). Cheap by default
+    (microseconds); `uss=True` reads /proc/self/smaps_rollup, which takes milliseconds on a process of several
+    GiB (otherwise `uss_bytes`/`pss_bytes` are None: not measured)."""
     torch = _torch()
     dev = _cuda_index(device, torch)
     t_ns = time.monotonic_ns()
