@@ -24,7 +24,12 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Self {
-        Config { interval_ms: 10.0, pss_interval_ms: 250.0, tree_interval_ms: 100.0, flush_interval_ms: 50.0 }
+        Config {
+            interval_ms: 10.0,
+            pss_interval_ms: 250.0,
+            tree_interval_ms: 100.0,
+            flush_interval_ms: 50.0,
+        }
     }
 }
 
@@ -52,6 +57,7 @@ pub struct Recorder {
     last_pss: Option<Instant>,
     last_flush: Instant,
     last_gpu: BTreeMap<u32, (GpuSample, u64)>,
+    last_torch: BTreeMap<u32, TorchSample>,
     pub latest: Latest,
     messages: Option<Receiver<String>>,
     pub bad_messages: u64,
@@ -61,7 +67,14 @@ pub struct Recorder {
 const HEARTBEAT_NS: u64 = 1_000_000_000;
 
 impl Recorder {
-    pub fn new(config: Config, writer: ProfileWriter, gpu: Option<Box<dyn GpuSource>>, root_pid: u32, start_ns: u64, messages: Option<Receiver<String>>) -> Self {
+    pub fn new(
+        config: Config,
+        writer: ProfileWriter,
+        gpu: Option<Box<dyn GpuSource>>,
+        root_pid: u32,
+        start_ns: u64,
+        messages: Option<Receiver<String>>,
+    ) -> Self {
         Recorder {
             config,
             writer,
@@ -74,6 +87,7 @@ impl Recorder {
             last_pss: None,
             last_flush: Instant::now(),
             last_gpu: BTreeMap::new(),
+            last_torch: BTreeMap::new(),
             latest: Latest::default(),
             messages,
             bad_messages: 0,
@@ -111,12 +125,22 @@ impl Recorder {
                     uss_total += r.uss_bytes;
                     alive += 1;
                     let gpu_bytes = if self.gpu.is_some() {
-                        let b: u64 = gpu_readings.iter().filter_map(|g| g.process_bytes.get(&pid)).sum();
+                        let b: u64 = gpu_readings
+                            .iter()
+                            .filter_map(|g| g.process_bytes.get(&pid))
+                            .sum();
                         Some(b)
                     } else {
                         None
                     };
-                    per_pid.push(ProcessSample { t_ns, pid, rss_bytes: r.rss_bytes, pss_bytes: Some(r.pss_bytes), uss_bytes: Some(r.uss_bytes), gpu_bytes });
+                    per_pid.push(ProcessSample {
+                        t_ns,
+                        pid,
+                        rss_bytes: r.rss_bytes,
+                        pss_bytes: Some(r.pss_bytes),
+                        uss_bytes: Some(r.uss_bytes),
+                        gpu_bytes,
+                    });
                 }
             } else if let Some(rss) = procfs::rss_bytes(pid).filter(|r| *r > 0) {
                 rss_total += rss;
@@ -150,13 +174,21 @@ impl Recorder {
         }
         let pids: Vec<u32> = self.tree.keys().copied().collect();
         for r in &gpu_readings {
-            let sample = GpuSample { t_ns, device: r.index, used_bytes: r.used_bytes, total_bytes: r.total_bytes, process_bytes: tree_bytes(r, pids.iter().copied()) };
+            let sample = GpuSample {
+                t_ns,
+                device: r.index,
+                used_bytes: r.used_bytes,
+                total_bytes: r.total_bytes,
+                process_bytes: tree_bytes(r, pids.iter().copied()),
+            };
             if let Some(b) = sample.process_bytes {
                 self.latest.gpu_process_bytes = Some(b);
             }
             let keep = match self.last_gpu.get(&r.index) {
                 Some((prev, prev_t)) => {
-                    prev.used_bytes != sample.used_bytes || prev.process_bytes != sample.process_bytes || t_ns.saturating_sub(*prev_t) >= HEARTBEAT_NS
+                    prev.used_bytes != sample.used_bytes
+                        || prev.process_bytes != sample.process_bytes
+                        || t_ns.saturating_sub(*prev_t) >= HEARTBEAT_NS
                 }
                 None => true,
             };
@@ -178,8 +210,18 @@ impl Recorder {
         self.last_tree = Some(Instant::now());
         for (&pid, &ppid) in &self.tree {
             let first = self.known.insert(pid);
-            let cmdline = if first { procfs::cmdline(pid) } else { String::new() };
-            self.writer.push(Record::ProcessSeen(ProcessInfo { pid, ppid, cmdline, first_t_ns: t_ns, last_t_ns: t_ns }));
+            let cmdline = if first {
+                procfs::cmdline(pid)
+            } else {
+                String::new()
+            };
+            self.writer.push(Record::ProcessSeen(ProcessInfo {
+                pid,
+                ppid,
+                cmdline,
+                first_t_ns: t_ns,
+                last_t_ns: t_ns,
+            }));
         }
     }
 
@@ -203,11 +245,26 @@ impl Recorder {
 
     fn store_message(&mut self, msg: ChildMessage) {
         let record = match msg {
-            ChildMessage::Torch { t_ns, device, allocated, reserved, peak_allocated, peak_reserved, active, inactive_split } => {
+            ChildMessage::Torch {
+                t_ns,
+                device,
+                allocated,
+                reserved,
+                peak_allocated,
+                peak_reserved,
+                active,
+                inactive_split,
+            } => {
                 self.latest.allocated_bytes = Some(allocated);
                 self.latest.reserved_bytes = Some(reserved);
-                self.latest.peak_allocated_bytes = Some(self.latest.peak_allocated_bytes.unwrap_or(0).max(peak_allocated).max(allocated));
-                Record::Torch(TorchSample {
+                self.latest.peak_allocated_bytes = Some(
+                    self.latest
+                        .peak_allocated_bytes
+                        .unwrap_or(0)
+                        .max(peak_allocated)
+                        .max(allocated),
+                );
+                let sample = TorchSample {
                     t_ns: self.rel(t_ns),
                     device,
                     allocated_bytes: allocated,
@@ -216,11 +273,41 @@ impl Recorder {
                     peak_reserved_bytes: peak_reserved,
                     active_bytes: active,
                     inactive_split_bytes: inactive_split,
-                })
+                };
+                // An unchanged reading adds nothing to a step-function timeline: keep one a second.
+                if let Some(prev) = self.last_torch.get(&device) {
+                    let same = TorchSample { t_ns: prev.t_ns, ..sample.clone() } == *prev;
+                    if same && sample.t_ns.saturating_sub(prev.t_ns) < HEARTBEAT_NS {
+                        return;
+                    }
+                }
+                self.last_torch.insert(device, sample.clone());
+                Record::Torch(sample)
             }
-            ChildMessage::Marker { t_ns, kind, edge, name, index, memory } => Record::Marker(Marker { t_ns: self.rel(t_ns), kind, edge, name, index, memory }),
-            ChildMessage::LineProfile { t_ns, data } => Record::LineProfile { t_ns: self.rel(t_ns), data },
-            ChildMessage::Blob { t_ns, name, data } => Record::Blob { t_ns: self.rel(t_ns), name, data },
+            ChildMessage::Marker {
+                t_ns,
+                kind,
+                edge,
+                name,
+                index,
+                memory,
+            } => Record::Marker(Marker {
+                t_ns: self.rel(t_ns),
+                kind,
+                edge,
+                name,
+                index,
+                memory,
+            }),
+            ChildMessage::LineProfile { t_ns, data } => Record::LineProfile {
+                t_ns: self.rel(t_ns),
+                data,
+            },
+            ChildMessage::Blob { t_ns, name, data } => Record::Blob {
+                t_ns: self.rel(t_ns),
+                name,
+                data,
+            },
         };
         self.writer.push(record);
     }
