@@ -182,7 +182,8 @@ fn event_pipe() -> anyhow::Result<(OwnedFd, RawFd)> {
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<i32> {
-    if !(args.interval_ms >= 0.1) || !(args.pss_interval_ms >= args.interval_ms) {
+    let interval_ok = args.interval_ms.is_finite() && args.interval_ms >= 0.1;
+    if !interval_ok || args.pss_interval_ms.is_nan() || args.pss_interval_ms < args.interval_ms {
         bail!("--interval must be at least 0.1 ms and --pss-interval at least --interval (got {} and {})", args.interval_ms, args.pss_interval_ms);
     }
     let argv = resolve_command(&args.command)?;

@@ -5,7 +5,7 @@
 //! `cmd_plot`, `cmd_snapshot` (snapshot + explain-oom).
 
 use std::ffi::OsString;
-use std::path::PathBuf;
+use std::path::Path;
 
 use clap::{Parser, Subcommand};
 
@@ -67,7 +67,7 @@ pub fn run(argv: Vec<OsString>) -> i32 {
 }
 
 /// A path argument that must name an existing file; used for clear "no such file" errors.
-pub fn existing_file(path: &PathBuf, what: &str) -> anyhow::Result<()> {
+pub fn existing_file(path: &Path, what: &str) -> anyhow::Result<()> {
     if !path.exists() {
         anyhow::bail!("{}: no such {what}. Check the path", path.display());
     }
