@@ -65,7 +65,9 @@ fn torch_info() -> TorchInfo {
                 info.torch_version = Some(v);
                 info.torch_cuda_version = cuda;
             }
-            Ok((_, err)) => info.error = Some(format!("torch is not installed for {python}: {}", err.unwrap_or_default())),
+            Ok((_, err)) => {
+                info.error = Some(format!("torch is not installed for {python}: {}", err.unwrap_or_default()))
+            }
             Err(e) => info.error = Some(format!("unexpected answer from {python}: {e}")),
         },
         Ok(out) => info.error = Some(format!("{python} failed with {}", out.status)),
@@ -99,7 +101,11 @@ pub fn run(args: InfoArgs) -> anyhow::Result<i32> {
                     total_bytes: r.total_bytes,
                     free_bytes: r.free_bytes,
                     used_bytes: r.used_bytes,
-                    processes: r.process_bytes.iter().map(|(&pid, &b)| GpuProcess { pid, used_bytes: b, cmdline: procfs::cmdline(pid) }).collect(),
+                    processes: r
+                        .process_bytes
+                        .iter()
+                        .map(|(&pid, &b)| GpuProcess { pid, used_bytes: b, cmdline: procfs::cmdline(pid) })
+                        .collect(),
                 });
             }
             if info.gpus.is_empty() {
@@ -119,7 +125,11 @@ pub fn run(args: InfoArgs) -> anyhow::Result<i32> {
         info.host_available_bytes.map(format_bytes).unwrap_or_else(|| "-".into())
     ));
     match (&info.torch.torch_version, &info.torch.error) {
-        (Some(v), _) => out.push_str(&format!("torch          {v} (CUDA build {}) in {}\n", info.torch.torch_cuda_version.as_deref().unwrap_or("none: CPU-only build"), info.torch.python)),
+        (Some(v), _) => out.push_str(&format!(
+            "torch          {v} (CUDA build {}) in {}\n",
+            info.torch.torch_cuda_version.as_deref().unwrap_or("none: CPU-only build"),
+            info.torch.python
+        )),
         (None, Some(e)) => out.push_str(&format!("torch          not available: {e}\n")),
         _ => {}
     }
@@ -131,14 +141,36 @@ pub fn run(args: InfoArgs) -> anyhow::Result<i32> {
             info.driver_version.as_deref().unwrap_or("?"),
             info.cuda_driver_version.as_deref().unwrap_or("?")
         ));
-        out.push_str(&format!("\n{:<4} {:<28} {:>12} {:>12} {:>12}  {}\n", "GPU", "name", "total", "free", "used", "processes (NVML, CUDA context included)"));
+        out.push_str(&format!(
+            "\n{:<4} {:<28} {:>12} {:>12} {:>12}  {}\n",
+            "GPU", "name", "total", "free", "used", "processes (NVML, CUDA context included)"
+        ));
         for g in &info.gpus {
             let procs = if g.processes.is_empty() {
                 "none".to_string()
             } else {
-                g.processes.iter().map(|p| format!("{} {} ({})", p.pid, format_bytes(p.used_bytes), p.cmdline.chars().take(40).collect::<String>())).collect::<Vec<_>>().join("; ")
+                g.processes
+                    .iter()
+                    .map(|p| {
+                        format!(
+                            "{} {} ({})",
+                            p.pid,
+                            format_bytes(p.used_bytes),
+                            p.cmdline.chars().take(40).collect::<String>()
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join("; ")
             };
-            out.push_str(&format!("{:<4} {:<28} {:>12} {:>12} {:>12}  {}\n", g.index, g.name, format_bytes(g.total_bytes), format_bytes(g.free_bytes), format_bytes(g.used_bytes), procs));
+            out.push_str(&format!(
+                "{:<4} {:<28} {:>12} {:>12} {:>12}  {}\n",
+                g.index,
+                g.name,
+                format_bytes(g.total_bytes),
+                format_bytes(g.free_bytes),
+                format_bytes(g.used_bytes),
+                procs
+            ));
         }
     }
     print!("{out}");

@@ -46,12 +46,7 @@ pub struct RunArgs {
     #[arg(short, long)]
     pub quiet: bool,
     /// The program: `script.py [ARGS…]` runs under the current Python; anything else runs as given.
-    #[arg(
-        required = true,
-        trailing_var_arg = true,
-        allow_hyphen_values = true,
-        value_name = "COMMAND"
-    )]
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "COMMAND")]
     pub command: Vec<String>,
 }
 
@@ -81,10 +76,7 @@ fn install_signal_handlers() {
 /// The Python interpreter for bare scripts: `TORCHMEM_PYTHON` (set by the wheel's entry point to the
 /// interpreter that runs torchmem), else `python3` from PATH.
 fn python_interpreter() -> String {
-    std::env::var("TORCHMEM_PYTHON")
-        .ok()
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| "python3".into())
+    std::env::var("TORCHMEM_PYTHON").ok().filter(|s| !s.is_empty()).unwrap_or_else(|| "python3".into())
 }
 
 fn find_on_path(program: &str) -> Option<PathBuf> {
@@ -92,11 +84,8 @@ fn find_on_path(program: &str) -> Option<PathBuf> {
         let p = PathBuf::from(program);
         return p.is_file().then_some(p);
     }
-    std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|d| d.join(program))
-            .find(|p| p.is_file())
-    })
+    std::env::var_os("PATH")
+        .and_then(|paths| std::env::split_paths(&paths).map(|d| d.join(program)).find(|p| p.is_file()))
 }
 
 /// Works out what to execute: a bare `*.py` runs under the current Python.
@@ -104,7 +93,10 @@ pub fn resolve_command(command: &[String]) -> anyhow::Result<Vec<String>> {
     let first = &command[0];
     if first.ends_with(".py") {
         if !Path::new(first).is_file() {
-            bail!("script not found: {first}. Check the path (it is resolved from the current directory {})", std::env::current_dir().map(|d| d.display().to_string()).unwrap_or_default());
+            bail!(
+                "script not found: {first}. Check the path (it is resolved from the current directory {})",
+                std::env::current_dir().map(|d| d.display().to_string()).unwrap_or_default()
+            );
         }
         let mut argv = vec![python_interpreter()];
         argv.extend(command.iter().cloned());
@@ -114,18 +106,12 @@ pub fn resolve_command(command: &[String]) -> anyhow::Result<Vec<String>> {
 }
 
 fn default_output(command: &[String]) -> PathBuf {
-    let program = command
-        .iter()
-        .find(|a| a.ends_with(".py"))
-        .unwrap_or(&command[0]);
+    let program = command.iter().find(|a| a.ends_with(".py")).unwrap_or(&command[0]);
     let stem = Path::new(program)
         .file_stem()
         .and_then(|s| s.to_str())
         .unwrap_or("run")
-        .replace(
-            |c: char| !c.is_ascii_alphanumeric() && c != '-' && c != '_',
-            "_",
-        );
+        .replace(|c: char| !c.is_ascii_alphanumeric() && c != '-' && c != '_', "_");
     let mut tm: libc::tm = unsafe { std::mem::zeroed() };
     let now = unsafe { libc::time(std::ptr::null_mut()) };
     // SAFETY: localtime_r fills the tm we own.
@@ -170,10 +156,7 @@ fn event_pipe() -> anyhow::Result<(OwnedFd, RawFd)> {
     let mut fds = [0 as RawFd; 2];
     // SAFETY: pipe2 writes two fds into the array.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        bail!(
-            "cannot create the event pipe: {}",
-            std::io::Error::last_os_error()
-        );
+        bail!("cannot create the event pipe: {}", std::io::Error::last_os_error());
     }
     // SAFETY: clearing FD_CLOEXEC on the write end we own so the child inherits it.
     unsafe { libc::fcntl(fds[1], libc::F_SETFD, 0) };
@@ -184,27 +167,20 @@ fn event_pipe() -> anyhow::Result<(OwnedFd, RawFd)> {
 pub fn run(args: RunArgs) -> anyhow::Result<i32> {
     let interval_ok = args.interval_ms.is_finite() && args.interval_ms >= 0.1;
     if !interval_ok || args.pss_interval_ms.is_nan() || args.pss_interval_ms < args.interval_ms {
-        bail!("--interval must be at least 0.1 ms and --pss-interval at least --interval (got {} and {})", args.interval_ms, args.pss_interval_ms);
+        bail!(
+            "--interval must be at least 0.1 ms and --pss-interval at least --interval (got {} and {})",
+            args.interval_ms,
+            args.pss_interval_ms
+        );
     }
     let argv = resolve_command(&args.command)?;
     let program = find_on_path(&argv[0]).with_context(|| {
-        format!(
-            "cannot start `{}`: no such program on PATH. Check the command, or give a path",
-            argv[0]
-        )
+        format!("cannot start `{}`: no such program on PATH. Check the command, or give a path", argv[0])
     })?;
-    let output = args
-        .output
-        .clone()
-        .unwrap_or_else(|| default_output(&args.command));
+    let output = args.output.clone().unwrap_or_else(|| default_output(&args.command));
 
-    let gpu: Option<Box<dyn GpuSource>> = if args.no_gpu {
-        None
-    } else {
-        NvmlSource::open()
-            .ok()
-            .map(|s| Box::new(s) as Box<dyn GpuSource>)
-    };
+    let gpu: Option<Box<dyn GpuSource>> =
+        if args.no_gpu { None } else { NvmlSource::open().ok().map(|s| Box::new(s) as Box<dyn GpuSource>) };
     let host = torchmem_core::sources::host::host_memory();
     let meta = RunMeta {
         command: args.command.clone(),
@@ -216,14 +192,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
             .unwrap_or_default(),
         exit_code: None,
         duration_ns: None,
-        gpu_total_bytes: gpu
-            .as_ref()
-            .map(|g| g.devices().iter().map(|d| d.total_bytes).collect())
-            .unwrap_or_default(),
-        gpu_names: gpu
-            .as_ref()
-            .map(|g| g.devices().iter().map(|d| d.name.clone()).collect())
-            .unwrap_or_default(),
+        gpu_total_bytes: gpu.as_ref().map(|g| g.devices().iter().map(|d| d.total_bytes).collect()).unwrap_or_default(),
+        gpu_names: gpu.as_ref().map(|g| g.devices().iter().map(|d| d.name.clone()).collect()).unwrap_or_default(),
         host_total_bytes: host.map(|h| h.total_bytes),
         start_monotonic_ns: None,
     };
@@ -233,15 +203,10 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         .with_context(|| format!("cannot create the profile {}", output.display()))?;
 
     let (read_end, write_fd) = event_pipe()?;
-    let inject = if args.no_inject {
-        None
-    } else {
-        Some(InjectDir::create()?)
-    };
+    let inject = if args.no_inject { None } else { Some(InjectDir::create()?) };
     let mut cmd = Command::new(&program);
     cmd.arg0(&argv[0]).args(&argv[1..]);
-    cmd.env("TORCHMEM_EVENT_FD", write_fd.to_string())
-        .env("TORCHMEM_INTERVAL_MS", args.interval_ms.to_string());
+    cmd.env("TORCHMEM_EVENT_FD", write_fd.to_string()).env("TORCHMEM_INTERVAL_MS", args.interval_ms.to_string());
     if let Some(dir) = &inject {
         let mut path = dir.0.display().to_string();
         if let Some(old) = std::env::var_os("PYTHONPATH").filter(|p| !p.is_empty()) {
@@ -267,20 +232,13 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
             // SAFETY: closing our copy of the write end.
             unsafe { libc::close(write_fd) };
             let _ = std::fs::remove_file(&output);
-            bail!(
-                "cannot start `{}`: {e}. Check that it is an executable program",
-                argv[0]
-            );
+            bail!("cannot start `{}`: {e}. Check that it is an executable program", argv[0]);
         }
     };
     // SAFETY: the child has its copy; ours must go so the reader sees EOF when the program ends.
     unsafe { libc::close(write_fd) };
     let messages = spawn_pipe_reader(read_end);
-    let config = Config {
-        interval_ms: args.interval_ms,
-        pss_interval_ms: args.pss_interval_ms,
-        ..Config::default()
-    };
+    let config = Config { interval_ms: args.interval_ms, pss_interval_ms: args.pss_interval_ms, ..Config::default() };
     let interval = Duration::from_secs_f64(args.interval_ms / 1000.0);
     let mut rec = Recorder::new(config, writer, gpu, child.id(), start_ns, Some(messages));
     let live = !args.quiet && std::io::stderr().is_terminal();
@@ -318,13 +276,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
     }
     rec.tick().ok();
     rec.drain_until_closed(Duration::from_millis(500));
-    let exit_code = status
-        .code()
-        .or_else(|| status.signal().map(|s| 128 + s))
-        .unwrap_or(1);
+    let exit_code = status.code().or_else(|| status.signal().map(|s| 128 + s)).unwrap_or(1);
     let bad = rec.bad_messages;
-    rec.finish(Some(exit_code))
-        .with_context(|| format!("finishing the profile {}", output.display()))?;
+    rec.finish(Some(exit_code)).with_context(|| format!("finishing the profile {}", output.display()))?;
     if bad > 0 {
         eprintln!("torchmem: warning: {bad} malformed messages from the program were ignored");
     }
@@ -344,17 +298,10 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
 fn status_line(rec: &Recorder, start_ns: u64) -> String {
     let l = &rec.latest;
     let secs = (torchmem_core::clock::monotonic_ns() - start_ns) as f64 / 1e9;
-    let mut s = format!(
-        "[torchmem] {secs:6.1} s  RSS {} (peak {})",
-        format_bytes(l.rss_bytes),
-        format_bytes(l.peak_rss_bytes)
-    );
+    let mut s =
+        format!("[torchmem] {secs:6.1} s  RSS {} (peak {})", format_bytes(l.rss_bytes), format_bytes(l.peak_rss_bytes));
     if let (Some(a), Some(r)) = (l.allocated_bytes, l.reserved_bytes) {
-        s.push_str(&format!(
-            "  GPU alloc {} reserved {}",
-            format_bytes(a),
-            format_bytes(r)
-        ));
+        s.push_str(&format!("  GPU alloc {} reserved {}", format_bytes(a), format_bytes(r)));
     }
     if let Some(p) = l.peak_allocated_bytes {
         s.push_str(&format!(" (peak {})", format_bytes(p)));
@@ -374,18 +321,10 @@ pub fn end_summary(profile: &Profile) -> String {
     out.push_str(&format!(
         "duration {:.2} s, exit code {}, {} samples\n",
         s.duration_ns.unwrap_or(0) as f64 / 1e9,
-        s.exit_code
-            .map(|c| c.to_string())
-            .unwrap_or_else(|| "-".into()),
+        s.exit_code.map(|c| c.to_string()).unwrap_or_else(|| "-".into()),
         s.samples
     ));
-    out.push_str(&format!(
-        "peak CPU RSS {}",
-        s.peak
-            .cpu_rss_bytes
-            .map(format_bytes)
-            .unwrap_or_else(|| "-".into())
-    ));
+    out.push_str(&format!("peak CPU RSS {}", s.peak.cpu_rss_bytes.map(format_bytes).unwrap_or_else(|| "-".into())));
     if let Some(pss) = s.peak.cpu_pss_bytes {
         out.push_str(&format!(", PSS {}", format_bytes(pss)));
     }
@@ -400,19 +339,10 @@ pub fn end_summary(profile: &Profile) -> String {
         out.push_str(&format!(
             "peak GPU {}{}: allocated {}, reserved {}, NVML process {}\n",
             g.device,
-            g.name
-                .as_ref()
-                .map(|n| format!(" ({n})"))
-                .unwrap_or_default(),
-            g.allocated_bytes
-                .map(format_bytes)
-                .unwrap_or_else(|| "-".into()),
-            g.reserved_bytes
-                .map(format_bytes)
-                .unwrap_or_else(|| "-".into()),
-            g.nvml_process_bytes
-                .map(format_bytes)
-                .unwrap_or_else(|| "-".into()),
+            g.name.as_ref().map(|n| format!(" ({n})")).unwrap_or_default(),
+            g.allocated_bytes.map(format_bytes).unwrap_or_else(|| "-".into()),
+            g.reserved_bytes.map(format_bytes).unwrap_or_else(|| "-".into()),
+            g.nvml_process_bytes.map(format_bytes).unwrap_or_else(|| "-".into()),
         ));
     }
     if !s.phases.is_empty() {

@@ -24,12 +24,7 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Self {
-        Config {
-            interval_ms: 10.0,
-            pss_interval_ms: 250.0,
-            tree_interval_ms: 100.0,
-            flush_interval_ms: 50.0,
-        }
+        Config { interval_ms: 10.0, pss_interval_ms: 250.0, tree_interval_ms: 100.0, flush_interval_ms: 50.0 }
     }
 }
 
@@ -125,10 +120,7 @@ impl Recorder {
                     uss_total += r.uss_bytes;
                     alive += 1;
                     let gpu_bytes = if self.gpu.is_some() {
-                        let b: u64 = gpu_readings
-                            .iter()
-                            .filter_map(|g| g.process_bytes.get(&pid))
-                            .sum();
+                        let b: u64 = gpu_readings.iter().filter_map(|g| g.process_bytes.get(&pid)).sum();
                         Some(b)
                     } else {
                         None
@@ -210,11 +202,7 @@ impl Recorder {
         self.last_tree = Some(Instant::now());
         for (&pid, &ppid) in &self.tree {
             let first = self.known.insert(pid);
-            let cmdline = if first {
-                procfs::cmdline(pid)
-            } else {
-                String::new()
-            };
+            let cmdline = if first { procfs::cmdline(pid) } else { String::new() };
             self.writer.push(Record::ProcessSeen(ProcessInfo {
                 pid,
                 ppid,
@@ -257,13 +245,8 @@ impl Recorder {
             } => {
                 self.latest.allocated_bytes = Some(allocated);
                 self.latest.reserved_bytes = Some(reserved);
-                self.latest.peak_allocated_bytes = Some(
-                    self.latest
-                        .peak_allocated_bytes
-                        .unwrap_or(0)
-                        .max(peak_allocated)
-                        .max(allocated),
-                );
+                self.latest.peak_allocated_bytes =
+                    Some(self.latest.peak_allocated_bytes.unwrap_or(0).max(peak_allocated).max(allocated));
                 let sample = TorchSample {
                     t_ns: self.rel(t_ns),
                     device,
@@ -284,30 +267,11 @@ impl Recorder {
                 self.last_torch.insert(device, sample.clone());
                 Record::Torch(sample)
             }
-            ChildMessage::Marker {
-                t_ns,
-                kind,
-                edge,
-                name,
-                index,
-                memory,
-            } => Record::Marker(Marker {
-                t_ns: self.rel(t_ns),
-                kind,
-                edge,
-                name,
-                index,
-                memory,
-            }),
-            ChildMessage::LineProfile { t_ns, data } => Record::LineProfile {
-                t_ns: self.rel(t_ns),
-                data,
-            },
-            ChildMessage::Blob { t_ns, name, data } => Record::Blob {
-                t_ns: self.rel(t_ns),
-                name,
-                data,
-            },
+            ChildMessage::Marker { t_ns, kind, edge, name, index, memory } => {
+                Record::Marker(Marker { t_ns: self.rel(t_ns), kind, edge, name, index, memory })
+            }
+            ChildMessage::LineProfile { t_ns, data } => Record::LineProfile { t_ns: self.rel(t_ns), data },
+            ChildMessage::Blob { t_ns, name, data } => Record::Blob { t_ns: self.rel(t_ns), name, data },
         };
         self.writer.push(record);
     }

@@ -37,7 +37,10 @@ fn report_json(profile: &Path) -> serde_json::Value {
 
 fn profile_table(profile: &Path, sql: &str) -> Vec<Vec<i64>> {
     // Read the profile with Python's own sqlite3 module: the file is plain SQLite.
-    let code = format!("import sqlite3,json; print(json.dumps(sqlite3.connect({:?}).execute({sql:?}).fetchall()))", profile.display().to_string());
+    let code = format!(
+        "import sqlite3,json; print(json.dumps(sqlite3.connect({:?}).execute({sql:?}).fetchall()))",
+        profile.display().to_string()
+    );
     let out = Command::new(python()).args(["-c", &code]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).unwrap()
@@ -50,7 +53,8 @@ fn stderr(o: &Output) -> String {
 #[test]
 fn allocating_n_mib_shows_n_mib_more_rss() {
     let dir = tempfile::tempdir().unwrap();
-    let s = script(dir.path(), "alloc.py", "import time\ntime.sleep(0.3)\nx = b'\\x01' * (256 << 20)\ntime.sleep(0.3)\n");
+    let s =
+        script(dir.path(), "alloc.py", "import time\ntime.sleep(0.3)\nx = b'\\x01' * (256 << 20)\ntime.sleep(0.3)\n");
     let prof = dir.path().join("p.sqlite");
     let out = torchmem().args(["run", "-q", "-o"]).arg(&prof).arg("--").arg(&s).output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
@@ -78,7 +82,8 @@ fn exit_code_is_the_programs() {
 fn non_python_commands_run_as_given() {
     let dir = tempfile::tempdir().unwrap();
     let prof = dir.path().join("p.sqlite");
-    let out = torchmem().args(["run", "-q", "-o"]).arg(&prof).args(["--", "sh", "-c", "sleep 0.2; exit 5"]).output().unwrap();
+    let out =
+        torchmem().args(["run", "-q", "-o"]).arg(&prof).args(["--", "sh", "-c", "sleep 0.2; exit 5"]).output().unwrap();
     assert_eq!(out.status.code(), Some(5), "{}", stderr(&out));
     assert!(report_json(&prof)["samples"].as_i64().unwrap() >= 5);
 }
@@ -86,7 +91,11 @@ fn non_python_commands_run_as_given() {
 #[test]
 fn a_program_killed_with_sigkill_leaves_a_readable_profile() {
     let dir = tempfile::tempdir().unwrap();
-    let s = script(dir.path(), "die.py", "import os, time\nx = b'\\x01' * (128 << 20)\ntime.sleep(0.5)\nos.kill(os.getpid(), 9)\n");
+    let s = script(
+        dir.path(),
+        "die.py",
+        "import os, time\nx = b'\\x01' * (128 << 20)\ntime.sleep(0.5)\nos.kill(os.getpid(), 9)\n",
+    );
     let prof = dir.path().join("p.sqlite");
     let out = torchmem().args(["run", "-q", "-o"]).arg(&prof).arg(&s).output().unwrap();
     assert_eq!(out.status.code(), Some(128 + 9), "{}", stderr(&out));
@@ -127,7 +136,8 @@ fn sigterm_is_passed_on_to_the_program() {
         ),
     );
     let prof = dir.path().join("p.sqlite");
-    let mut child = torchmem().args(["run", "-q", "-o"]).arg(&prof).arg(&s).stdout(std::process::Stdio::piped()).spawn().unwrap();
+    let mut child =
+        torchmem().args(["run", "-q", "-o"]).arg(&prof).arg(&s).stdout(std::process::Stdio::piped()).spawn().unwrap();
     let mut line = String::new();
     std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
     assert_eq!(line.trim(), "ready");
@@ -205,7 +215,10 @@ fn info_reports_host_torch_and_gpus_or_why_not() {
     let gpus = j["gpus"].as_array().unwrap();
     if gpus.is_empty() {
         // Never a fake zero: an explicit reason instead.
-        assert!(j["gpu_unavailable"].as_str().unwrap().contains("no CUDA device") || j["gpu_unavailable"].as_str().unwrap().contains("NVML"));
+        assert!(
+            j["gpu_unavailable"].as_str().unwrap().contains("no CUDA device")
+                || j["gpu_unavailable"].as_str().unwrap().contains("NVML")
+        );
     } else {
         assert!(gpus.iter().all(|g| g["total_bytes"].as_u64().unwrap() > 0));
     }

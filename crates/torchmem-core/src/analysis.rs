@@ -84,7 +84,15 @@ pub fn spans(markers: &[Marker]) -> Vec<Span> {
     for m in markers {
         match m.edge {
             Edge::Start => {
-                out.push(Span { kind: m.kind, name: m.name.clone(), index: m.index, start_t_ns: m.t_ns, end_t_ns: None, entry: m.memory.clone(), exit: None });
+                out.push(Span {
+                    kind: m.kind,
+                    name: m.name.clone(),
+                    index: m.index,
+                    start_t_ns: m.t_ns,
+                    end_t_ns: None,
+                    entry: m.memory.clone(),
+                    exit: None,
+                });
                 open.push(out.len() - 1);
             }
             Edge::End => {
@@ -321,7 +329,12 @@ pub fn growth_warnings(rows: &[EpochRow], unit: &str) -> Vec<Growth> {
 }
 
 /// The journey: named marks in order, the first forward/backward/optimizer phases, the peak, cache emptied.
-pub fn journey(markers: &[Marker], capacity_bytes: Option<u64>, torch: &[TorchSample], cpu: &[CpuSample]) -> Vec<JourneyStage> {
+pub fn journey(
+    markers: &[Marker],
+    capacity_bytes: Option<u64>,
+    torch: &[TorchSample],
+    cpu: &[CpuSample],
+) -> Vec<JourneyStage> {
     let mut stages = Vec::new();
     let section_of = |name: &str| -> &'static str {
         let n = name.to_ascii_lowercase();
@@ -367,8 +380,10 @@ pub fn journey(markers: &[Marker], capacity_bytes: Option<u64>, torch: &[TorchSa
     let peak_alloc = max_by(torch, |s| Some(s.peak_allocated_bytes.max(s.allocated_bytes)), |s| s.t_ns);
     let peak_reserved = torch.iter().map(|s| s.peak_reserved_bytes.max(s.reserved_bytes)).max();
     let peak_rss = max_by(cpu, |s| Some(s.rss_bytes), |s| s.t_ns);
-    let marker_peak_alloc = markers.iter().filter_map(|m| m.memory.peak_allocated_bytes.or(m.memory.allocated_bytes)).max();
-    let marker_peak_reserved = markers.iter().filter_map(|m| m.memory.peak_reserved_bytes.or(m.memory.reserved_bytes)).max();
+    let marker_peak_alloc =
+        markers.iter().filter_map(|m| m.memory.peak_allocated_bytes.or(m.memory.allocated_bytes)).max();
+    let marker_peak_reserved =
+        markers.iter().filter_map(|m| m.memory.peak_reserved_bytes.or(m.memory.reserved_bytes)).max();
     let marker_peak_rss = markers.iter().filter_map(|m| m.memory.peak_rss_bytes.or(m.memory.rss_bytes)).max();
     let peak_stage = JourneyStage {
         name: "Peak".into(),
@@ -417,7 +432,12 @@ impl Summary {
                 GpuPeak {
                     device: d,
                     name: p.meta.gpu_names.get(d as usize).cloned(),
-                    total_bytes: p.meta.gpu_total_bytes.get(d as usize).copied().or_else(|| g.first().map(|s| s.total_bytes)),
+                    total_bytes: p
+                        .meta
+                        .gpu_total_bytes
+                        .get(d as usize)
+                        .copied()
+                        .or_else(|| g.first().map(|s| s.total_bytes)),
                     allocated_bytes: if t.is_empty() { None } else { opt_max(torch_alloc, marker_alloc) },
                     reserved_bytes: if t.is_empty() { None } else { opt_max(torch_reserved, marker_reserved) },
                     nvml_process_bytes: g.iter().filter_map(|s| s.process_bytes).max(),
@@ -443,7 +463,10 @@ impl Summary {
                 }
             })
             .collect();
-        let capacity = gpus.first().and_then(|g| if g.allocated_bytes.is_some() { g.total_bytes } else { None }).or(p.meta.host_total_bytes);
+        let capacity = gpus
+            .first()
+            .and_then(|g| if g.allocated_bytes.is_some() { g.total_bytes } else { None })
+            .or(p.meta.host_total_bytes);
         let journey = journey(&p.markers, capacity, &p.torch, &p.cpu);
         Summary {
             command: p.meta.command.clone(),
@@ -470,7 +493,11 @@ impl Summary {
 
     /// A summary of markers alone: what the in-process Monitor has (no sampler timeline).
     pub fn from_markers(markers: &[Marker], capacity_bytes: Option<u64>) -> Summary {
-        let p = Profile { markers: markers.to_vec(), meta: RunMeta { host_total_bytes: capacity_bytes, ..Default::default() }, ..Default::default() };
+        let p = Profile {
+            markers: markers.to_vec(),
+            meta: RunMeta { host_total_bytes: capacity_bytes, ..Default::default() },
+            ..Default::default()
+        };
         let mut s = Summary::from_profile(&p);
         s.journey = journey(markers, capacity_bytes, &[], &[]);
         s
@@ -490,7 +517,13 @@ mod tests {
             edge,
             name: name.into(),
             index: idx,
-            memory: MarkerMemory { allocated_bytes: Some(alloc), reserved_bytes: Some(alloc * 2), rss_bytes: Some(100 * MIB), peak_allocated_bytes: peak, ..Default::default() },
+            memory: MarkerMemory {
+                allocated_bytes: Some(alloc),
+                reserved_bytes: Some(alloc * 2),
+                rss_bytes: Some(100 * MIB),
+                peak_allocated_bytes: peak,
+                ..Default::default()
+            },
         }
     }
 
@@ -504,7 +537,15 @@ mod tests {
             v.push(mk(t + 2, MarkerKind::Phase, Edge::End, "forward", None, base + 50 * MIB, Some(base + 60 * MIB)));
             v.push(mk(t + 3, MarkerKind::Phase, Edge::Start, "backward", None, base + 50 * MIB, None));
             v.push(mk(t + 4, MarkerKind::Phase, Edge::End, "backward", None, base, Some(base + 70 * MIB)));
-            v.push(mk(t + 5, MarkerKind::Epoch, Edge::End, "epoch", Some(e), base + leak_per_epoch, Some(base + 70 * MIB)));
+            v.push(mk(
+                t + 5,
+                MarkerKind::Epoch,
+                Edge::End,
+                "epoch",
+                Some(e),
+                base + leak_per_epoch,
+                Some(base + 70 * MIB),
+            ));
             t += 10;
         }
         v
@@ -547,9 +588,27 @@ mod tests {
 
     #[test]
     fn journey_orders_marks_phases_peak_cleanup() {
-        let mut m = vec![Marker { t_ns: 0, kind: MarkerKind::Mark, edge: Edge::Point, name: "Device checked".into(), index: None, memory: MarkerMemory { allocated_bytes: Some(0), reserved_bytes: Some(0), ..Default::default() } }];
+        let mut m = vec![Marker {
+            t_ns: 0,
+            kind: MarkerKind::Mark,
+            edge: Edge::Point,
+            name: "Device checked".into(),
+            index: None,
+            memory: MarkerMemory { allocated_bytes: Some(0), reserved_bytes: Some(0), ..Default::default() },
+        }];
         m.extend(leaky_run(2, 0));
-        m.push(Marker { t_ns: 1000, kind: MarkerKind::Mark, edge: Edge::Point, name: "Cache emptied".into(), index: None, memory: MarkerMemory { allocated_bytes: Some(10 * MIB), reserved_bytes: Some(10 * MIB), ..Default::default() } });
+        m.push(Marker {
+            t_ns: 1000,
+            kind: MarkerKind::Mark,
+            edge: Edge::Point,
+            name: "Cache emptied".into(),
+            index: None,
+            memory: MarkerMemory {
+                allocated_bytes: Some(10 * MIB),
+                reserved_bytes: Some(10 * MIB),
+                ..Default::default()
+            },
+        });
         let j = journey(&m, Some(1000 * MIB), &[], &[]);
         let names: Vec<&str> = j.iter().map(|s| s.name.as_str()).collect();
         assert_eq!(names, ["Device checked", "forward", "backward", "Peak", "Cache emptied"]);

@@ -10,8 +10,5 @@ pub fn monotonic_ns() -> u64 {
 
 /// Wall-clock seconds since the Unix epoch, for the profile's metadata.
 pub fn unix_time_s() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
 }

@@ -97,7 +97,13 @@ pub fn render_mermaid(stages: &[JourneyStage], title: &str) -> String {
             current_section = Some(section);
         }
         let actor = if s.allocated_bytes.is_some() || s.reserved_bytes.is_some() { "GPU" } else { "CPU" };
-        out.push_str(&format!("      {} ({}): {}: {}\n", mermaid_safe(&s.name), mermaid_safe(&s.memory_text()), s.score(), actor));
+        out.push_str(&format!(
+            "      {} ({}): {}: {}\n",
+            mermaid_safe(&s.name),
+            mermaid_safe(&s.memory_text()),
+            s.score(),
+            actor
+        ));
     }
     out
 }
@@ -138,7 +144,11 @@ mod tests {
         assert_eq!(lines[0], "journey");
         assert_eq!(lines[1], "    title My run");
         assert_eq!(lines[2], "    section Training");
-        assert!(lines[3].starts_with("      Forward  step 1 (allocated 512.0 MiB reserved 1.00 GiB): 5: GPU"), "{}", lines[3]);
+        assert!(
+            lines[3].starts_with("      Forward  step 1 (allocated 512.0 MiB reserved 1.00 GiB): 5: GPU"),
+            "{}",
+            lines[3]
+        );
         assert!(lines[4].ends_with(": 1: GPU"));
         // exactly two colons per task line: name: score: actors
         assert!(lines[3..].iter().all(|l| l.matches(':').count() == 2));

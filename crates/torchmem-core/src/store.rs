@@ -121,30 +121,62 @@ impl ProfileWriter {
             for r in self.pending.drain(..) {
                 match r {
                     Record::Cpu(s) => {
-                        cpu.execute(params![sql_u64(s.t_ns), sql_u64(s.rss_bytes), sql_opt(s.pss_bytes), sql_opt(s.uss_bytes), s.process_count])?;
+                        cpu.execute(params![
+                            sql_u64(s.t_ns),
+                            sql_u64(s.rss_bytes),
+                            sql_opt(s.pss_bytes),
+                            sql_opt(s.uss_bytes),
+                            s.process_count
+                        ])?;
                     }
                     Record::Process(s) => {
-                        proc_s.execute(params![sql_u64(s.t_ns), s.pid, sql_u64(s.rss_bytes), sql_opt(s.pss_bytes), sql_opt(s.uss_bytes), sql_opt(s.gpu_bytes)])?;
+                        proc_s.execute(params![
+                            sql_u64(s.t_ns),
+                            s.pid,
+                            sql_u64(s.rss_bytes),
+                            sql_opt(s.pss_bytes),
+                            sql_opt(s.uss_bytes),
+                            sql_opt(s.gpu_bytes)
+                        ])?;
                     }
                     Record::ProcessSeen(p) => {
                         seen.execute(params![p.pid, p.ppid, p.cmdline, sql_u64(p.first_t_ns), sql_u64(p.last_t_ns)])?;
                     }
                     Record::Gpu(s) => {
-                        gpu.execute(params![sql_u64(s.t_ns), s.device, sql_u64(s.used_bytes), sql_u64(s.total_bytes), sql_opt(s.process_bytes)])?;
+                        gpu.execute(params![
+                            sql_u64(s.t_ns),
+                            s.device,
+                            sql_u64(s.used_bytes),
+                            sql_u64(s.total_bytes),
+                            sql_opt(s.process_bytes)
+                        ])?;
                     }
                     Record::Torch(s) => {
                         torch.execute(params![
-                            sql_u64(s.t_ns), s.device, sql_u64(s.allocated_bytes), sql_u64(s.reserved_bytes),
-                            sql_u64(s.peak_allocated_bytes), sql_u64(s.peak_reserved_bytes),
-                            sql_u64(s.active_bytes), sql_u64(s.inactive_split_bytes)
+                            sql_u64(s.t_ns),
+                            s.device,
+                            sql_u64(s.allocated_bytes),
+                            sql_u64(s.reserved_bytes),
+                            sql_u64(s.peak_allocated_bytes),
+                            sql_u64(s.peak_reserved_bytes),
+                            sql_u64(s.active_bytes),
+                            sql_u64(s.inactive_split_bytes)
                         ])?;
                     }
                     Record::Marker(m) => {
                         let mm = &m.memory;
                         marker.execute(params![
-                            sql_u64(m.t_ns), m.kind.as_str(), m.edge.as_str(), m.name, m.index,
-                            sql_opt(mm.rss_bytes), sql_opt(mm.allocated_bytes), sql_opt(mm.reserved_bytes),
-                            sql_opt(mm.peak_allocated_bytes), sql_opt(mm.peak_reserved_bytes), sql_opt(mm.peak_rss_bytes)
+                            sql_u64(m.t_ns),
+                            m.kind.as_str(),
+                            m.edge.as_str(),
+                            m.name,
+                            m.index,
+                            sql_opt(mm.rss_bytes),
+                            sql_opt(mm.allocated_bytes),
+                            sql_opt(mm.reserved_bytes),
+                            sql_opt(mm.peak_allocated_bytes),
+                            sql_opt(mm.peak_reserved_bytes),
+                            sql_opt(mm.peak_rss_bytes)
                         ])?;
                     }
                     Record::LineProfile { t_ns, data } => {
@@ -173,11 +205,11 @@ impl ProfileWriter {
 }
 
 fn read_meta(conn: &Connection, path: &Path) -> Result<RunMeta> {
-    let run: Option<String> = conn
-        .query_row("SELECT value FROM meta WHERE key = 'run'", [], |r| r.get(0))
-        .optional()?;
+    let run: Option<String> =
+        conn.query_row("SELECT value FROM meta WHERE key = 'run'", [], |r| r.get(0)).optional()?;
     let run = run.ok_or_else(|| CoreError::NotAProfile { path: path.into(), reason: "no run metadata".into() })?;
-    serde_json::from_str(&run).map_err(|e| CoreError::NotAProfile { path: path.into(), reason: format!("bad run metadata: {e}") })
+    serde_json::from_str(&run)
+        .map_err(|e| CoreError::NotAProfile { path: path.into(), reason: format!("bad run metadata: {e}") })
 }
 
 /// A whole profile, loaded into memory for analysis and reports.
@@ -210,8 +242,9 @@ impl Profile {
             return Err(CoreError::ProfileMissing { path: path.into() });
         }
         let not_profile = |reason: String| CoreError::NotAProfile { path: path.into(), reason };
-        let conn = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX)
-            .map_err(|e| not_profile(e.to_string()))?;
+        let conn =
+            Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX)
+                .map_err(|e| not_profile(e.to_string()))?;
         let has_meta: i64 = conn
             .query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'meta'", [], |r| r.get(0))
             .map_err(|e| not_profile(format!("{e}; the file is damaged or not SQLite")))?;
@@ -228,25 +261,61 @@ impl Profile {
         let meta = read_meta(&conn, path)?;
         let load = || -> rusqlite::Result<Profile> {
             let mut p = Profile { path: path.into(), meta: meta.clone(), ..Default::default() };
-            let mut st = conn.prepare("SELECT t_ns, rss_bytes, pss_bytes, uss_bytes, process_count FROM cpu_samples ORDER BY t_ns")?;
+            let mut st = conn.prepare(
+                "SELECT t_ns, rss_bytes, pss_bytes, uss_bytes, process_count FROM cpu_samples ORDER BY t_ns",
+            )?;
             p.cpu = st
                 .query_map([], |r| {
-                    Ok(CpuSample { t_ns: get_u64(r, 0)?, rss_bytes: get_u64(r, 1)?, pss_bytes: get_opt(r, 2)?, uss_bytes: get_opt(r, 3)?, process_count: r.get(4)? })
+                    Ok(CpuSample {
+                        t_ns: get_u64(r, 0)?,
+                        rss_bytes: get_u64(r, 1)?,
+                        pss_bytes: get_opt(r, 2)?,
+                        uss_bytes: get_opt(r, 3)?,
+                        process_count: r.get(4)?,
+                    })
                 })?
                 .collect::<rusqlite::Result<_>>()?;
-            let mut st = conn.prepare("SELECT pid, ppid, cmdline, first_t_ns, last_t_ns FROM processes ORDER BY first_t_ns, pid")?;
+            let mut st = conn
+                .prepare("SELECT pid, ppid, cmdline, first_t_ns, last_t_ns FROM processes ORDER BY first_t_ns, pid")?;
             p.processes = st
-                .query_map([], |r| Ok(ProcessInfo { pid: r.get(0)?, ppid: r.get(1)?, cmdline: r.get(2)?, first_t_ns: get_u64(r, 3)?, last_t_ns: get_u64(r, 4)? }))?
+                .query_map([], |r| {
+                    Ok(ProcessInfo {
+                        pid: r.get(0)?,
+                        ppid: r.get(1)?,
+                        cmdline: r.get(2)?,
+                        first_t_ns: get_u64(r, 3)?,
+                        last_t_ns: get_u64(r, 4)?,
+                    })
+                })?
                 .collect::<rusqlite::Result<_>>()?;
-            let mut st = conn.prepare("SELECT t_ns, pid, rss_bytes, pss_bytes, uss_bytes, gpu_bytes FROM process_samples ORDER BY t_ns, pid")?;
+            let mut st = conn.prepare(
+                "SELECT t_ns, pid, rss_bytes, pss_bytes, uss_bytes, gpu_bytes FROM process_samples ORDER BY t_ns, pid",
+            )?;
             p.process_samples = st
                 .query_map([], |r| {
-                    Ok(ProcessSample { t_ns: get_u64(r, 0)?, pid: r.get(1)?, rss_bytes: get_u64(r, 2)?, pss_bytes: get_opt(r, 3)?, uss_bytes: get_opt(r, 4)?, gpu_bytes: get_opt(r, 5)? })
+                    Ok(ProcessSample {
+                        t_ns: get_u64(r, 0)?,
+                        pid: r.get(1)?,
+                        rss_bytes: get_u64(r, 2)?,
+                        pss_bytes: get_opt(r, 3)?,
+                        uss_bytes: get_opt(r, 4)?,
+                        gpu_bytes: get_opt(r, 5)?,
+                    })
                 })?
                 .collect::<rusqlite::Result<_>>()?;
-            let mut st = conn.prepare("SELECT t_ns, device, used_bytes, total_bytes, process_bytes FROM gpu_samples ORDER BY t_ns, device")?;
+            let mut st = conn.prepare(
+                "SELECT t_ns, device, used_bytes, total_bytes, process_bytes FROM gpu_samples ORDER BY t_ns, device",
+            )?;
             p.gpu = st
-                .query_map([], |r| Ok(GpuSample { t_ns: get_u64(r, 0)?, device: r.get(1)?, used_bytes: get_u64(r, 2)?, total_bytes: get_u64(r, 3)?, process_bytes: get_opt(r, 4)? }))?
+                .query_map([], |r| {
+                    Ok(GpuSample {
+                        t_ns: get_u64(r, 0)?,
+                        device: r.get(1)?,
+                        used_bytes: get_u64(r, 2)?,
+                        total_bytes: get_u64(r, 3)?,
+                        process_bytes: get_opt(r, 4)?,
+                    })
+                })?
                 .collect::<rusqlite::Result<_>>()?;
             let mut st = conn.prepare(
                 "SELECT t_ns, device, allocated_bytes, reserved_bytes, peak_allocated_bytes, peak_reserved_bytes, active_bytes, inactive_split_bytes FROM torch_samples ORDER BY t_ns, device",
@@ -293,7 +362,8 @@ impl Profile {
             let texts: Vec<String> = st.query_map([], |r| r.get(0))?.collect::<rusqlite::Result<_>>()?;
             p.line_profiles = texts.iter().filter_map(|t| serde_json::from_str(t).ok()).collect();
             let mut st = conn.prepare("SELECT name, data FROM blobs ORDER BY t_ns, rowid")?;
-            let rows: Vec<(String, String)> = st.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?.collect::<rusqlite::Result<_>>()?;
+            let rows: Vec<(String, String)> =
+                st.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?.collect::<rusqlite::Result<_>>()?;
             p.blobs = rows.into_iter().filter_map(|(n, t)| Some((n, serde_json::from_str(&t).ok()?))).collect();
             Ok(p)
         };
@@ -314,11 +384,45 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("p.sqlite");
         let mut w = ProfileWriter::create(&path, &meta()).unwrap();
-        w.push(Record::Cpu(CpuSample { t_ns: 1, rss_bytes: 100, pss_bytes: Some(90), uss_bytes: None, process_count: 2 }));
-        w.push(Record::ProcessSeen(ProcessInfo { pid: 5, ppid: 1, cmdline: "python x.py".into(), first_t_ns: 1, last_t_ns: 1 }));
-        w.push(Record::ProcessSeen(ProcessInfo { pid: 5, ppid: 1, cmdline: String::new(), first_t_ns: 9, last_t_ns: 9 }));
-        w.push(Record::Torch(TorchSample { t_ns: 2, device: 0, allocated_bytes: 3, reserved_bytes: 4, peak_allocated_bytes: 5, peak_reserved_bytes: 6, active_bytes: 3, inactive_split_bytes: 0 }));
-        w.push(Record::Marker(Marker { t_ns: 3, kind: MarkerKind::Epoch, edge: Edge::Start, name: "epoch".into(), index: Some(0), memory: MarkerMemory { rss_bytes: Some(7), ..Default::default() } }));
+        w.push(Record::Cpu(CpuSample {
+            t_ns: 1,
+            rss_bytes: 100,
+            pss_bytes: Some(90),
+            uss_bytes: None,
+            process_count: 2,
+        }));
+        w.push(Record::ProcessSeen(ProcessInfo {
+            pid: 5,
+            ppid: 1,
+            cmdline: "python x.py".into(),
+            first_t_ns: 1,
+            last_t_ns: 1,
+        }));
+        w.push(Record::ProcessSeen(ProcessInfo {
+            pid: 5,
+            ppid: 1,
+            cmdline: String::new(),
+            first_t_ns: 9,
+            last_t_ns: 9,
+        }));
+        w.push(Record::Torch(TorchSample {
+            t_ns: 2,
+            device: 0,
+            allocated_bytes: 3,
+            reserved_bytes: 4,
+            peak_allocated_bytes: 5,
+            peak_reserved_bytes: 6,
+            active_bytes: 3,
+            inactive_split_bytes: 0,
+        }));
+        w.push(Record::Marker(Marker {
+            t_ns: 3,
+            kind: MarkerKind::Epoch,
+            edge: Edge::Start,
+            name: "epoch".into(),
+            index: Some(0),
+            memory: MarkerMemory { rss_bytes: Some(7), ..Default::default() },
+        }));
         w.push(Record::Blob { t_ns: 4, name: "x".into(), data: serde_json::json!({"a": 1}) });
         w.flush().unwrap();
         w.finish(Some(3), 10).unwrap();

@@ -35,11 +35,7 @@ pub enum ChildMessage {
     /// The line profiler's result table (schema owned by the line profiler), stored as JSON.
     LineProfile { t_ns: u64, data: serde_json::Value },
     /// Free-form JSON stored under a name (e.g. "journey", "torch_info").
-    Blob {
-        t_ns: u64,
-        name: String,
-        data: serde_json::Value,
-    },
+    Blob { t_ns: u64, name: String, data: serde_json::Value },
 }
 
 impl ChildMessage {

@@ -52,7 +52,8 @@ pub struct NvmlSource {
 impl NvmlSource {
     /// Loads libnvidia-ml and lists the devices. Fails with a clear reason on machines without NVIDIA's driver.
     pub fn open() -> Result<Self> {
-        let nvml = Nvml::init().map_err(|e| CoreError::Nvml(format!("{e} (no NVIDIA driver / libnvidia-ml.so.1 on this machine?)")))?;
+        let nvml = Nvml::init()
+            .map_err(|e| CoreError::Nvml(format!("{e} (no NVIDIA driver / libnvidia-ml.so.1 on this machine?)")))?;
         let count = nvml.device_count().map_err(|e| CoreError::Nvml(e.to_string()))?;
         let mut devices = Vec::new();
         for index in 0..count {

@@ -100,9 +100,7 @@ pub fn cmdline(pid: u32) -> String {
             .map(|s| String::from_utf8_lossy(s).into_owned())
             .collect::<Vec<_>>()
             .join(" "),
-        _ => fs::read_to_string(format!("/proc/{pid}/comm"))
-            .map(|c| format!("[{}]", c.trim()))
-            .unwrap_or_default(),
+        _ => fs::read_to_string(format!("/proc/{pid}/comm")).map(|c| format!("[{}]", c.trim())).unwrap_or_default(),
     }
 }
 
