@@ -10,8 +10,7 @@ use crate::store::Profile;
 use crate::units::{format_bytes, format_delta, format_opt_bytes, format_secs};
 
 /// Shown under a table whose GPU columns were left out.
-pub const NO_CUDA_NOTE: &str =
-    "GPU: no CUDA device in this run, so there are no GPU columns (not zeros).";
+pub const NO_CUDA_NOTE: &str = "GPU: no CUDA device in this run, so there are no GPU columns (not zeros).";
 
 /// One table, ready to draw in any format.
 #[derive(Debug, Clone, PartialEq)]
@@ -61,10 +60,7 @@ impl<'a, R> Columns<'a, R> {
     fn fill(self, table: &mut Table, rows: &[R]) {
         table.headers = self.cols.iter().map(|c| c.0.clone()).collect();
         table.numeric = self.cols.iter().map(|c| c.1).collect();
-        table.rows = rows
-            .iter()
-            .map(|r| self.cols.iter().map(|c| (c.2)(r)).collect())
-            .collect();
+        table.rows = rows.iter().map(|r| self.cols.iter().map(|c| (c.2)(r)).collect()).collect();
     }
 }
 
@@ -85,32 +81,17 @@ pub fn has_cuda(summary: &Summary) -> bool {
 pub fn meta_lines(profile: &Profile, summary: &Summary) -> Vec<(String, String)> {
     let m = &profile.meta;
     let mut out = vec![("profile".to_string(), profile.path.display().to_string())];
-    out.push((
-        "command".into(),
-        if m.command.is_empty() {
-            "-".into()
-        } else {
-            m.command.join(" ")
-        },
-    ));
+    out.push(("command".into(), if m.command.is_empty() { "-".into() } else { m.command.join(" ") }));
     let ended = match (m.exit_code, m.duration_ns) {
         (Some(code), _) => format!("exit code {code}"),
         (None, Some(_)) => "ended by a signal (no exit code)".into(),
-        (None, None) => "unfinished: the recorder stopped before the run ended (killed?); the data up to then is shown".into(),
+        (None, None) => {
+            "unfinished: the recorder stopped before the run ended (killed?); the data up to then is shown".into()
+        }
     };
     out.push(("ended".into(), ended));
-    out.push((
-        "duration".into(),
-        summary
-            .duration_ns
-            .map(format_secs)
-            .unwrap_or_else(|| "-".into()),
-    ));
-    let interval = if m.interval_ms > 0.0 {
-        format!(", every {} ms", m.interval_ms)
-    } else {
-        String::new()
-    };
+    out.push(("duration".into(), summary.duration_ns.map(format_secs).unwrap_or_else(|| "-".into())));
+    let interval = if m.interval_ms > 0.0 { format!(", every {} ms", m.interval_ms) } else { String::new() };
     out.push((
         "samples".into(),
         format!(
@@ -119,21 +100,8 @@ pub fn meta_lines(profile: &Profile, summary: &Summary) -> Vec<(String, String)>
         ),
     ));
     if !m.hostname.is_empty() || m.host_total_bytes.is_some() {
-        let ram = m
-            .host_total_bytes
-            .map(|b| format!(", {} RAM", format_bytes(b)))
-            .unwrap_or_default();
-        out.push((
-            "host".into(),
-            format!(
-                "{}{ram}",
-                if m.hostname.is_empty() {
-                    "-"
-                } else {
-                    &m.hostname
-                }
-            ),
-        ));
+        let ram = m.host_total_bytes.map(|b| format!(", {} RAM", format_bytes(b))).unwrap_or_default();
+        out.push(("host".into(), format!("{}{ram}", if m.hostname.is_empty() { "-" } else { &m.hostname })));
     }
     let gpus = if summary.peak.gpus.is_empty() {
         "no CUDA device in this run".to_string()
@@ -174,18 +142,11 @@ pub fn peaks_table(summary: &Summary) -> Table {
     t.headers = vec!["memory".into(), "peak".into(), "".into()];
     t.numeric = vec![false, true, false];
     let p = &summary.peak;
-    let when = p
-        .cpu_rss_t_ns
-        .map(|ns| format!("at {}", format_secs(ns)))
-        .unwrap_or_default();
+    let when = p.cpu_rss_t_ns.map(|ns| format!("at {}", format_secs(ns))).unwrap_or_default();
     t.rows.push(vec![
         "CPU RSS, process tree".into(),
         format_opt_bytes(p.cpu_rss_bytes),
-        if p.cpu_rss_bytes.is_some() {
-            when
-        } else {
-            "no CPU samples".into()
-        },
+        if p.cpu_rss_bytes.is_some() { when } else { "no CPU samples".into() },
     ]);
     if let Some(pss) = p.cpu_pss_bytes {
         t.rows.push(vec![
@@ -195,73 +156,44 @@ pub fn peaks_table(summary: &Summary) -> Table {
         ]);
     }
     if let Some(uss) = p.cpu_uss_bytes {
-        t.rows.push(vec![
-            "CPU USS, process tree".into(),
-            format_bytes(uss),
-            "private pages only".into(),
-        ]);
+        t.rows.push(vec!["CPU USS, process tree".into(), format_bytes(uss), "private pages only".into()]);
     }
     for g in &p.gpus {
-        let name = g
-            .name
-            .as_deref()
-            .map(|n| format!(" ({n})"))
-            .unwrap_or_default();
+        let name = g.name.as_deref().map(|n| format!(" ({n})")).unwrap_or_default();
         let torch_missing = "not recorded: no PyTorch CUDA allocator samples";
         let rows = [
             ("allocated (PyTorch)", g.allocated_bytes, torch_missing),
             ("reserved (PyTorch)", g.reserved_bytes, torch_missing),
-            (
-                "NVML, profiled processes",
-                g.nvml_process_bytes,
-                "not recorded: no NVML per-process reading",
-            ),
-            (
-                "NVML, whole device",
-                g.nvml_used_bytes,
-                "not recorded: no NVML reading",
-            ),
+            ("NVML, profiled processes", g.nvml_process_bytes, "not recorded: no NVML per-process reading"),
+            ("NVML, whole device", g.nvml_used_bytes, "not recorded: no NVML reading"),
         ];
         for (i, (what, bytes, missing)) in rows.into_iter().enumerate() {
-            let label = if i == 0 {
-                format!("GPU {}{name} {what}", g.device)
-            } else {
-                format!("GPU {} {what}", g.device)
-            };
-            let detail = if bytes.is_some() {
-                share(bytes, g.total_bytes)
-            } else {
-                missing.to_string()
-            };
+            let label =
+                if i == 0 { format!("GPU {}{name} {what}", g.device) } else { format!("GPU {} {what}", g.device) };
+            let detail = if bytes.is_some() { share(bytes, g.total_bytes) } else { missing.to_string() };
             t.rows.push(vec![label, format_opt_bytes(bytes), detail]);
         }
     }
     if p.gpus.is_empty() {
-        t.notes.push("GPU: no CUDA device in this run (no NVML device, no PyTorch CUDA samples), so no GPU peaks.".into());
+        t.notes
+            .push("GPU: no CUDA device in this run (no NVML device, no PyTorch CUDA samples), so no GPU peaks.".into());
     }
     t
 }
 
 /// One row per epoch: time, memory at its end, peaks inside it, growth since the previous epoch.
 pub fn epochs_table(rows: &[EpochRow]) -> Table {
-    let mut t = Table::new(
-        "Epochs",
-        "none recorded; mark them with `with mon.epoch():` (torchmem.Monitor)",
-    );
-    let gpu = rows.iter().any(|r| {
-        r.allocated_bytes.is_some()
-            || r.reserved_bytes.is_some()
-            || r.peak_allocated_bytes.is_some()
-    });
+    let mut t = Table::new("Epochs", "none recorded; mark them with `with mon.epoch():` (torchmem.Monitor)");
+    let gpu = rows
+        .iter()
+        .any(|r| r.allocated_bytes.is_some() || r.reserved_bytes.is_some() || r.peak_allocated_bytes.is_some());
     let mut c: Columns<EpochRow> = Columns::new();
     c.num("epoch", |r| r.index.to_string());
     c.num("time", |r| opt_secs(r.duration_ns));
     if gpu {
         c.num("allocated", |r| format_opt_bytes(r.allocated_bytes));
         c.num("reserved", |r| format_opt_bytes(r.reserved_bytes));
-        c.num("peak allocated", |r| {
-            format_opt_bytes(r.peak_allocated_bytes)
-        });
+        c.num("peak allocated", |r| format_opt_bytes(r.peak_allocated_bytes));
         c.num("peak reserved", |r| format_opt_bytes(r.peak_reserved_bytes));
         c.num("Δ allocated", |r| opt_delta(r.growth_allocated_bytes));
     }
@@ -270,9 +202,7 @@ pub fn epochs_table(rows: &[EpochRow]) -> Table {
     c.num("Δ RSS", |r| opt_delta(r.growth_rss_bytes));
     c.fill(&mut t, rows);
     if !rows.is_empty() {
-        t.notes.push(
-            "Memory at the end of each epoch; Δ = change since the previous epoch's end.".into(),
-        );
+        t.notes.push("Memory at the end of each epoch; Δ = change since the previous epoch's end.".into());
         if !gpu {
             t.notes.push(NO_CUDA_NOTE.into());
         }
@@ -286,35 +216,22 @@ pub fn phases_table(rows: &[PhaseRow]) -> Table {
         "Phases",
         "none recorded; record them with `torchmem.track(name)` or `torchmem.Monitor(model, optimizer)`",
     );
-    let gpu = rows
-        .iter()
-        .any(|r| r.max_peak_allocated_bytes.is_some() || r.mean_delta_allocated_bytes.is_some());
+    let gpu = rows.iter().any(|r| r.max_peak_allocated_bytes.is_some() || r.mean_delta_allocated_bytes.is_some());
     let mut c: Columns<PhaseRow> = Columns::new();
     c.text("phase", |r| r.name.clone());
     c.num("count", |r| r.count.to_string());
     c.num("total time", |r| format_secs(r.total_ns));
-    c.num("mean time", |r| {
-        format_secs(r.total_ns.checked_div(r.count).unwrap_or(0))
-    });
+    c.num("mean time", |r| format_secs(r.total_ns.checked_div(r.count).unwrap_or(0)));
     if gpu {
-        c.num("mean Δ allocated", |r| {
-            opt_delta(r.mean_delta_allocated_bytes)
-        });
-        c.num("max peak allocated", |r| {
-            format_opt_bytes(r.max_peak_allocated_bytes)
-        });
-        c.num("max peak reserved", |r| {
-            format_opt_bytes(r.max_peak_reserved_bytes)
-        });
+        c.num("mean Δ allocated", |r| opt_delta(r.mean_delta_allocated_bytes));
+        c.num("max peak allocated", |r| format_opt_bytes(r.max_peak_allocated_bytes));
+        c.num("max peak reserved", |r| format_opt_bytes(r.max_peak_reserved_bytes));
     }
     c.num("mean Δ RSS", |r| opt_delta(r.mean_delta_rss_bytes));
     c.num("max peak RSS", |r| format_opt_bytes(r.max_peak_rss_bytes));
     c.fill(&mut t, rows);
     if !rows.is_empty() {
-        t.notes.push(
-            "Δ = memory at the phase's end minus at its start, averaged over its occurrences."
-                .into(),
-        );
+        t.notes.push("Δ = memory at the phase's end minus at its start, averaged over its occurrences.".into());
         if !gpu {
             t.notes.push(NO_CUDA_NOTE.into());
         }
@@ -356,9 +273,7 @@ pub fn processes_table(rows: &[ProcessRow]) -> Table {
 /// The journey as a table (Markdown and HTML; the text report uses `journey::render_text`).
 pub fn journey_table(stages: &[JourneyStage]) -> Table {
     let mut t = Table::new("Memory journey", "no stages recorded");
-    let gpu = stages
-        .iter()
-        .any(|s| s.allocated_bytes.is_some() || s.reserved_bytes.is_some());
+    let gpu = stages.iter().any(|s| s.allocated_bytes.is_some() || s.reserved_bytes.is_some());
     let mut c: Columns<JourneyStage> = Columns::new();
     c.num("#", |_| String::new());
     c.text("stage", |s| s.name.clone());
@@ -425,10 +340,7 @@ mod tests {
         let t = epochs_table(&[r]);
         assert!(t.headers.contains(&"peak allocated".to_string()));
         assert_eq!(t.rows[0][2], "2.0 MiB");
-        assert_eq!(
-            t.rows[0][3], "-",
-            "reserved was not measured: a dash, not a zero"
-        );
+        assert_eq!(t.rows[0][3], "-", "reserved was not measured: a dash, not a zero");
         assert!(!t.notes.iter().any(|n| n == NO_CUDA_NOTE));
     }
 

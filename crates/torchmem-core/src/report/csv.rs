@@ -10,12 +10,7 @@ use crate::store::Profile;
 
 /// The GPU device indices in the run (PyTorch's and NVML's), sorted.
 pub fn devices(profile: &Profile) -> Vec<u32> {
-    let mut d: Vec<u32> = profile
-        .torch
-        .iter()
-        .map(|s| s.device)
-        .chain(profile.gpu.iter().map(|s| s.device))
-        .collect();
+    let mut d: Vec<u32> = profile.torch.iter().map(|s| s.device).chain(profile.gpu.iter().map(|s| s.device)).collect();
     d.sort_unstable();
     d.dedup();
     d
@@ -27,15 +22,8 @@ fn cell(v: Option<u64>) -> String {
 
 /// The header line (without newline).
 pub fn header(devices: &[u32]) -> String {
-    let mut cols: Vec<String> = [
-        "t_s",
-        "cpu_rss_bytes",
-        "cpu_pss_bytes",
-        "cpu_uss_bytes",
-        "processes",
-    ]
-    .map(String::from)
-    .to_vec();
+    let mut cols: Vec<String> =
+        ["t_s", "cpu_rss_bytes", "cpu_pss_bytes", "cpu_uss_bytes", "processes"].map(String::from).to_vec();
     for d in devices {
         for what in ["allocated", "reserved", "nvml_process", "nvml_used"] {
             cols.push(format!("gpu{d}_{what}_bytes"));
@@ -137,16 +125,7 @@ mod tests {
     #[test]
     fn cpu_only_run_has_no_gpu_columns() {
         let mut p = Profile::default();
-        p.cpu.push(CpuSample {
-            t_ns: 0,
-            rss_bytes: 1,
-            pss_bytes: None,
-            uss_bytes: None,
-            process_count: 1,
-        });
-        assert_eq!(
-            render(&p),
-            "t_s,cpu_rss_bytes,cpu_pss_bytes,cpu_uss_bytes,processes\n0.000000,1,,,1\n"
-        );
+        p.cpu.push(CpuSample { t_ns: 0, rss_bytes: 1, pss_bytes: None, uss_bytes: None, process_count: 1 });
+        assert_eq!(render(&p), "t_s,cpu_rss_bytes,cpu_pss_bytes,cpu_uss_bytes,processes\n0.000000,1,,,1\n");
     }
 }

@@ -46,7 +46,7 @@ p.empty { color: #777; font-style: italic; }
 
 /// The hover read-out. Reads the data block, follows the mouse over the chart, and shows under the cursor
 /// the time, the epoch and phase, and for every series its value in that pixel column (max, and min when the
-/// column spans a range), carrying the last value forward over columns without a sample.
+/// column spans a range); over columns without a sample, the value held since the last one.
 const SCRIPT: &str = r#"
 (function () {
   "use strict";
@@ -67,7 +67,8 @@ const SCRIPT: &str = r#"
   }
   function esc(s) { return String(s).replace(/[&<>"]/g, function (c) { return {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}[c]; }); }
   function at(s, i) {
-    for (var j = i; j >= 0; j--) { if (s.max[j] !== null) return {min: s.min[j], max: s.max[j], held: j !== i}; }
+    if (s.max[i] !== null) return {min: s.min[i], max: s.max[i], held: false};
+    for (var j = i - 1; j >= 0; j--) { if (s.last[j] !== null) return {min: s.last[j], max: s.last[j], held: true}; }
     return null;
   }
   function band(list, t) {
@@ -134,11 +135,8 @@ pub fn render_table(t: &Table) -> String {
         for row in &t.rows {
             out.push_str("<tr>");
             for (i, c) in row.iter().enumerate() {
-                let cls = if t.headers.get(i).map(String::as_str) == Some("command") {
-                    " class=\"cmd\""
-                } else {
-                    class(i)
-                };
+                let cls =
+                    if t.headers.get(i).map(String::as_str) == Some("command") { " class=\"cmd\"" } else { class(i) };
                 out.push_str(&format!("<td{cls}>{}</td>", esc(c)));
             }
             out.push_str("</tr>\n");
@@ -162,7 +160,7 @@ fn chart_data(tl: &Timeline, lay: &Layout, legend_top: f64, y_top_bytes: f64) ->
         "plot_w": lay.plot_w(),
         "plot_h": lay.plot_h,
         "y_top": y_top_bytes,
-        "series": tl.series.iter().map(|s| json!({"label": s.label, "color": s.color, "samples": s.samples, "min": s.buckets.min, "max": s.buckets.max})).collect::<Vec<_>>(),
+        "series": tl.series.iter().map(|s| json!({"label": s.label, "color": s.color, "samples": s.samples, "min": s.buckets.min, "max": s.buckets.max, "last": s.buckets.last})).collect::<Vec<_>>(),
         "epochs": tl.epochs.iter().map(|b| json!([secs(b.start_ns), secs(b.end_ns), b.label])).collect::<Vec<_>>(),
         "phases": tl.phases.iter().map(|b| json!([secs(b.start_ns), secs(b.end_ns), b.label])).collect::<Vec<_>>(),
     })
@@ -184,12 +182,7 @@ pub fn render(profile: &Profile, summary: &Summary) -> String {
     let lay = Layout::standard();
     let tl = Timeline::build(profile, lay.buckets());
     let svg = render_chart(profile, &tl, &lay, true);
-    let data = chart_data(
-        &tl,
-        &lay,
-        svg_attr(&svg, "data-top"),
-        svg_attr(&svg, "data-y-top"),
-    );
+    let data = chart_data(&tl, &lay, svg_attr(&svg, "data-top"), svg_attr(&svg, "data-y-top"));
     // `</` inside a script block would end it early; JSON allows `<\/` for `</`.
     let data_text = data.to_string().replace("</", "<\\/");
     let command = profile.meta.command.join(" ");
@@ -198,11 +191,7 @@ pub fn render(profile: &Profile, summary: &Summary) -> String {
     h.push_str("<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n");
     h.push_str(&format!(
         "<title>torchmem: {}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n",
-        esc(if command.is_empty() {
-            "report"
-        } else {
-            &command
-        })
+        esc(if command.is_empty() { "report" } else { &command })
     ));
     h.push_str("<h1>torchmem report</h1>\n<dl class=\"meta\">\n");
     for (k, v) in cells::meta_lines(profile, summary) {
@@ -210,10 +199,7 @@ pub fn render(profile: &Profile, summary: &Summary) -> String {
     }
     h.push_str("</dl>\n");
     for g in &summary.growth {
-        h.push_str(&format!(
-            "<div class=\"warning\"><b>Warning:</b> {}</div>\n",
-            esc(&g.message)
-        ));
+        h.push_str(&format!("<div class=\"warning\"><b>Warning:</b> {}</div>\n", esc(&g.message)));
     }
     h.push_str("<h2>Memory timeline</h2>\n");
     h.push_str("<div id=\"tm-readout\"><span class=\"hint\">Move the mouse over the chart to read every series at that moment.</span></div>\n");
@@ -235,10 +221,7 @@ pub fn render(profile: &Profile, summary: &Summary) -> String {
     if !summary.journey.is_empty() {
         h.push_str(&format!(
             "<details><summary>Mermaid source</summary>\n<pre>{}</pre></details>\n",
-            esc(&journey::render_mermaid(
-                &summary.journey,
-                &mermaid::title(profile)
-            ))
+            esc(&journey::render_mermaid(&summary.journey, &mermaid::title(profile)))
         ));
     }
     let line_html = lines::render_html(&profile.line_profiles);
@@ -247,9 +230,7 @@ pub fn render(profile: &Profile, summary: &Summary) -> String {
         h.push_str(&line_html);
         h.push('\n');
     }
-    h.push_str(&format!(
-        "<script type=\"application/json\" id=\"tm-data\">{data_text}</script>\n"
-    ));
+    h.push_str(&format!("<script type=\"application/json\" id=\"tm-data\">{data_text}</script>\n"));
     h.push_str(&format!("<script>{SCRIPT}</script>\n</body>\n</html>\n"));
     h
 }
@@ -301,13 +282,8 @@ mod tests {
         let p = profile(5, 100);
         let html = render(&p, &Summary::from_profile(&p));
         assert!(html.starts_with("<!DOCTYPE html>"));
-        for needle in [
-            "http://", "https://", "src=", "@import", "url(", "<link", "//cdn",
-        ] {
-            assert!(
-                !html.contains(needle),
-                "found {needle:?}: the page must not load anything"
-            );
+        for needle in ["http://", "https://", "src=", "@import", "url(", "<link", "//cdn"] {
+            assert!(!html.contains(needle), "found {needle:?}: the page must not load anything");
         }
         assert!(html.contains("id=\"tm-data\"") && html.contains("GPU allocated"));
         assert_eq!(html.matches("<script").count(), 2);
@@ -322,12 +298,7 @@ mod tests {
         // a 10-second run has about the same size: the chart does not grow with the run
         let small = profile(10, 100);
         let small_html = render(&small, &Summary::from_profile(&small));
-        assert!(
-            html.len() < small_html.len() * 3,
-            "{} vs {}",
-            html.len(),
-            small_html.len()
-        );
+        assert!(html.len() < small_html.len() * 3, "{} vs {}", html.len(), small_html.len());
     }
 
     #[test]
@@ -352,9 +323,6 @@ mod tests {
         let html = render(&p, &Summary::from_profile(&p));
         assert_eq!(html.matches("</script>").count(), 2);
         assert!(!html.contains("</script><b>x"));
-        assert!(
-            html.contains("&lt;/script&gt;&lt;b&gt;x"),
-            "the phase table shows the name, escaped"
-        );
+        assert!(html.contains("&lt;/script&gt;&lt;b&gt;x"), "the phase table shows the name, escaped");
     }
 }

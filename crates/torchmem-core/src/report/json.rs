@@ -52,8 +52,7 @@ pub fn to_value(profile: &Profile, summary: &Summary) -> Value {
 
 /// The report as pretty-printed JSON text.
 pub fn render(profile: &Profile, summary: &Summary) -> String {
-    let mut s =
-        serde_json::to_string_pretty(&to_value(profile, summary)).unwrap_or_else(|_| "{}".into());
+    let mut s = serde_json::to_string_pretty(&to_value(profile, summary)).unwrap_or_else(|_| "{}".into());
     s.push('\n');
     s
 }

@@ -10,9 +10,7 @@ use crate::store::Profile;
 
 /// Escapes text for a Markdown table cell.
 fn cell(s: &str) -> String {
-    s.replace('\\', "\\\\")
-        .replace('|', "\\|")
-        .replace('\n', " ")
+    s.replace('\\', "\\\\").replace('|', "\\|").replace('\n', " ")
 }
 
 /// One table as Markdown: a `###` title, the table (numbers right-aligned), its notes in italics.
@@ -21,17 +19,9 @@ pub fn render_table(t: &Table) -> String {
     if t.rows.is_empty() {
         out.push_str(&format!("_{}_\n", cell(&t.empty)));
     } else {
-        let header: Vec<String> = t
-            .headers
-            .iter()
-            .map(|h| if h.is_empty() { " ".into() } else { cell(h) })
-            .collect();
+        let header: Vec<String> = t.headers.iter().map(|h| if h.is_empty() { " ".into() } else { cell(h) }).collect();
         out.push_str(&format!("| {} |\n", header.join(" | ")));
-        let align: Vec<&str> = t
-            .numeric
-            .iter()
-            .map(|n| if *n { "---:" } else { "---" })
-            .collect();
+        let align: Vec<&str> = t.numeric.iter().map(|n| if *n { "---:" } else { "---" }).collect();
         out.push_str(&format!("| {} |\n", align.join(" | ")));
         for row in &t.rows {
             let cells: Vec<String> = row.iter().map(|c| cell(c)).collect();
@@ -70,10 +60,7 @@ pub fn render(profile: &Profile, summary: &Summary) -> String {
     }
     let line_text = lines::render_text(&profile.line_profiles);
     if !line_text.trim().is_empty() {
-        out.push_str(&format!(
-            "\n### Line profile\n\n```text\n{}\n```\n",
-            line_text.trim_end()
-        ));
+        out.push_str(&format!("\n### Line profile\n\n```text\n{}\n```\n", line_text.trim_end()));
     }
     out
 }
@@ -92,9 +79,6 @@ mod tests {
             notes: vec!["note".into()],
             empty: String::new(),
         };
-        assert_eq!(
-            render_table(&t),
-            "### Phases\n\n| phase | count |\n| --- | ---: |\n| a\\|b | 3 |\n\n_note_  \n"
-        );
+        assert_eq!(render_table(&t), "### Phases\n\n| phase | count |\n| --- | ---: |\n| a\\|b | 3 |\n\n_note_  \n");
     }
 }

@@ -33,11 +33,7 @@ mod tests {
     fn title_names_the_script() {
         let mut p = Profile {
             meta: RunMeta {
-                command: vec![
-                    "/venv/bin/python".into(),
-                    "/home/u/train.py".into(),
-                    "--lr".into(),
-                ],
+                command: vec!["/venv/bin/python".into(), "/home/u/train.py".into(), "--lr".into()],
                 ..Default::default()
             },
             ..Default::default()

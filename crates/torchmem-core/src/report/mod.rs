@@ -29,13 +29,7 @@ pub enum Format {
 }
 
 impl Format {
-    pub const ALL: [Format; 5] = [
-        Format::Table,
-        Format::Json,
-        Format::Csv,
-        Format::Markdown,
-        Format::Mermaid,
-    ];
+    pub const ALL: [Format; 5] = [Format::Table, Format::Json, Format::Csv, Format::Markdown, Format::Mermaid];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -48,14 +42,11 @@ impl Format {
     }
 
     pub fn parse(s: &str) -> Option<Format> {
-        Format::ALL
-            .into_iter()
-            .find(|f| f.as_str() == s.to_ascii_lowercase())
-            .or(match s {
-                "text" | "txt" => Some(Format::Table),
-                "md" => Some(Format::Markdown),
-                _ => None,
-            })
+        Format::ALL.into_iter().find(|f| f.as_str() == s.to_ascii_lowercase()).or(match s {
+            "text" | "txt" => Some(Format::Table),
+            "md" => Some(Format::Markdown),
+            _ => None,
+        })
     }
 }
 

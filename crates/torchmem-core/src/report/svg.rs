@@ -36,15 +36,7 @@ pub struct Layout {
 
 impl Layout {
     pub const fn standard() -> Layout {
-        Layout {
-            width: 1200.0,
-            left: 80.0,
-            right: 16.0,
-            top: 0.0,
-            plot_h: 330.0,
-            lane_h: 14.0,
-            bottom: 44.0,
-        }
+        Layout { width: 1200.0, left: 80.0, right: 16.0, top: 0.0, plot_h: 330.0, lane_h: 14.0, bottom: 44.0 }
     }
     pub fn plot_w(&self) -> f64 {
         self.width - self.left - self.right
@@ -108,12 +100,7 @@ pub fn byte_axis(max_bytes: u64) -> Axis {
         step = step.max(1.0); // no fractions of a byte
     }
     let ticks = (value / step).ceil().max(1.0) as usize;
-    Axis {
-        unit_bytes,
-        unit,
-        step,
-        ticks,
-    }
+    Axis { unit_bytes, unit, step, ticks }
 }
 
 impl Axis {
@@ -141,34 +128,19 @@ pub fn time_ticks(t_end_s: f64) -> (f64, usize) {
 }
 
 fn time_label(t_s: f64, step: f64) -> String {
-    let dec = Axis {
-        unit_bytes: 1,
-        unit: "",
-        step,
-        ticks: 1,
-    }
-    .decimals();
+    let dec = Axis { unit_bytes: 1, unit: "", step, ticks: 1 }.decimals();
     format!("{t_s:.dec$}")
 }
 
 /// The chart's legend items: (label, colour, dash, is a lane swatch).
 fn legend_items(tl: &Timeline) -> Vec<(String, &'static str, Option<&'static str>, bool)> {
-    let mut items: Vec<_> = tl
-        .series
-        .iter()
-        .map(|s| (s.label.clone(), s.color, s.dash, false))
-        .collect();
+    let mut items: Vec<_> = tl.series.iter().map(|s| (s.label.clone(), s.color, s.dash, false)).collect();
     const MAX_PHASES: usize = 10;
     for name in tl.phase_names.iter().take(MAX_PHASES) {
         items.push((format!("phase {name}"), tl.phase_color(name), None, true));
     }
     if tl.phase_names.len() > MAX_PHASES {
-        items.push((
-            format!("… {} more phases", tl.phase_names.len() - MAX_PHASES),
-            "#cccccc",
-            None,
-            true,
-        ));
+        items.push((format!("… {} more phases", tl.phase_names.len() - MAX_PHASES), "#cccccc", None, true));
     }
     items
 }
@@ -184,51 +156,61 @@ fn legend(tl: &Timeline, lay: &Layout) -> (String, f64) {
             y += 18.0;
         }
         if swatch {
-            out.push_str(&format!(r#"<rect x="{:.1}" y="{:.1}" width="20" height="10" fill="{color}" fill-opacity="0.75"/>"#, x, y - 9.0));
+            out.push_str(&format!(
+                r#"<rect x="{:.1}" y="{:.1}" width="20" height="10" fill="{color}" fill-opacity="0.75"/>"#,
+                x,
+                y - 9.0
+            ));
         } else {
-            let d = dash
-                .map(|d| format!(r#" stroke-dasharray="{d}""#))
-                .unwrap_or_default();
-            out.push_str(&format!(r#"<line x1="{:.1}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="{color}" stroke-width="2.5"{d}/>"#, x, y - 4.0, x + 20.0, y - 4.0));
+            let d = dash.map(|d| format!(r#" stroke-dasharray="{d}""#)).unwrap_or_default();
+            out.push_str(&format!(
+                r#"<line x1="{:.1}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="{color}" stroke-width="2.5"{d}/>"#,
+                x,
+                y - 4.0,
+                x + 20.0,
+                y - 4.0
+            ));
         }
-        out.push_str(&format!(
-            r#"<text x="{:.1}" y="{:.1}">{}</text>"#,
-            x + 26.0,
-            y,
-            esc(&label)
-        ));
+        out.push_str(&format!(r#"<text x="{:.1}" y="{:.1}">{}</text>"#, x + 26.0, y, esc(&label)));
         x += w;
     }
     (out, y + 14.0)
 }
 
-/// The SVG path of one series: per pixel column its min and max, in the order they happened.
-fn series_path(
-    b: &crate::report::timeline::Buckets,
-    lay: &Layout,
-    axis_top: f64,
-    n: usize,
-) -> String {
+/// The SVG path of one series, drawn as a step function (memory holds its value until the next sample): per
+/// pixel column, a horizontal run at the value held from before, then its min and max in the order they
+/// happened, then its last value.
+fn series_path(b: &crate::report::timeline::Buckets, lay: &Layout, axis_top: f64, n: usize) -> String {
     let mut d = String::new();
     let y = |v: u64| lay.top + lay.plot_h * (1.0 - v as f64 / axis_top);
+    let mut last_point: Option<(f64, f64)> = None;
     let mut push = |x: f64, yv: f64| {
-        d.push(if d.is_empty() { 'M' } else { 'L' });
-        d.push_str(&format!("{x:.1},{yv:.1}"));
+        let p = ((x * 10.0).round() / 10.0, (yv * 10.0).round() / 10.0);
+        if last_point == Some(p) {
+            return;
+        }
+        d.push(if last_point.is_none() { 'M' } else { 'L' });
+        d.push_str(&format!("{:.1},{:.1}", p.0, p.1));
+        last_point = Some(p);
     };
+    let mut held: Option<u64> = None;
     for k in 0..n {
-        let (Some(lo), Some(hi)) = (b.min[k], b.max[k]) else {
+        let (Some(lo), Some(hi), Some(last)) = (b.min[k], b.max[k], b.last[k]) else {
             continue;
         };
         let x = lay.left + (k as f64 + 0.5) * lay.plot_w() / n as f64;
-        if lo == hi {
-            push(x, y(lo));
-        } else if b.max_first[k] {
+        if let Some(h) = held {
+            push(x, y(h));
+        }
+        if b.max_first[k] {
             push(x, y(hi));
             push(x, y(lo));
         } else {
             push(x, y(lo));
             push(x, y(hi));
         }
+        push(x, y(last));
+        held = Some(last);
     }
     d
 }
@@ -237,10 +219,7 @@ fn series_path(
 /// the XML namespace, which inline SVG in HTML does not need.
 pub fn render_chart(profile: &Profile, tl: &Timeline, lay: &Layout, interactive: bool) -> String {
     let (legend_svg, legend_h) = legend(tl, lay);
-    let lay = Layout {
-        top: legend_h,
-        ..*lay
-    };
+    let lay = Layout { top: legend_h, ..*lay };
     let height = lay.height();
     let axis = byte_axis(tl.max_bytes());
     let top_bytes = axis.top_bytes();
@@ -248,11 +227,7 @@ pub fn render_chart(profile: &Profile, tl: &Timeline, lay: &Layout, interactive:
     let x_of = |t_ns: u64| lay.left + lay.plot_w() * (t_ns as f64 / tl.t_end_ns as f64);
     let title = format!("Memory timeline of {}", profile.meta.command.join(" "));
     let mut s = String::with_capacity(64 * 1024);
-    let ns = if interactive {
-        String::new()
-    } else {
-        r#" xmlns="http://www.w3.org/2000/svg""#.to_string()
-    };
+    let ns = if interactive { String::new() } else { r#" xmlns="http://www.w3.org/2000/svg""#.to_string() };
     s.push_str(&format!(
         r##"<svg{ns} id="tm-chart" viewBox="0 0 {w} {h:.0}" width="{w}" height="{h:.0}" font-family="system-ui, -apple-system, 'Segoe UI', sans-serif" font-size="12" fill="#333" role="img" aria-label="{t}" data-left="{l}" data-top="{top}" data-plot-w="{pw}" data-plot-h="{ph}" data-y-top="{yt}">"##,
         w = lay.width,
@@ -265,10 +240,7 @@ pub fn render_chart(profile: &Profile, tl: &Timeline, lay: &Layout, interactive:
         yt = top_bytes,
     ));
     s.push_str(&format!("<title>{}</title>", esc(&title)));
-    s.push_str(&format!(
-        r##"<rect x="0" y="0" width="{}" height="{height:.0}" fill="#ffffff"/>"##,
-        lay.width
-    ));
+    s.push_str(&format!(r##"<rect x="0" y="0" width="{}" height="{height:.0}" fill="#ffffff"/>"##, lay.width));
     s.push_str(&legend_svg);
     // Epoch bands: alternate shading across the whole plot height, number at the top.
     s.push_str(r#"<g class="epochs">"#);
@@ -282,7 +254,11 @@ pub fn render_chart(profile: &Profile, tl: &Timeline, lay: &Layout, interactive:
             lay.plot_h,
             esc(&b.label)
         ));
-        s.push_str(&format!(r##"<line x1="{x0:.1}" y1="{:.1}" x2="{x0:.1}" y2="{:.1}" stroke="#4a5a8a" stroke-opacity="0.35"/>"##, lay.top, lay.top + lay.plot_h));
+        s.push_str(&format!(
+            r##"<line x1="{x0:.1}" y1="{:.1}" x2="{x0:.1}" y2="{:.1}" stroke="#4a5a8a" stroke-opacity="0.35"/>"##,
+            lay.top,
+            lay.top + lay.plot_h
+        ));
         if x1 - x0 >= 48.0 {
             s.push_str(&format!(
                 r##"<text x="{:.1}" y="{:.1}" fill="#4a5a8a" font-size="11">{}</text>"##,
@@ -297,7 +273,11 @@ pub fn render_chart(profile: &Profile, tl: &Timeline, lay: &Layout, interactive:
     s.push_str(r#"<g class="y-axis">"#);
     for i in (0..=axis.ticks).filter(|_| !tl.series.is_empty()) {
         let y = lay.top + lay.plot_h * (1.0 - i as f64 / axis.ticks as f64);
-        s.push_str(&format!(r##"<line x1="{}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#000" stroke-opacity="0.1"/>"##, lay.left, lay.left + lay.plot_w()));
+        s.push_str(&format!(
+            r##"<line x1="{}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#000" stroke-opacity="0.1"/>"##,
+            lay.left,
+            lay.left + lay.plot_w()
+        ));
         s.push_str(&format!(
             r#"<text x="{:.1}" y="{:.1}" text-anchor="end">{}</text>"#,
             lay.left - 6.0,
@@ -329,16 +309,16 @@ pub fn render_chart(profile: &Profile, tl: &Timeline, lay: &Layout, interactive:
     }
     // X axis.
     let axis_y = lane_y + lay.lane_h + 4.0;
-    let (step, count) = if tl.series.is_empty() {
-        (1.0, 0)
-    } else {
-        time_ticks(t_end_s)
-    };
+    let (step, count) = if tl.series.is_empty() { (1.0, 0) } else { time_ticks(t_end_s) };
     s.push_str(r#"<g class="x-axis">"#);
     for i in 0..=count {
         let t = step * i as f64;
         let x = lay.left + lay.plot_w() * (t / t_end_s);
-        s.push_str(&format!(r##"<line x1="{x:.1}" y1="{:.1}" x2="{x:.1}" y2="{:.1}" stroke="#000" stroke-opacity="0.4"/>"##, axis_y - 3.0, axis_y + 2.0));
+        s.push_str(&format!(
+            r##"<line x1="{x:.1}" y1="{:.1}" x2="{x:.1}" y2="{:.1}" stroke="#000" stroke-opacity="0.4"/>"##,
+            axis_y - 3.0,
+            axis_y + 2.0
+        ));
         s.push_str(&format!(
             r#"<text x="{x:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
             axis_y + 15.0,
@@ -362,15 +342,8 @@ pub fn render_chart(profile: &Profile, tl: &Timeline, lay: &Layout, interactive:
     s.push_str(r#"<g class="series" fill="none" stroke-width="1.6" stroke-linejoin="round">"#);
     for se in &tl.series {
         let d = series_path(&se.buckets, &lay, top_bytes, tl.n);
-        let dash = se
-            .dash
-            .map(|d| format!(r#" stroke-dasharray="{d}""#))
-            .unwrap_or_default();
-        s.push_str(&format!(
-            r#"<path d="{d}" stroke="{}"{dash}><title>{}</title></path>"#,
-            se.color,
-            esc(&se.label)
-        ));
+        let dash = se.dash.map(|d| format!(r#" stroke-dasharray="{d}""#)).unwrap_or_default();
+        s.push_str(&format!(r#"<path d="{d}" stroke="{}"{dash}><title>{}</title></path>"#, se.color, esc(&se.label)));
     }
     s.push_str("</g>");
     if tl.series.is_empty() {
@@ -428,6 +401,15 @@ mod tests {
         assert_eq!(a.label(1), "0.5 GiB");
         let a = byte_axis(11 << 29);
         assert_eq!((a.step, a.label(1)), (2.0, "2 GiB".to_string()));
+    }
+
+    #[test]
+    fn series_are_steps_held_until_the_next_sample() {
+        // two samples: 1 KiB at the start, 2 KiB at the end; the line stays at 1 KiB until the end, then rises
+        let b = crate::report::timeline::downsample([(0u64, 1024u64), (100, 2048)].into_iter(), 100, 10);
+        let lay = Layout { width: 110.0, left: 0.0, right: 0.0, top: 0.0, plot_h: 100.0, lane_h: 0.0, bottom: 0.0 };
+        let d = series_path(&b, &lay, 4096.0, 10);
+        assert_eq!(d, "M5.5,75.0L104.5,75.0L104.5,50.0");
     }
 
     #[test]

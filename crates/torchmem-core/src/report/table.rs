@@ -77,10 +77,7 @@ pub fn render_phases(rows: &[PhaseRow]) -> String {
 
 /// Growth ("leak") warnings, one paragraph each; empty when none.
 pub fn render_growth(warnings: &[Growth]) -> String {
-    warnings
-        .iter()
-        .map(|g| format!("WARNING: {}\n", g.message))
-        .collect()
+    warnings.iter().map(|g| format!("WARNING: {}\n", g.message)).collect()
 }
 
 /// The summary alone (no profile file): growth warnings, peaks, phases, epochs, processes, journey.
@@ -99,11 +96,7 @@ pub fn render(summary: &Summary) -> String {
 /// The whole text report of a profile: the run's facts, then `render(summary)`, then the line profiles.
 pub fn render_report(profile: &Profile, summary: &Summary) -> String {
     let meta = cells::meta_lines(profile, summary);
-    let key_width = meta
-        .iter()
-        .map(|(k, _)| k.chars().count())
-        .max()
-        .unwrap_or(0);
+    let key_width = meta.iter().map(|(k, _)| k.chars().count()).max().unwrap_or(0);
     let mut out = String::from("torchmem report\n");
     for (k, v) in &meta {
         out.push_str(&format!("  {k:<key_width$}  {v}\n"));
@@ -143,27 +136,16 @@ mod tests {
 
     #[test]
     fn phase_table_is_aligned_with_units() {
-        let text = render_phases(&[
-            phase("forward", Some(64 * MIB)),
-            phase("optimizer_step", Some(1 << 30)),
-        ]);
+        let text = render_phases(&[phase("forward", Some(64 * MIB)), phase("optimizer_step", Some(1 << 30))]);
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines[0], "Phases");
-        assert!(
-            lines[1].contains("phase") && lines[1].contains("max peak allocated"),
-            "{text}"
-        );
+        assert!(lines[1].contains("phase") && lines[1].contains("max peak allocated"), "{text}");
         assert!(lines[2].trim_start().starts_with("---"), "{text}");
         assert!(
-            lines[3].contains("forward")
-                && lines[3].contains("+64.0 MiB")
-                && lines[3].contains("0.500 s"),
+            lines[3].contains("forward") && lines[3].contains("+64.0 MiB") && lines[3].contains("0.500 s"),
             "{text}"
         );
-        assert!(
-            lines[4].contains("1.00 GiB") && lines[4].contains("2.00 GiB"),
-            "{text}"
-        );
+        assert!(lines[4].contains("1.00 GiB") && lines[4].contains("2.00 GiB"), "{text}");
         // right-aligned numbers: every data line ends at the same column as the header
         let ends: Vec<usize> = lines[1..5].iter().map(|l| l.chars().count()).collect();
         assert!(ends.windows(2).all(|w| w[0] == w[1]), "{text}");

@@ -15,6 +15,9 @@ pub struct Buckets {
     pub max: Vec<Option<u64>>,
     /// Whether the bucket's maximum came before its minimum (the order a line visits them).
     pub max_first: Vec<bool>,
+    /// The bucket's last value: what memory holds until the next sample (the timeline is a step function,
+    /// and the recorder stores an unchanged reading only now and then).
+    pub last: Vec<Option<u64>>,
 }
 
 /// One line of the chart.
@@ -54,9 +57,8 @@ pub const ALLOCATED_COLOR: &str = "#d62728";
 pub const RESERVED_COLOR: &str = "#ff7f0e";
 pub const NVML_COLOR: &str = "#2ca02c";
 /// Phase lane colours, distinct from the series colours.
-pub const PHASE_COLORS: [&str; 8] = [
-    "#9467bd", "#17becf", "#e377c2", "#bcbd22", "#8c564b", "#7f7f7f", "#393b79", "#637939",
-];
+pub const PHASE_COLORS: [&str; 8] =
+    ["#9467bd", "#17becf", "#e377c2", "#bcbd22", "#8c564b", "#7f7f7f", "#393b79", "#637939"];
 const DEVICE_DASHES: [Option<&str>; 4] = [None, Some("6 3"), Some("2 2"), Some("8 3 2 3")];
 
 /// Which of `n` equal buckets of [0, t_end_ns] the time `t_ns` falls in (the last one holds t_end_ns).
@@ -77,15 +79,12 @@ pub fn bucket_start_ns(k: usize, t_end_ns: u64, n: usize) -> u64 {
 
 /// Min/max per bucket of time-ordered `(t_ns, bytes)` points.
 pub fn downsample(points: impl Iterator<Item = (u64, u64)>, t_end_ns: u64, n: usize) -> Buckets {
-    let mut b = Buckets {
-        min: vec![None; n],
-        max: vec![None; n],
-        max_first: vec![false; n],
-    };
+    let mut b = Buckets { min: vec![None; n], max: vec![None; n], max_first: vec![false; n], last: vec![None; n] };
     let mut min_seq = vec![0usize; n];
     let mut max_seq = vec![0usize; n];
     for (seq, (t, v)) in points.enumerate() {
         let k = bucket_of(t, t_end_ns, n);
+        b.last[k] = Some(v);
         if b.min[k].is_none_or(|m| v < m) {
             b.min[k] = Some(v);
             min_seq[k] = seq;
@@ -137,11 +136,8 @@ fn lane(
             }
             return;
         }
-        for (k, slot) in cover
-            .iter_mut()
-            .enumerate()
-            .take(bucket_of(b - 1, t_end_ns, n) + 1)
-            .skip(bucket_of(a, t_end_ns, n))
+        for (k, slot) in
+            cover.iter_mut().enumerate().take(bucket_of(b - 1, t_end_ns, n) + 1).skip(bucket_of(a, t_end_ns, n))
         {
             let lo = bucket_start_ns(k, t_end_ns, n).max(a);
             let hi = bucket_start_ns(k + 1, t_end_ns, n).min(b);
@@ -184,14 +180,7 @@ fn lane(
         let end = bucket_start_ns(k + 1, t_end_ns, n);
         match bands.last_mut() {
             Some((last_key, b)) if *last_key == kk && b.end_ns == start => b.end_ns = end,
-            _ => bands.push((
-                kk,
-                Band {
-                    start_ns: start,
-                    end_ns: end,
-                    label: label(span),
-                },
-            )),
+            _ => bands.push((kk, Band { start_ns: start, end_ns: end, label: label(span) })),
         }
     }
     bands.into_iter().map(|(_, b)| b).collect()
@@ -226,11 +215,7 @@ impl Timeline {
         }
         let devs = devices(profile);
         for (i, &d) in devs.iter().enumerate() {
-            let prefix = if devs.len() == 1 {
-                "GPU".to_string()
-            } else {
-                format!("GPU{d}")
-            };
+            let prefix = if devs.len() == 1 { "GPU".to_string() } else { format!("GPU{d}") };
             let dash = DEVICE_DASHES[i % DEVICE_DASHES.len()];
             let torch: Vec<(u64, u64, u64)> = profile
                 .torch
@@ -255,10 +240,7 @@ impl Timeline {
                 });
             }
             let nvml: Vec<_> = profile.gpu.iter().filter(|s| s.device == d).collect();
-            let per_process: Vec<(u64, u64)> = nvml
-                .iter()
-                .filter_map(|s| Some((s.t_ns, s.process_bytes?)))
-                .collect();
+            let per_process: Vec<(u64, u64)> = nvml.iter().filter_map(|s| Some((s.t_ns, s.process_bytes?))).collect();
             if !per_process.is_empty() {
                 series.push(Series {
                     label: format!("{prefix} NVML (profiled processes)"),
@@ -295,25 +277,14 @@ impl Timeline {
             n,
             series,
             epochs: lane(&epochs, t_end, n, |i| i.to_string(), epoch_label),
-            phases: lane(
-                &phases,
-                t_end,
-                n,
-                |i| phases[i].name.clone(),
-                |i| phases[i].name.clone(),
-            ),
+            phases: lane(&phases, t_end, n, |i| phases[i].name.clone(), |i| phases[i].name.clone()),
             phase_names,
         }
     }
 
     /// The highest value of any series.
     pub fn max_bytes(&self) -> u64 {
-        self.series
-            .iter()
-            .flat_map(|s| s.buckets.max.iter().flatten())
-            .copied()
-            .max()
-            .unwrap_or(0)
+        self.series.iter().flat_map(|s| s.buckets.max.iter().flatten()).copied().max().unwrap_or(0)
     }
 
     /// A phase's lane colour.
@@ -333,17 +304,13 @@ mod tests {
         // 1 hour at 100 Hz with one 1-sample spike: it must survive into 1000 buckets.
         let n_samples = 360_000u64;
         let t_end = n_samples * 10_000_000;
-        let points = (0..n_samples).map(|i| {
-            (
-                i * 10_000_000,
-                if i == 123_457 { 9_000 } else { 100 + i % 7 },
-            )
-        });
+        let points = (0..n_samples).map(|i| (i * 10_000_000, if i == 123_457 { 9_000 } else { 100 + i % 7 }));
         let b = downsample(points, t_end, 1000);
         assert_eq!(b.max.iter().flatten().copied().max(), Some(9_000));
         assert_eq!(b.min.iter().flatten().copied().min(), Some(100));
         let k = bucket_of(123_457 * 10_000_000, t_end, 1000);
         assert_eq!(b.max[k], Some(9_000));
+        assert_eq!(b.last[999], Some(100 + (n_samples - 1) % 7));
         assert!(b.max.iter().all(|m| m.is_some()));
     }
 
@@ -357,55 +324,22 @@ mod tests {
     }
 
     fn marker(t: u64, kind: MarkerKind, edge: Edge, name: &str, index: Option<i64>) -> Marker {
-        Marker {
-            t_ns: t,
-            kind,
-            edge,
-            name: name.into(),
-            index,
-            memory: MarkerMemory::default(),
-        }
+        Marker { t_ns: t, kind, edge, name: name.into(), index, memory: MarkerMemory::default() }
     }
 
     #[test]
     fn many_phases_become_a_bounded_lane_and_nesting_shows_the_inner_one() {
         let mut p = Profile::default();
         // 10 000 steps of forward (6 ms) + backward (4 ms) inside one "train" phase.
-        p.markers
-            .push(marker(0, MarkerKind::Phase, Edge::Start, "train", None));
+        p.markers.push(marker(0, MarkerKind::Phase, Edge::Start, "train", None));
         for s in 0..10_000u64 {
             let t = 1_000 + s * 10_000_000;
-            p.markers
-                .push(marker(t, MarkerKind::Phase, Edge::Start, "forward", None));
-            p.markers.push(marker(
-                t + 6_000_000,
-                MarkerKind::Phase,
-                Edge::End,
-                "forward",
-                None,
-            ));
-            p.markers.push(marker(
-                t + 6_000_000,
-                MarkerKind::Phase,
-                Edge::Start,
-                "backward",
-                None,
-            ));
-            p.markers.push(marker(
-                t + 9_999_000,
-                MarkerKind::Phase,
-                Edge::End,
-                "backward",
-                None,
-            ));
+            p.markers.push(marker(t, MarkerKind::Phase, Edge::Start, "forward", None));
+            p.markers.push(marker(t + 6_000_000, MarkerKind::Phase, Edge::End, "forward", None));
+            p.markers.push(marker(t + 6_000_000, MarkerKind::Phase, Edge::Start, "backward", None));
+            p.markers.push(marker(t + 9_999_000, MarkerKind::Phase, Edge::End, "backward", None));
         }
-        p.markers.push(marker(
-            100_000_000_000,
-            MarkerKind::Phase,
-            Edge::End,
-            "train",
-            None,
-        ));
+        p.markers.push(marker(100_000_000_000, MarkerKind::Phase, Edge::End, "train", None));
         p.cpu.push(CpuSample {
             t_ns: 100_000_000_000,
             rss_bytes: 1,
@@ -416,71 +350,34 @@ mod tests {
         let tl = Timeline::build(&p, 500);
         assert!(tl.phases.len() <= 500, "{}", tl.phases.len());
         // each 200 ms bucket holds 20 steps: forward covers 60 %, so it dominates every bucket
-        assert!(
-            tl.phases.iter().all(|b| b.label == "forward"),
-            "{:?}",
-            &tl.phases[..3]
-        );
+        assert!(tl.phases.iter().all(|b| b.label == "forward"), "{:?}", &tl.phases[..3]);
         assert_eq!(tl.phase_names, ["train", "forward", "backward"]);
 
         // a coarse run: one bucket per 1 ms, so forward and backward alternate
-        let tl = Timeline::build(
-            &Profile {
-                markers: p.markers[..9].to_vec(),
-                ..Default::default()
-            },
-            20,
-        );
+        let tl = Timeline::build(&Profile { markers: p.markers[..9].to_vec(), ..Default::default() }, 20);
         let labels: Vec<&str> = tl.phases.iter().map(|b| b.label.as_str()).collect();
-        assert_eq!(
-            labels,
-            ["forward", "backward", "forward", "backward"],
-            "{:?}",
-            tl.phases
-        );
+        assert_eq!(labels, ["forward", "backward", "forward", "backward"], "{:?}", tl.phases);
     }
 
     #[test]
     fn epochs_become_bands_with_their_index() {
         let mut p = Profile::default();
         for e in 0..3u64 {
-            p.markers.push(marker(
-                e * 1_000,
-                MarkerKind::Epoch,
-                Edge::Start,
-                "epoch",
-                Some(e as i64),
-            ));
-            p.markers.push(marker(
-                e * 1_000 + 900,
-                MarkerKind::Epoch,
-                Edge::End,
-                "epoch",
-                Some(e as i64),
-            ));
+            p.markers.push(marker(e * 1_000, MarkerKind::Epoch, Edge::Start, "epoch", Some(e as i64)));
+            p.markers.push(marker(e * 1_000 + 900, MarkerKind::Epoch, Edge::End, "epoch", Some(e as i64)));
         }
         let tl = Timeline::build(&p, 100);
         let labels: Vec<&str> = tl.epochs.iter().map(|b| b.label.as_str()).collect();
         assert_eq!(labels, ["epoch 0", "epoch 1", "epoch 2"]);
         // band edges fall on bucket edges: within one bucket (29 ns here) of the epoch's start
-        assert!(
-            tl.epochs[1].start_ns.abs_diff(1_000) <= 29,
-            "{:?}",
-            tl.epochs[1]
-        );
+        assert!(tl.epochs[1].start_ns.abs_diff(1_000) <= 29, "{:?}", tl.epochs[1]);
         assert!(tl.series.is_empty());
     }
 
     #[test]
     fn series_per_gpu_and_cpu() {
         let mut p = Profile::default();
-        p.cpu.push(CpuSample {
-            t_ns: 5,
-            rss_bytes: 10,
-            pss_bytes: None,
-            uss_bytes: None,
-            process_count: 1,
-        });
+        p.cpu.push(CpuSample { t_ns: 5, rss_bytes: 10, pss_bytes: None, uss_bytes: None, process_count: 1 });
         p.torch.push(TorchSample {
             t_ns: 5,
             device: 0,
@@ -491,24 +388,10 @@ mod tests {
             active_bytes: 1,
             inactive_split_bytes: 0,
         });
-        p.gpu.push(GpuSample {
-            t_ns: 5,
-            device: 0,
-            used_bytes: 50,
-            total_bytes: 100,
-            process_bytes: None,
-        });
+        p.gpu.push(GpuSample { t_ns: 5, device: 0, used_bytes: 50, total_bytes: 100, process_bytes: None });
         let tl = Timeline::build(&p, 10);
         let labels: Vec<&str> = tl.series.iter().map(|s| s.label.as_str()).collect();
-        assert_eq!(
-            labels,
-            [
-                "CPU RSS",
-                "GPU allocated",
-                "GPU reserved",
-                "GPU NVML (whole device)"
-            ]
-        );
+        assert_eq!(labels, ["CPU RSS", "GPU allocated", "GPU reserved", "GPU NVML (whole device)"]);
         assert_eq!(tl.max_bytes(), 50);
     }
 }
