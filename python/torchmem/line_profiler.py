@@ -288,7 +288,7 @@ def profile_data() -> dict[str, Any]:
         "hook": snap.get("hook", ""),
         "gate_ns": snap.get("gate_ns", 0.0),
         "gpu_device": snap.get("gpu_device"),
-        "python": "%d.%d.%d" % sys.version_info[:3],
+        "python": ".".join(str(v) for v in sys.version_info[:3]),
         "reads": snap.get("reads", 0),
         "events": snap.get("events", 0),
         "warnings": snap.get("warnings", []),

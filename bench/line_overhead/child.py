@@ -1,0 +1,50 @@
+"""One measurement: run one workload under one mode in this fresh process and print its best time as JSON.
+Modes: `untraced`, `torchmem` (torchmem.profile on the step function), `memory_profiler` (its LineProfiler
+on the same function, no printing)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workloads import WORKLOADS  # noqa: E402
+
+
+def main() -> None:
+    mode, name, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    step, n = WORKLOADS[name]()
+    if mode == "torchmem":
+        import torchmem
+
+        step = torchmem.profile(step)
+    elif mode == "memory_profiler":
+        import memory_profiler
+
+        step = memory_profiler.LineProfiler(backend="psutil")(step)
+    elif mode != "untraced":
+        raise SystemExit(f"unknown mode {mode}")
+    for _ in range(2):  # warm-up (allocator caches, cuDNN autotune, lazy imports)
+        step()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        best = min(best, time.perf_counter() - t0)
+    extra = {}
+    if mode == "torchmem":
+        from torchmem.line_profiler import profile_data
+
+        d = profile_data()
+        extra = {"reads": d["reads"], "events": d["events"], "gate_ns": d["gate_ns"], "hook": d["hook"]}
+        import torchmem.line_profiler as lp
+
+        lp._atexit_done = True  # keep the benchmark's output to the JSON line
+    print(json.dumps({"mode": mode, "workload": name, "best_s": best, "steps": n, **extra}))
+
+
+if __name__ == "__main__":
+    main()

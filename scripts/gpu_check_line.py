@@ -1,0 +1,355 @@
+"""GPU (and Python 3.12) checks of the line profiler, run standalone on the H200: `python scripts/gpu_check_line.py`.
+
+Each check runs in a fresh child process, prints PASS/FAIL with measured vs expected numbers, and one failing
+check never stops the others; the exit code is non-zero when any check failed. Checks:
+  - a line creating a 256 MiB CUDA tensor shows GPU alloc Δ of exactly 256 MiB (= torch.cuda's own delta);
+  - a line with a temporary shows the GPU peak torch.cuda reports for the same line;
+  - CUDA initialised inside a profiled function;
+  - HF GPT-2 (built from GPT2Config, no network) with gradient checkpointing trains under the profiler;
+  - the CPU correctness cases (64 MiB line, alloc/free loop, sum rule, threads, recursion, generators,
+    exceptions, FILE:FUNCTION spec) on this interpreter: on Python >= 3.12 that is the sys.monitoring path;
+  - bench/line_overhead (with the GPU resnet18 step).
+Flags: --no-bench skips the benchmark.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+MIB = 1 << 20
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAILURES: list[str] = []
+
+HEADER = """
+import json, os, sys, threading
+import torch
+import torchmem
+from torchmem.line_profiler import profile_data
+MIB = 1 << 20
+RESULT = {}
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def fn(name):
+    for f in profile_data()["functions"]:
+        if f["name"] == name:
+            return f
+    raise SystemExit(f"{name} not profiled")
+def row(f, needle):
+    (r,) = [r for r in f["lines"] if needle in r["source"]]
+    return r
+"""
+FOOTER = """
+RESULT["_data"] = profile_data()
+with open(sys.argv[1], "w") as f:
+    json.dump(RESULT, f)
+"""
+
+
+def child(body: str, env: dict | None = None, timeout: int = 600) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        script = os.path.join(d, "prog.py")
+        out = os.path.join(d, "out.json")
+        with open(script, "w") as f:
+            f.write(HEADER + textwrap.dedent(body) + FOOTER)
+        p = subprocess.run(
+            [sys.executable, script, out],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=dict(os.environ, **(env or {})),
+        )
+        if p.returncode != 0:
+            raise RuntimeError(f"child failed (rc {p.returncode}):\n{p.stderr[-3000:]}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def check(name: str, ok: bool, detail: str) -> None:
+    print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
+    if not ok:
+        FAILURES.append(name)
+
+
+def guarded(name: str, fn) -> None:
+    try:
+        fn()
+    except Exception as exc:  # one broken check must not hide the others
+        check(name, False, f"raised {type(exc).__name__}: {str(exc)[-1500:]}")
+
+
+def near(v: float, e: float, rel: float = 0.05) -> bool:
+    return abs(v - e) <= rel * abs(e)
+
+
+# ---------------------------------------------------------------- GPU
+def gpu_256() -> None:
+    r = child(
+        """
+        torch.cuda.init(); torch.ones(1, device="cuda")
+        @torchmem.profile
+        def make():
+            x = torch.empty(256 * MIB, dtype=torch.uint8, device="cuda")
+            return x
+        torch.cuda.synchronize()
+        a0 = torch.cuda.memory_allocated()
+        keep = make()
+        RESULT["torch_delta"] = torch.cuda.memory_allocated() - a0
+        f = fn("make")
+        RESULT["row"] = row(f, "x = torch.empty")
+        """
+    )
+    got = r["row"]["gpu_alloc_delta_bytes"]
+    check("gpu 256 MiB line: GPU alloc Δ", got == 256 * MIB == r["torch_delta"],
+          f"measured {got} B, expected {256 * MIB} B, torch.cuda delta {r['torch_delta']} B")
+    check("gpu 256 MiB line: GPU peak", r["row"]["gpu_peak_bytes"] == 256 * MIB,
+          f"measured {r['row']['gpu_peak_bytes']} B, expected {256 * MIB} B")
+
+
+def gpu_temporary_peak() -> None:
+    r = child(
+        """
+        a = torch.randn(16 * MIB, device="cuda")          # 64 MiB of float32
+        torch.cuda.synchronize()
+        # torch.cuda's answer for the same line, unprofiled:
+        base = torch.cuda.memory_allocated(); torch.cuda.reset_peak_memory_stats()
+        s = (a * 2).sum()
+        RESULT["torch_peak"] = torch.cuda.max_memory_allocated() - base
+        RESULT["torch_delta"] = torch.cuda.memory_allocated() - base
+        del s
+        @torchmem.profile
+        def temp(a):
+            s = (a * 2).sum()
+            t = s + 1
+            return t
+        for _ in range(3):
+            out = temp(a)
+        del out
+        f = fn("temp")
+        RESULT["row"] = row(f, "s = (a * 2).sum()")
+        RESULT["row_t"] = row(f, "t = s + 1")
+        """
+    )
+    row = r["row"]
+    check("gpu temporary: GPU peak = torch.cuda peak", row["gpu_peak_bytes"] == r["torch_peak"],
+          f"measured {row['gpu_peak_bytes']} B, expected {r['torch_peak']} B (64 MiB temporary + result)")
+    check("gpu temporary: GPU alloc Δ = torch.cuda delta (per hit x3)",
+          row["gpu_alloc_delta_bytes"] == 3 * r["torch_delta"],
+          f"measured {row['gpu_alloc_delta_bytes']} B, expected {3 * r['torch_delta']} B")
+    check("gpu temporary: the next line's peak is its own", row_small(r["row_t"]),
+          f"measured {r['row_t']['gpu_peak_bytes']} B, expected < 1 MiB")
+
+
+def row_small(r: dict) -> bool:
+    return r["gpu_peak_bytes"] is not None and r["gpu_peak_bytes"] < MIB
+
+
+def gpu_init_inside() -> None:
+    r = child(
+        """
+        @torchmem.profile
+        def first_cuda():
+            x = torch.ones(64 * MIB, dtype=torch.uint8, device="cuda")
+            y = torch.ones(32 * MIB, dtype=torch.uint8, device="cuda")
+            return x, y
+        keep = first_cuda()
+        f = fn("first_cuda")
+        RESULT["x"] = row(f, "x = torch.ones")
+        RESULT["y"] = row(f, "y = torch.ones")
+        RESULT["device"] = profile_data()["gpu_device"]
+        """
+    )
+    check("gpu CUDA initialised inside the profiled function",
+          r["x"]["gpu_alloc_delta_bytes"] == 64 * MIB and r["y"]["gpu_alloc_delta_bytes"] == 32 * MIB
+          and r["device"] is not None,
+          f"measured {r['x']['gpu_alloc_delta_bytes']} / {r['y']['gpu_alloc_delta_bytes']} B, "
+          f"expected {64 * MIB} / {32 * MIB} B, device {r['device']}")
+
+
+def gpu_gpt2_checkpointing() -> None:
+    r = child(
+        """
+        from transformers import GPT2Config, GPT2LMHeadModel
+        model = GPT2LMHeadModel(GPT2Config()).cuda()
+        model.gradient_checkpointing_enable()
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        ids = torch.randint(0, 50257, (2, 256), device="cuda")
+        @torchmem.profile
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return out.loss.item()
+        losses = [step() for _ in range(3)]
+        RESULT["losses"] = losses
+        f = fn("step")
+        RESULT["backward"] = row(f, "out.loss.backward()")
+        RESULT["warnings"] = profile_data()["warnings"]
+        """
+    )
+    b = r["backward"]
+    check("gpu GPT-2 + gradient checkpointing trains under the profiler",
+          len(r["losses"]) == 3 and b["hits"] == 3 and b["gpu_peak_bytes"] and b["gpu_peak_bytes"] > 0,
+          f"losses {r['losses']}, backward line peak {b['gpu_peak_bytes']} B, warnings {r['warnings']}")
+
+
+# ---------------------------------------------------------------- CPU cases (3.12: sys.monitoring)
+def cpu_cases() -> None:
+    for gate in ("calibrated", "0"):
+        env = {} if gate == "calibrated" else {"TORCHMEM_LINE_GATE_NS": "0"}
+        tag = f"[{sys.version.split()[0]}, gate {gate}]"
+
+        def one(name, body, test, env=env, tag=tag):
+            def run():
+                r = child(body, env)
+                ok, detail = test(r)
+                check(f"cpu {name} {tag}", ok, detail)
+            guarded(f"cpu {name} {tag}", run)
+
+        one("64 MiB line", """
+            @torchmem.profile
+            def work():
+                big = torch.ones(64 * MIB, dtype=torch.uint8)
+                return big
+            keep = work()
+            RESULT["r"] = row(fn("work"), "big = torch.ones")
+            RESULT["hook"] = profile_data()["hook"]
+            """, lambda r: (near(r["r"]["cpu_delta_bytes"], 64 * MIB),
+                            f"CPU Δ {r['r']['cpu_delta_bytes']} B, expected {64 * MIB} B ±5%, hook {r['hook']}"))
+        one("alloc/free loop", """
+            @torchmem.profile
+            def loop():
+                for i in range(5):
+                    x = torch.ones(64 * MIB, dtype=torch.uint8)
+                    del x
+            loop()
+            f = fn("loop")
+            RESULT["a"], RESULT["d"] = row(f, "x = torch.ones"), row(f, "del x")
+            """, lambda r: (r["a"]["hits"] == 5 and near(r["a"]["cpu_delta_bytes"], 5 * 64 * MIB)
+                            and near(r["a"]["cpu_delta_max_bytes"], 64 * MIB)
+                            and near(r["d"]["cpu_delta_bytes"], -5 * 64 * MIB),
+                            f"alloc {r['a']['hits']} hits Σ {r['a']['cpu_delta_bytes']} max "
+                            f"{r['a']['cpu_delta_max_bytes']}, free Σ {r['d']['cpu_delta_bytes']}; expected "
+                            f"5 hits, Σ {5 * 64 * MIB}, max {64 * MIB}, free {-5 * 64 * MIB}"))
+        one("sum rule", """
+            @torchmem.profile
+            def work():
+                a = torch.ones(64 * MIB, dtype=torch.uint8)
+                b = torch.ones(32 * MIB, dtype=torch.uint8)
+                del a
+                return b
+            before = rss(); keep = work(); RESULT["change"] = rss() - before
+            RESULT["sum"] = sum(x.get("cpu_delta_bytes") or 0 for x in fn("work")["lines"])
+            """, lambda r: (abs(r["sum"] - r["change"]) < MIB,
+                            f"Σ lines {r['sum']} B, function's change {r['change']} B"))
+        one("threads", """
+            @torchmem.profile
+            def worker():
+                x = torch.ones(64 * MIB, dtype=torch.uint8)
+                del x
+            for _ in range(2):
+                t = threading.Thread(target=worker); t.start(); t.join()
+            f = fn("worker"); RESULT["t"] = f["threads"]; RESULT["a"] = row(f, "x = torch.ones")
+            """, lambda r: (r["t"] == 2 and r["a"]["hits"] == 2 and near(r["a"]["cpu_delta_bytes"], 128 * MIB),
+                            f"threads {r['t']}, hits {r['a']['hits']}, Σ {r['a']['cpu_delta_bytes']} B"))
+        one("recursion", """
+            @torchmem.profile
+            def rec(n):
+                x = torch.ones(64 * MIB, dtype=torch.uint8)
+                if n > 0:
+                    rec(n - 1)
+                del x
+            rec(2)
+            f = fn("rec"); RESULT["a"] = row(f, "x = torch.ones"); RESULT["c"] = row(f, "rec(n - 1)")
+            RESULT["calls"] = f["calls"]
+            """, lambda r: (r["calls"] == 3 and r["a"]["hits"] == 3 and near(r["a"]["cpu_delta_bytes"], 192 * MIB)
+                            and abs(r["c"]["cpu_delta_bytes"]) < 2 * MIB,
+                            f"calls {r['calls']}, alloc Σ {r['a']['cpu_delta_bytes']}, recursive line "
+                            f"{r['c']['cpu_delta_bytes']}"))
+        one("generator", """
+            @torchmem.profile
+            def batches():
+                for i in range(3):
+                    b = torch.ones(64 * MIB, dtype=torch.uint8)
+                    yield b
+                    del b
+            held = []
+            for b in batches():
+                held.append(torch.ones(64 * MIB, dtype=torch.uint8))
+                del b
+            f = fn("batches"); RESULT["m"] = row(f, "b = torch.ones"); RESULT["y"] = row(f, "yield b")
+            """, lambda r: (r["m"]["hits"] == 3 and near(r["m"]["cpu_delta_bytes"], 192 * MIB)
+                            and abs(r["y"]["cpu_delta_bytes"]) < 2 * MIB,
+                            f"make Σ {r['m']['cpu_delta_bytes']}, yield line {r['y']['cpu_delta_bytes']}"))
+        one("exceptions", """
+            def fail():
+                raise ValueError("boom")
+            @torchmem.profile
+            def thrower():
+                x = torch.ones(64 * MIB, dtype=torch.uint8)
+                fail()
+            @torchmem.profile
+            def catcher():
+                try:
+                    thrower()
+                except ValueError:
+                    y = 1
+                return y
+            for _ in range(2):
+                catcher()
+            t, c = fn("thrower"), fn("catcher")
+            RESULT["calls"] = [t["calls"], c["calls"]]; RESULT["ret"] = row(c, "return y")["hits"]
+            RESULT["x"] = row(t, "x = torch.ones")["cpu_delta_bytes"]
+            """, lambda r: (r["calls"] == [2, 2] and r["ret"] == 2 and near(r["x"], 128 * MIB),
+                            f"calls {r['calls']}, return hits {r['ret']}, x Σ {r['x']}"))
+        one("FILE:FUNCTION spec", """
+            import textwrap, runpy, tempfile
+            from torchmem.line_profiler import _bootstrap_line
+            d = tempfile.mkdtemp(); p = os.path.join(d, "user.py")
+            open(p, "w").write("import torch\\ndef plain():\\n    t = torch.ones(64 << 20, dtype=torch.uint8)\\n"
+                               "    return t\\nkeep = plain()\\n")
+            _bootstrap_line([p + ":plain"], p)
+            runpy.run_path(p, run_name="__main__")
+            RESULT["r"] = row(fn("plain"), "t = torch.ones")
+            """, lambda r: (near(r["r"]["cpu_delta_bytes"], 64 * MIB), f"CPU Δ {r['r']['cpu_delta_bytes']} B"))
+
+
+def bench() -> None:
+    p = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "line_overhead", "run.py"), "--rounds", "3"],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    print(p.stdout + p.stderr[-2000:], flush=True)
+    check("bench/line_overhead ran", p.returncode == 0, f"rc {p.returncode}")
+
+
+def main() -> int:
+    import torch
+
+    print(f"python {sys.version.split()[0]}, torch {torch.__version__}, cuda {torch.cuda.is_available()}")
+    if torch.cuda.is_available():
+        guarded("gpu 256 MiB line", gpu_256)
+        guarded("gpu temporary", gpu_temporary_peak)
+        guarded("gpu CUDA init inside", gpu_init_inside)
+        guarded("gpu GPT-2 + gradient checkpointing", gpu_gpt2_checkpointing)
+    else:
+        check("gpu available", False, "torch.cuda.is_available() is False: GPU checks not run")
+    cpu_cases()
+    if "--no-bench" not in sys.argv:
+        guarded("bench", bench)
+    print(f"{'FAIL' if FAILURES else 'PASS'} summary: {len(FAILURES)} failed {FAILURES}")
+    return 1 if FAILURES else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
