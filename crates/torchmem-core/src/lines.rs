@@ -131,7 +131,8 @@ pub fn render_text(profiles: &[Value]) -> String {
                 "Function: {}  ({}:{})  calls: {}  threads: {}\n\n",
                 f.name, f.filename, f.first_line, f.calls, f.threads
             ));
-            let mut header = format!("{:>6} {:>8} {:>11} {:>11} {:>11}", "Line #", "Hits", "CPU mem", "CPU Δ", "CPU Δ max");
+            let mut header =
+                format!("{:>6} {:>8} {:>11} {:>11} {:>11}", "Line #", "Hits", "CPU mem", "CPU Δ", "CPU Δ max");
             if gpu {
                 header.push_str(&format!(" {:>12} {:>11} {:>15}", "GPU alloc Δ", "GPU peak", "GPU reserved Δ"));
             }
@@ -211,7 +212,8 @@ pub fn render_html(profiles: &[Value]) -> String {
         let gpu = p.gpu_device.is_some();
         for f in &p.functions {
             let max_w = f.lines.iter().map(LineRow::weight_bytes).max().unwrap_or(0);
-            let mut ranked: Vec<(u64, u64)> = f.lines.iter().map(|r| (r.weight_bytes(), r.line)).filter(|(w, _)| *w > 0).collect();
+            let mut ranked: Vec<(u64, u64)> =
+                f.lines.iter().map(|r| (r.weight_bytes(), r.line)).filter(|(w, _)| *w > 0).collect();
             ranked.sort_by(|a, b| b.cmp(a));
             let top: Vec<u64> = ranked.iter().take(3).map(|(_, l)| *l).collect();
             out.push_str(&format!(
@@ -345,11 +347,7 @@ mod tests {
 
     #[test]
     fn weight_takes_largest_magnitude() {
-        let r = LineRow {
-            cpu_delta_bytes: Some(-5),
-            gpu_peak_bytes: Some(3),
-            ..Default::default()
-        };
+        let r = LineRow { cpu_delta_bytes: Some(-5), gpu_peak_bytes: Some(3), ..Default::default() };
         assert_eq!(r.weight_bytes(), 5);
     }
 }

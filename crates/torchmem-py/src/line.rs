@@ -41,10 +41,8 @@ fn line_start<'py>(
         Some(p) => Gpu::Waiting { probe: p },
         None => Gpu::Off,
     };
-    let mut g = PROFILER
-        .0
-        .try_borrow_mut()
-        .map_err(|_| pyo3::exceptions::PyRuntimeError::new_err("line profiler busy"))?;
+    let mut g =
+        PROFILER.0.try_borrow_mut().map_err(|_| pyo3::exceptions::PyRuntimeError::new_err("line profiler busy"))?;
     match g.as_mut() {
         Some(p) => {
             p.active = true;
@@ -128,10 +126,7 @@ fn line_thread_installer(_frame: &Bound<'_, PyAny>, _event: &Bound<'_, PyAny>, _
 /// "warnings", "reads", "events", "gate_ns", "hook", "gpu"}.
 #[pyfunction]
 fn line_snapshot(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    let g = PROFILER
-        .0
-        .try_borrow()
-        .map_err(|_| pyo3::exceptions::PyRuntimeError::new_err("line profiler busy"))?;
+    let g = PROFILER.0.try_borrow().map_err(|_| pyo3::exceptions::PyRuntimeError::new_err("line profiler busy"))?;
     let d = PyDict::new(py);
     let Some(p) = g.as_ref() else {
         d.set_item("functions", Vec::<Py<PyAny>>::new())?;

@@ -20,9 +20,13 @@ pub enum Raw {
     /// sys.monitoring PY_START.
     Start,
     /// settrace CALL: a fresh call when the frame's line is at or before `co_firstlineno`, else a resume.
-    Call { frame_line: u32 },
+    Call {
+        frame_line: u32,
+    },
     /// sys.monitoring PY_RESUME / PY_THROW at a bytecode offset.
-    ResumeAt { offset: u32 },
+    ResumeAt {
+        offset: u32,
+    },
     Line(u32),
     Exit,
 }
@@ -228,9 +232,7 @@ unsafe extern "C" fn trace_cb(
     }
     let raw = match what {
         PYTRACE_LINE => Raw::Line(ffi::PyFrame_GetLineNumber(frame).max(0) as u32),
-        PYTRACE_CALL => Raw::Call {
-            frame_line: ffi::PyFrame_GetLineNumber(frame).max(0) as u32,
-        },
+        PYTRACE_CALL => Raw::Call { frame_line: ffi::PyFrame_GetLineNumber(frame).max(0) as u32 },
         _ => Raw::Exit,
     };
     drive(code, frame as usize, raw);
@@ -250,7 +252,8 @@ pub fn trace_install(on: bool) -> bool {
 // Python ≥ 3.12: sys.monitoring callbacks as raw METH_FASTCALL builtins.
 
 const METH_FASTCALL: c_int = 0x0080;
-type FastFn = unsafe extern "C" fn(*mut ffi::PyObject, *const *mut ffi::PyObject, ffi::Py_ssize_t) -> *mut ffi::PyObject;
+type FastFn =
+    unsafe extern "C" fn(*mut ffi::PyObject, *const *mut ffi::PyObject, ffi::Py_ssize_t) -> *mut ffi::PyObject;
 
 unsafe fn none() -> *mut ffi::PyObject {
     let n = ffi::Py_None();
@@ -270,14 +273,22 @@ unsafe fn arg_u32(args: *const *mut ffi::PyObject, n: ffi::Py_ssize_t, i: isize)
     Some(v.max(0) as u32)
 }
 
-unsafe extern "C" fn mon_line(_s: *mut ffi::PyObject, args: *const *mut ffi::PyObject, n: ffi::Py_ssize_t) -> *mut ffi::PyObject {
+unsafe extern "C" fn mon_line(
+    _s: *mut ffi::PyObject,
+    args: *const *mut ffi::PyObject,
+    n: ffi::Py_ssize_t,
+) -> *mut ffi::PyObject {
     if let Some(line) = arg_u32(args, n, 1) {
         drive(*args, 0, Raw::Line(line));
     }
     none()
 }
 
-unsafe extern "C" fn mon_start(_s: *mut ffi::PyObject, args: *const *mut ffi::PyObject, n: ffi::Py_ssize_t) -> *mut ffi::PyObject {
+unsafe extern "C" fn mon_start(
+    _s: *mut ffi::PyObject,
+    args: *const *mut ffi::PyObject,
+    n: ffi::Py_ssize_t,
+) -> *mut ffi::PyObject {
     if n < 1 {
         return none();
     }
@@ -293,14 +304,22 @@ unsafe extern "C" fn mon_start(_s: *mut ffi::PyObject, args: *const *mut ffi::Py
     none()
 }
 
-unsafe extern "C" fn mon_resume(_s: *mut ffi::PyObject, args: *const *mut ffi::PyObject, n: ffi::Py_ssize_t) -> *mut ffi::PyObject {
+unsafe extern "C" fn mon_resume(
+    _s: *mut ffi::PyObject,
+    args: *const *mut ffi::PyObject,
+    n: ffi::Py_ssize_t,
+) -> *mut ffi::PyObject {
     if let Some(offset) = arg_u32(args, n, 1) {
         drive(*args, 0, Raw::ResumeAt { offset });
     }
     none()
 }
 
-unsafe extern "C" fn mon_exit(_s: *mut ffi::PyObject, args: *const *mut ffi::PyObject, n: ffi::Py_ssize_t) -> *mut ffi::PyObject {
+unsafe extern "C" fn mon_exit(
+    _s: *mut ffi::PyObject,
+    args: *const *mut ffi::PyObject,
+    n: ffi::Py_ssize_t,
+) -> *mut ffi::PyObject {
     if n >= 1 {
         drive(*args, 0, Raw::Exit);
     }
@@ -314,7 +333,10 @@ pub fn fastcall_builtin(py: Python<'_>, name: &'static std::ffi::CStr, f: FastFn
         // SAFETY: METH_FASTCALL tells CPython to call through the fast signature.
         ml_meth: ffi::PyMethodDefPointer {
             PyCFunction: unsafe {
-                std::mem::transmute::<FastFn, unsafe extern "C" fn(*mut ffi::PyObject, *mut ffi::PyObject) -> *mut ffi::PyObject>(f)
+                std::mem::transmute::<
+                    FastFn,
+                    unsafe extern "C" fn(*mut ffi::PyObject, *mut ffi::PyObject) -> *mut ffi::PyObject,
+                >(f)
             },
         },
         ml_flags: METH_FASTCALL,

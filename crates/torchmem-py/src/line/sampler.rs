@@ -19,10 +19,7 @@ pub fn ticks() -> u64 {
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
+        let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
         // SAFETY: valid pointer to a timespec.
         unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
         ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
@@ -103,10 +100,7 @@ impl Statm {
         });
         // SAFETY: NUL-terminated path literal.
         let fd = unsafe { libc::open(c"/proc/self/statm".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
-        Statm {
-            fd,
-            page_bytes: page_size() as i64,
-        }
+        Statm { fd, page_bytes: page_size() as i64 }
     }
 
     /// Resident set size in bytes, or `None` when /proc is not readable.

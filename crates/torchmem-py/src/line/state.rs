@@ -91,11 +91,7 @@ pub struct CodeEntry {
 
 impl CodeEntry {
     pub fn line_of_offset(&self, offset: u32) -> u32 {
-        self.offsets
-            .iter()
-            .find(|(s, e, _)| *s <= offset && offset < *e)
-            .map(|(_, _, l)| *l)
-            .unwrap_or(0)
+        self.offsets.iter().find(|(s, e, _)| *s <= offset && offset < *e).map(|(_, _, l)| *l).unwrap_or(0)
     }
     fn stats(&mut self, line: u32) -> &mut LineStats {
         let i = line.saturating_sub(self.first_line) as usize;
@@ -135,8 +131,14 @@ struct ThreadState {
 
 pub enum Gpu {
     /// Not probed yet (or CUDA not initialised yet): allocator counters are 0 until CUDA starts.
-    Waiting { probe: Py<PyAny> },
-    Ready { device: i64, stats: Py<PyAny>, reset: Py<PyAny> },
+    Waiting {
+        probe: Py<PyAny>,
+    },
+    Ready {
+        device: i64,
+        stats: Py<PyAny>,
+        reset: Py<PyAny>,
+    },
     Off,
 }
 
@@ -210,14 +212,7 @@ impl Profiler {
         }
         self.rejected.remove(&ptr);
         let i = self.codes.len() as u32;
-        self.codes.push(CodeEntry {
-            code,
-            first_line,
-            offsets,
-            lines: Vec::new(),
-            calls: 0,
-            threads: Vec::new(),
-        });
+        self.codes.push(CodeEntry { code, first_line, offsets, lines: Vec::new(), calls: 0, threads: Vec::new() });
         self.by_ptr.insert(ptr, i);
         i
     }
@@ -240,12 +235,7 @@ impl Profiler {
         let mut i = THREAD_INDEX.with(|c| c.get()) as usize;
         if i >= self.threads.len() {
             i = self.threads.len();
-            self.threads.push(ThreadState {
-                stack: Vec::new(),
-                last_tick: 0,
-                last: Sample::default(),
-                fresh: true,
-            });
+            self.threads.push(ThreadState { stack: Vec::new(), last_tick: 0, last: Sample::default(), fresh: true });
             THREAD_INDEX.with(|c| c.set(i as u32));
         }
         i
@@ -321,13 +311,7 @@ impl Profiler {
                         c.threads.push(t as u32);
                     }
                 }
-                ts.stack.push(Activation {
-                    code,
-                    frame,
-                    line,
-                    start: now,
-                    seg_peak_bytes: now.gpu_alloc_bytes,
-                });
+                ts.stack.push(Activation { code, frame, line, start: now, seg_peak_bytes: now.gpu_alloc_bytes });
             }
             Ev::Line(line) => {
                 if !ts.stack.last().is_some_and(matches) {
