@@ -84,6 +84,37 @@ def allocator_sampler_running() -> bool:
 
 
 # --- line profiler (crates/torchmem-py/src/line.rs) ---
+def line_start(hook: str, gate_ns: float | None = None, gpu_probe: Any = None) -> dict[str, Any]:
+    """Start the line profiler. `hook`: "settrace" (Python <= 3.11) or "monitoring" (>= 3.12). `gate_ns`
+    overrides the calibrated gate (0 = read memory at every event). `gpu_probe()` returns None until CUDA is
+    initialised, then `(device, torch._C._cuda_memoryStats, torch._C._cuda_resetPeakMemoryStats)`.
+    Returns {"hook", "gate_ns", "min_page_fault_ns"}."""
+def line_stop() -> None:
+    """Stop accounting (hooks still installed return at once)."""
+def line_clear() -> None:
+    """Forget all measured numbers; registered code objects stay."""
+def line_add_code(code: Any, first_line: int, offsets: list[tuple[int, int, int | None]]) -> int:
+    """Profile this code object; `offsets` is `list(code.co_lines())`."""
+def line_set_matcher(matcher: Any = None) -> None:
+    """`matcher(code) -> bool` is asked once per unknown code object at its first call (`--line=SPEC`)."""
+def line_set_disable(obj: Any) -> None:
+    """Give the profiler `sys.monitoring.DISABLE`."""
+def line_monitoring_callbacks() -> dict[str, Any]:
+    """Raw METH_FASTCALL builtins for sys.monitoring: keys "line", "start", "resume", "exit"."""
+def line_trace_install(on: bool) -> bool:
+    """Install/remove the C trace function (PyEval_SetTrace via dlsym) on this thread; False if unavailable."""
+def line_thread_installer(frame: Any, event: Any, arg: Any) -> None:
+    """For `threading.settrace`: installs the C trace function in each new thread."""
+def line_snapshot() -> dict[str, Any]:
+    """{"functions": [{"code", "calls", "threads", "lines": [(line, hits, rss_after_bytes, cpu_delta_bytes,
+    cpu_delta_max_bytes, gpu_alloc_delta_bytes | None, gpu_peak_bytes | None, gpu_reserved_delta_bytes |
+    None)]}], "warnings", "reads", "events", "gate_ns", "hook", "gpu_device"}."""
+def line_render_text(json: str) -> str:
+    """memory_profiler-style tables for a JSON list of line-profile payloads (torchmem_core::lines)."""
+def line_render_html(json: str) -> str:
+    """Self-contained HTML fragment (annotated source, heaviest lines highlighted)."""
+def line_to_json(json: str) -> str:
+    """The `lines` section of `torchmem report --format json`, as a JSON string."""
 
 # --- allocator snapshots (crates/torchmem-py/src/snapshot.rs) ---
 def snapshot_summary_json(path: str, top: int = 10, at_time_us: int | None = None) -> str:
