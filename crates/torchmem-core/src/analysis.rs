@@ -199,18 +199,40 @@ fn span_peaks(span: &Span, torch: &[TorchSample], cpu: &[CpuSample]) -> (Option<
     let mut alloc = opt_max(exit.peak_allocated_bytes, opt_max(exit.allocated_bytes, span.entry.allocated_bytes));
     let mut reserved = opt_max(exit.peak_reserved_bytes, opt_max(exit.reserved_bytes, span.entry.reserved_bytes));
     let mut rss = opt_max(exit.peak_rss_bytes, opt_max(exit.rss_bytes, span.entry.rss_bytes));
+    // Samples are sorted by time: look up the span's range instead of scanning every sample per span.
+    let range = |ts: &dyn Fn(usize) -> u64, len: usize| {
+        let lo = partition(len, |i| ts(i) < span.start_t_ns);
+        let hi = partition(len, |i| ts(i) <= end);
+        lo..hi.max(lo)
+    };
     if exit.peak_allocated_bytes.is_none() {
-        for s in torch.iter().filter(|s| inside(s.t_ns)) {
+        let r = range(&|i| torch[i].t_ns, torch.len());
+        for s in torch[r].iter().filter(|s| inside(s.t_ns)) {
             alloc = opt_max(alloc, Some(s.allocated_bytes));
             reserved = opt_max(reserved, Some(s.reserved_bytes));
         }
     }
     if exit.peak_rss_bytes.is_none() {
-        for s in cpu.iter().filter(|s| inside(s.t_ns)) {
+        let r = range(&|i| cpu[i].t_ns, cpu.len());
+        for s in cpu[r].iter().filter(|s| inside(s.t_ns)) {
             rss = opt_max(rss, Some(s.rss_bytes));
         }
     }
     (alloc, reserved, rss)
+}
+
+/// The first index in 0..len for which `before` is false (`before` must be true then false along the range).
+fn partition(len: usize, before: impl Fn(usize) -> bool) -> usize {
+    let (mut lo, mut hi) = (0, len);
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        if before(mid) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
 }
 
 pub fn epoch_rows(spans: &[Span], kind: MarkerKind, torch: &[TorchSample], cpu: &[CpuSample]) -> Vec<EpochRow> {
@@ -574,6 +596,37 @@ mod tests {
         assert_eq!(s.phases[1].max_peak_allocated_bytes, Some(80 * MIB));
         assert_eq!(s.epochs[1].growth_allocated_bytes, Some(0));
         assert!(s.growth.is_empty());
+    }
+
+    #[test]
+    fn span_peaks_fall_back_to_the_samples_inside_the_span() {
+        let bare = |t, edge| Marker {
+            t_ns: t,
+            kind: MarkerKind::Phase,
+            edge,
+            name: "p".into(),
+            index: None,
+            memory: MarkerMemory::default(),
+        };
+        let sp = &spans(&[bare(100, Edge::Start), bare(200, Edge::End)])[0];
+        let cpu: Vec<CpuSample> = [(50, 9000), (100, 10), (150, 30), (200, 20), (250, 8000)]
+            .iter()
+            .map(|&(t, rss)| CpuSample { t_ns: t, rss_bytes: rss, pss_bytes: None, uss_bytes: None, process_count: 1 })
+            .collect();
+        let torch: Vec<TorchSample> = [(99, 500), (120, 7), (201, 600)]
+            .iter()
+            .map(|&(t, a)| TorchSample {
+                t_ns: t,
+                device: 0,
+                allocated_bytes: a,
+                reserved_bytes: a,
+                peak_allocated_bytes: a,
+                peak_reserved_bytes: a,
+                active_bytes: a,
+                inactive_split_bytes: 0,
+            })
+            .collect();
+        assert_eq!(span_peaks(sp, &torch, &cpu), (Some(7), Some(7), Some(30)));
     }
 
     #[test]

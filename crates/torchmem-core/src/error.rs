@@ -6,6 +6,8 @@ use std::path::PathBuf;
 pub enum CoreError {
     #[error("{path}: is not a torchmem profile ({reason}). Record one with `torchmem run -o PROFILE -- COMMAND`")]
     NotAProfile { path: PathBuf, reason: String },
+    #[error("{path}: is not a torchmem profile that can be read: it is damaged ({reason}). A profile whose run was killed stays readable, so this file was cut or overwritten afterwards; record the run again with `torchmem run -o PROFILE -- COMMAND`")]
+    DamagedProfile { path: PathBuf, reason: String },
     #[error("{path}: no such profile file. Check the path, or record one with `torchmem run -o PROFILE -- COMMAND`")]
     ProfileMissing { path: PathBuf },
     #[error("profile store: {0}")]

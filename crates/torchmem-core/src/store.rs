@@ -254,7 +254,7 @@ impl Profile {
         let format: Option<String> = conn
             .query_row("SELECT value FROM meta WHERE key = 'format'", [], |r| r.get(0))
             .optional()
-            .map_err(|e| not_profile(format!("{e}; the file is damaged")))?;
+            .map_err(|e| CoreError::DamagedProfile { path: path.into(), reason: e.to_string() })?;
         if format.as_deref() != Some(FORMAT_NAME) {
             return Err(not_profile("SQLite file without torchmem's format marker".into()));
         }
@@ -367,7 +367,7 @@ impl Profile {
             p.blobs = rows.into_iter().filter_map(|(n, t)| Some((n, serde_json::from_str(&t).ok()?))).collect();
             Ok(p)
         };
-        load().map_err(|e| not_profile(format!("{e}; the file is damaged")))
+        load().map_err(|e| CoreError::DamagedProfile { path: path.into(), reason: e.to_string() })
     }
 }
 

@@ -11,7 +11,7 @@ create_exception!(torchmem, SnapshotError, TorchmemError, "An allocator snapshot
 pub fn to_py(e: torchmem_core::CoreError) -> PyErr {
     use torchmem_core::CoreError::*;
     match e {
-        NotAProfile { .. } | ProfileMissing { .. } => ProfileError::new_err(e.to_string()),
+        NotAProfile { .. } | DamagedProfile { .. } | ProfileMissing { .. } => ProfileError::new_err(e.to_string()),
         other => TorchmemError::new_err(other.to_string()),
     }
 }
