@@ -4,8 +4,28 @@
 
 use std::io::Read;
 
+use std::collections::HashMap;
+use std::rc::Rc;
+
 use crate::model::*;
 use crate::pickle::{self, dict_get, Compactor, Value};
+
+const K_ACTION: u8 = 1;
+const K_ADDR: u8 = 2;
+const K_SIZE: u8 = 3;
+const K_STREAM: u8 = 4;
+const K_TIME_US: u8 = 5;
+const K_DEVICE_FREE: u8 = 6;
+const K_USER_METADATA: u8 = 7;
+const K_COMPILE_CONTEXT: u8 = 8;
+const K_FRAMES: u8 = 9;
+const K_STATE: u8 = 10;
+const K_ADDRESS: u8 = 11;
+const K_REQUESTED_SIZE: u8 = 12;
+const K_BLOCKS: u8 = 13;
+const K_FILENAME: u8 = 14;
+const K_LINE: u8 = 15;
+const K_NAME: u8 = 16;
 
 const KIND_FRAME: u8 = 1;
 const KIND_STACK: u8 = 2;
@@ -17,6 +37,35 @@ pub struct SnapshotCompactor {
     pub interner: Interner,
     pub traces: Vec<TraceEntry>,
     pub blocks: Vec<Block>,
+    /// Key strings are memoized once in real snapshots: map their `Rc` address to a key id (the `Rc`
+    /// is kept alive here so an address is never reused for another string).
+    key_ids: HashMap<usize, u8, FxBuild>,
+    key_keep: Vec<Rc<String>>,
+    scratch_ids: Vec<u32>,
+    /// Same idea for string values: `Rc` address → (interned id, action).
+    value_ids: HashMap<usize, (u32, Action), FxBuild>,
+}
+
+fn key_of_str(s: &str) -> u8 {
+    match s {
+        "action" => K_ACTION,
+        "addr" => K_ADDR,
+        "size" => K_SIZE,
+        "stream" => K_STREAM,
+        "time_us" => K_TIME_US,
+        "device_free" => K_DEVICE_FREE,
+        "user_metadata" => K_USER_METADATA,
+        "compile_context" => K_COMPILE_CONTEXT,
+        "frames" => K_FRAMES,
+        "state" => K_STATE,
+        "address" => K_ADDRESS,
+        "requested_size" => K_REQUESTED_SIZE,
+        "blocks" => K_BLOCKS,
+        "filename" => K_FILENAME,
+        "line" => K_LINE,
+        "name" => K_NAME,
+        _ => 0,
+    }
 }
 
 impl Default for SnapshotCompactor {
@@ -25,22 +74,23 @@ impl Default for SnapshotCompactor {
             interner: Interner::new(),
             traces: Vec::new(),
             blocks: Vec::new(),
+            key_ids: HashMap::default(),
+            key_keep: Vec::new(),
+            scratch_ids: Vec::new(),
+            value_ids: HashMap::default(),
         }
     }
 }
 
-fn has(items: &[(Value, Value)], key: &str) -> bool {
+pub(crate) fn has(items: &[(Value, Value)], key: &str) -> bool {
     items.iter().any(|(k, _)| k.as_str() == Some(key))
 }
 
 fn req_u64(items: &[(Value, Value)], key: &str, what: &str) -> Result<u64, String> {
     match dict_get(items, key) {
-        Some(v) => v.as_u64().ok_or_else(|| {
-            format!(
-                "{what}: '{key}' should be a non-negative int, found {}",
-                v.type_name()
-            )
-        }),
+        Some(v) => {
+            v.as_u64().ok_or_else(|| format!("{what}: '{key}' should be a non-negative int, found {}", v.type_name()))
+        }
         None => Err(format!("{what}: key '{key}' is missing")),
     }
 }
@@ -48,12 +98,10 @@ fn req_u64(items: &[(Value, Value)], key: &str, what: &str) -> Result<u64, Strin
 fn opt_u64(items: &[(Value, Value)], key: &str, what: &str) -> Result<Option<u64>, String> {
     match dict_get(items, key) {
         None | Some(Value::None) => Ok(None),
-        Some(v) => v.as_u64().map(Some).ok_or_else(|| {
-            format!(
-                "{what}: '{key}' should be a non-negative int, found {}",
-                v.type_name()
-            )
-        }),
+        Some(v) => v
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| format!("{what}: '{key}' should be a non-negative int, found {}", v.type_name())),
     }
 }
 
@@ -72,129 +120,185 @@ fn opt_str(items: &[(Value, Value)], key: &str, what: &str) -> Result<Option<Str
     match dict_get(items, key) {
         None | Some(Value::None) => Ok(None),
         Some(Value::Str(s)) => Ok(Some(s.to_string())),
-        Some(v) => Err(format!(
-            "{what}: '{key}' should be a str, found {}",
-            v.type_name()
-        )),
+        Some(v) => Err(format!("{what}: '{key}' should be a str, found {}", v.type_name())),
+    }
+}
+
+fn u64_of(v: &Value, key: &str, what: &str) -> Result<Option<u64>, String> {
+    match v {
+        Value::None => Ok(None),
+        v => v
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| format!("{what}: '{key}' should be a non-negative int, found {}", v.type_name())),
+    }
+}
+
+fn i64_of(v: &Value, key: &str, what: &str) -> Result<i64, String> {
+    match v {
+        Value::None => Ok(0),
+        v => v
+            .as_i64()
+            .or_else(|| v.as_u64().map(|u| u as i64))
+            .ok_or_else(|| format!("{what}: '{key}' should be an int, found {}", v.type_name())),
+    }
+}
+
+fn str_of<'a>(v: &'a Value, key: &str, what: &str) -> Result<&'a str, String> {
+    match v {
+        Value::None => Ok(""),
+        Value::Str(s) => Ok(s.as_str()),
+        v => Err(format!("{what}: '{key}' should be a str, found {}", v.type_name())),
     }
 }
 
 impl SnapshotCompactor {
-    fn frame(&mut self, items: &[(Value, Value)]) -> Result<u32, String> {
-        let filename = opt_str(items, "filename", "frame")?.unwrap_or_default();
-        let name = opt_str(items, "name", "frame")?.unwrap_or_default();
-        let line = opt_i64(items, "line", "frame")?;
-        let f = Frame {
-            filename: self.interner.string(&filename),
-            name: self.interner.string(&name),
-            line,
+    fn key(&mut self, k: &Value) -> u8 {
+        let Value::Str(rc) = k else { return 0 };
+        let ptr = Rc::as_ptr(rc) as usize;
+        if let Some(&id) = self.key_ids.get(&ptr) {
+            return id;
+        }
+        let id = key_of_str(rc);
+        if self.key_keep.len() < 4096 {
+            self.key_keep.push(rc.clone());
+            self.key_ids.insert(ptr, id);
+        }
+        id
+    }
+
+    /// Interned id and action of a string value (cached by `Rc` address).
+    fn str_value(&mut self, v: &Value, key: &str, what: &str) -> Result<(u32, Action), String> {
+        let Value::Str(rc) = v else {
+            return Ok((self.interner.string(str_of(v, key, what)?), Action::Other));
         };
-        Ok(self.interner.frame(f))
+        let ptr = Rc::as_ptr(rc) as usize;
+        if let Some(&r) = self.value_ids.get(&ptr) {
+            return Ok(r);
+        }
+        let r = (self.interner.string(rc), Action::parse(rc));
+        if self.key_keep.len() < 1 << 16 {
+            self.key_keep.push(rc.clone());
+            self.value_ids.insert(ptr, r);
+        }
+        Ok(r)
+    }
+
+    fn frame(&mut self, items: &[(Value, Value)]) -> Result<u32, String> {
+        let (mut filename, mut name, mut line) = (0u32, 0u32, 0i64);
+        for (k, v) in items {
+            match self.key(k) {
+                K_FILENAME => filename = self.interner.string(str_of(v, "filename", "frame")?),
+                K_NAME => name = self.interner.string(str_of(v, "name", "frame")?),
+                K_LINE => line = i64_of(v, "line", "frame")?,
+                _ => {}
+            }
+        }
+        Ok(self.interner.frame(Frame { filename, name, line }))
     }
 
     /// Interns a `frames` value; a list becomes a stack id and is recorded for memo replacement.
     fn stack_of(
         &mut self,
-        v: Option<Value>,
+        v: Option<&Value>,
         what: &str,
         replaced: &mut Vec<(Value, Value)>,
     ) -> Result<StackId, String> {
         match v {
             None | Some(Value::None) => Ok(NO_STACK),
-            Some(Value::Opaque {
-                kind: KIND_STACK,
-                id,
-            }) => Ok(id),
-            Some(list @ Value::List(_)) => {
-                let Value::List(l) = &list else {
-                    unreachable!()
-                };
-                let mut ids = Vec::new();
+            Some(Value::Opaque { kind: KIND_STACK, id }) => Ok(*id),
+            Some(list @ Value::List(l)) => {
+                let mut ids = std::mem::take(&mut self.scratch_ids);
+                ids.clear();
                 for f in l.items.borrow().iter() {
                     match f {
-                        Value::Opaque {
-                            kind: KIND_FRAME,
-                            id,
-                        } => ids.push(*id),
+                        Value::Opaque { kind: KIND_FRAME, id } => ids.push(*id),
                         Value::Dict(d) => {
                             let items = d.items.borrow();
                             ids.push(self.frame(&items)?);
                         }
-                        other => {
-                            return Err(format!(
-                                "{what}: a frame should be a dict, found {}",
-                                other.type_name()
-                            ))
-                        }
+                        other => return Err(format!("{what}: a frame should be a dict, found {}", other.type_name())),
                     }
                 }
-                let id = self.interner.stack(ids);
-                replaced.push((
-                    list.clone(),
-                    Value::Opaque {
-                        kind: KIND_STACK,
-                        id,
-                    },
-                ));
+                let id = self.interner.stack_slice(&ids);
+                self.scratch_ids = ids;
+                replaced.push((list.clone(), Value::Opaque { kind: KIND_STACK, id }));
                 Ok(id)
             }
-            Some(v) => Err(format!(
-                "{what}: 'frames' should be a list, found {}",
-                v.type_name()
-            )),
+            Some(v) => Err(format!("{what}: 'frames' should be a list, found {}", v.type_name())),
         }
     }
 
-    fn trace(
-        &mut self,
-        items: &[(Value, Value)],
-        replaced: &mut Vec<(Value, Value)>,
-    ) -> Result<TraceEntry, String> {
+    fn trace(&mut self, items: &[(Value, Value)], replaced: &mut Vec<(Value, Value)>) -> Result<TraceEntry, String> {
         let what = "trace entry";
-        let action = match dict_get(items, "action") {
-            Some(Value::Str(s)) => Action::parse(&s),
-            Some(v) => {
-                return Err(format!(
-                    "{what}: 'action' should be a str, found {}",
-                    v.type_name()
-                ))
-            }
-            None => return Err(format!("{what}: 'action' is missing")),
+        let mut t = TraceEntry {
+            action: Action::Other,
+            addr: 0,
+            size_bytes: 0,
+            stream: 0,
+            time_us: 0,
+            device_free_bytes: None,
+            stack: NO_STACK,
+            user_metadata: 0,
+            compile_context: 0,
         };
-        let user_metadata = opt_str(items, "user_metadata", what)?.unwrap_or_default();
-        let compile_context = opt_str(items, "compile_context", what)?.unwrap_or_default();
-        Ok(TraceEntry {
-            action,
-            addr: opt_u64(items, "addr", what)?.unwrap_or(0),
-            size_bytes: opt_u64(items, "size", what)?.unwrap_or(0),
-            stream: opt_i64(items, "stream", what)?,
-            time_us: opt_i64(items, "time_us", what)?,
-            device_free_bytes: opt_u64(items, "device_free", what)?,
-            stack: self.stack_of(dict_get(items, "frames"), what, replaced)?,
-            user_metadata: self.interner.string(&user_metadata),
-            compile_context: self.interner.string(&compile_context),
-        })
+        let mut action_seen = false;
+        let mut frames: Option<&Value> = None;
+        for (k, v) in items {
+            match self.key(k) {
+                K_ACTION => {
+                    if !matches!(v, Value::Str(_)) {
+                        return Err(format!("{what}: 'action' should be a str, found {}", v.type_name()));
+                    }
+                    t.action = self.str_value(v, "action", what)?.1;
+                    action_seen = true;
+                }
+                K_ADDR => t.addr = u64_of(v, "addr", what)?.unwrap_or(0),
+                K_SIZE => t.size_bytes = u64_of(v, "size", what)?.unwrap_or(0),
+                K_STREAM => t.stream = i64_of(v, "stream", what)?,
+                K_TIME_US => t.time_us = i64_of(v, "time_us", what)?,
+                K_DEVICE_FREE => t.device_free_bytes = u64_of(v, "device_free", what)?,
+                K_USER_METADATA => t.user_metadata = self.str_value(v, "user_metadata", what)?.0,
+                K_COMPILE_CONTEXT => t.compile_context = self.str_value(v, "compile_context", what)?.0,
+                K_FRAMES => frames = Some(v),
+                _ => {}
+            }
+        }
+        if !action_seen {
+            return Err(format!("{what}: 'action' is missing"));
+        }
+        t.stack = self.stack_of(frames, what, replaced)?;
+        Ok(t)
     }
 
-    fn block(
-        &mut self,
-        items: &[(Value, Value)],
-        replaced: &mut Vec<(Value, Value)>,
-    ) -> Result<Block, String> {
+    fn block(&mut self, items: &[(Value, Value)], replaced: &mut Vec<(Value, Value)>) -> Result<Block, String> {
         let what = "block";
-        let state = match opt_str(items, "state", what)?.as_deref() {
-            Some("active_allocated") => BlockState::ActiveAllocated,
-            Some("active_pending_free") => BlockState::ActivePendingFree,
-            Some("inactive") => BlockState::Inactive,
-            Some(other) => return Err(format!("{what}: unknown state {other:?}")),
-            None => return Err(format!("{what}: 'state' is missing")),
-        };
+        let mut state = None;
+        let (mut address, mut size, mut requested) = (None, None, 0u64);
+        let mut frames: Option<&Value> = None;
+        for (k, v) in items {
+            match self.key(k) {
+                K_STATE => {
+                    state = Some(match str_of(v, "state", what)? {
+                        "active_allocated" => BlockState::ActiveAllocated,
+                        "active_pending_free" => BlockState::ActivePendingFree,
+                        "inactive" => BlockState::Inactive,
+                        other => return Err(format!("{what}: unknown state {other:?}")),
+                    })
+                }
+                K_ADDRESS => address = u64_of(v, "address", what)?,
+                K_SIZE => size = u64_of(v, "size", what)?,
+                K_REQUESTED_SIZE => requested = u64_of(v, "requested_size", what)?.unwrap_or(0),
+                K_FRAMES => frames = Some(v),
+                _ => {}
+            }
+        }
         Ok(Block {
-            address: req_u64(items, "address", what)?,
-            size_bytes: req_u64(items, "size", what)?,
-            requested_bytes: opt_u64(items, "requested_size", what)?.unwrap_or(0),
-            state,
-            stack: self.stack_of(dict_get(items, "frames"), what, replaced)?,
+            address: address.ok_or_else(|| format!("{what}: key 'address' is missing"))?,
+            size_bytes: size.ok_or_else(|| format!("{what}: key 'size' is missing"))?,
+            requested_bytes: requested,
+            state: state.ok_or_else(|| format!("{what}: 'state' is missing"))?,
+            stack: self.stack_of(frames, what, replaced)?,
         })
     }
 }
@@ -205,34 +309,37 @@ impl Compactor for SnapshotCompactor {
         items: &[(Value, Value)],
         replaced: &mut Vec<(Value, Value)>,
     ) -> Result<Option<Value>, String> {
-        if has(items, "action") {
+        // One pass over the keys decides what this dict is.
+        let (mut action, mut state, mut size, mut address, mut blocks, mut filename, mut line, mut name) =
+            (false, false, false, false, false, false, false, false);
+        for (k, _) in items {
+            match self.key(k) {
+                K_ACTION => action = true,
+                K_STATE => state = true,
+                K_SIZE => size = true,
+                K_ADDRESS => address = true,
+                K_BLOCKS => blocks = true,
+                K_FILENAME => filename = true,
+                K_LINE => line = true,
+                K_NAME => name = true,
+                _ => {}
+            }
+        }
+        if action {
             let t = self.trace(items, replaced)?;
             let id = self.traces.len() as u32;
             self.traces.push(t);
-            return Ok(Some(Value::Opaque {
-                kind: KIND_TRACE,
-                id,
-            }));
+            return Ok(Some(Value::Opaque { kind: KIND_TRACE, id }));
         }
-        if has(items, "state")
-            && has(items, "size")
-            && has(items, "address")
-            && !has(items, "blocks")
-        {
+        if state && size && address && !blocks {
             let b = self.block(items, replaced)?;
             let id = self.blocks.len() as u32;
             self.blocks.push(b);
-            return Ok(Some(Value::Opaque {
-                kind: KIND_BLOCK,
-                id,
-            }));
+            return Ok(Some(Value::Opaque { kind: KIND_BLOCK, id }));
         }
-        if has(items, "filename") && has(items, "line") && has(items, "name") && items.len() <= 8 {
+        if filename && line && name && items.len() <= 8 {
             let id = self.frame(items)?;
-            return Ok(Some(Value::Opaque {
-                kind: KIND_FRAME,
-                id,
-            }));
+            return Ok(Some(Value::Opaque { kind: KIND_FRAME, id }));
         }
         Ok(None)
     }
@@ -249,25 +356,11 @@ pub fn value_to_json(v: &Value, depth: usize) -> serde_json::Value {
         Value::Bool(b) => J::Bool(*b),
         Value::Int(i) => J::from(*i),
         Value::BigInt(_) => v.as_u64().map(J::from).unwrap_or(J::Null),
-        Value::Float(f) => serde_json::Number::from_f64(*f)
-            .map(J::Number)
-            .unwrap_or(J::Null),
+        Value::Float(f) => serde_json::Number::from_f64(*f).map(J::Number).unwrap_or(J::Null),
         Value::Str(s) => J::String(s.to_string()),
         Value::Bytes(b) => J::String(format!("<{} bytes>", b.len())),
-        Value::List(l) => J::Array(
-            l.items
-                .borrow()
-                .iter()
-                .take(10_000)
-                .map(|x| value_to_json(x, depth + 1))
-                .collect(),
-        ),
-        Value::Tuple(t) => J::Array(
-            t.iter()
-                .take(10_000)
-                .map(|x| value_to_json(x, depth + 1))
-                .collect(),
-        ),
+        Value::List(l) => J::Array(l.items.borrow().iter().take(10_000).map(|x| value_to_json(x, depth + 1)).collect()),
+        Value::Tuple(t) => J::Array(t.iter().take(10_000).map(|x| value_to_json(x, depth + 1)).collect()),
         Value::Dict(d) => {
             let mut m = serde_json::Map::new();
             for (k, val) in d.items.borrow().iter().take(10_000) {
@@ -287,20 +380,14 @@ fn list_items(v: &Value, what: &str) -> Result<Vec<Value>, String> {
     match v {
         Value::List(l) => Ok(l.items.borrow().clone()),
         Value::Tuple(t) => Ok(t.as_ref().clone()),
-        other => Err(format!(
-            "{what} should be a list, found {}",
-            other.type_name()
-        )),
+        other => Err(format!("{what} should be a list, found {}", other.type_name())),
     }
 }
 
 fn dict_items(v: &Value, what: &str) -> Result<Vec<(Value, Value)>, String> {
     match v {
         Value::Dict(d) => Ok(d.items.borrow().clone()),
-        other => Err(format!(
-            "{what} should be a dict, found {}",
-            other.type_name()
-        )),
+        other => Err(format!("{what} should be a dict, found {}", other.type_name())),
     }
 }
 
@@ -309,36 +396,20 @@ fn segment(c: &mut SnapshotCompactor, v: &Value, idx: usize) -> Result<Segment, 
     let items = dict_items(v, &what)?;
     let mut blocks = Vec::new();
     if let Some(bl) = dict_get(&items, "blocks") {
-        for (j, b) in list_items(&bl, &format!("{what}.blocks"))?
-            .iter()
-            .enumerate()
-        {
+        for (j, b) in list_items(&bl, &format!("{what}.blocks"))?.iter().enumerate() {
             match b {
-                Value::Opaque {
-                    kind: KIND_BLOCK,
-                    id,
-                } => blocks.push(c.blocks[*id as usize]),
+                Value::Opaque { kind: KIND_BLOCK, id } => blocks.push(c.blocks[*id as usize]),
                 Value::Dict(d) => {
                     let bi = d.items.borrow();
                     let mut scratch = Vec::new();
-                    blocks.push(
-                        c.block(&bi, &mut scratch)
-                            .map_err(|e| format!("{what}.blocks[{j}]: {e}"))?,
-                    );
+                    blocks.push(c.block(&bi, &mut scratch).map_err(|e| format!("{what}.blocks[{j}]: {e}"))?);
                 }
-                other => {
-                    return Err(format!(
-                        "{what}.blocks[{j}] should be a dict, found {}",
-                        other.type_name()
-                    ))
-                }
+                other => return Err(format!("{what}.blocks[{j}] should be a dict, found {}", other.type_name())),
             }
         }
     }
     let pool_id = match dict_get(&items, "segment_pool_id") {
-        Some(Value::Tuple(t)) if t.len() == 2 => {
-            (t[0].as_i64().unwrap_or(0), t[1].as_i64().unwrap_or(0))
-        }
+        Some(Value::Tuple(t)) if t.len() == 2 => (t[0].as_i64().unwrap_or(0), t[1].as_i64().unwrap_or(0)),
         Some(Value::List(l)) if l.items.borrow().len() == 2 => {
             let l = l.items.borrow();
             (l[0].as_i64().unwrap_or(0), l[1].as_i64().unwrap_or(0))
@@ -396,33 +467,20 @@ pub fn build(root: &Value, mut c: SnapshotCompactor) -> Result<Snapshot, String>
             let entries = match dev {
                 Value::List(l) => l.items.borrow().clone(),
                 Value::None => Vec::new(),
-                other => {
-                    return Err(format!(
-                        "device_traces[{d}] should be a list, found {}",
-                        other.type_name()
-                    ))
-                }
+                other => return Err(format!("device_traces[{d}] should be a list, found {}", other.type_name())),
             };
             for (i, e) in entries.iter().enumerate() {
                 match e {
-                    Value::Opaque {
-                        kind: KIND_TRACE,
-                        id,
-                    } => idxs.push(*id),
+                    Value::Opaque { kind: KIND_TRACE, id } => idxs.push(*id),
                     Value::Dict(dd) => {
                         let items = dd.items.borrow();
                         let mut scratch = Vec::new();
-                        let t = c
-                            .trace(&items, &mut scratch)
-                            .map_err(|m| format!("device_traces[{d}][{i}]: {m}"))?;
+                        let t = c.trace(&items, &mut scratch).map_err(|m| format!("device_traces[{d}][{i}]: {m}"))?;
                         idxs.push(c.traces.len() as u32);
                         c.traces.push(t);
                     }
                     other => {
-                        return Err(format!(
-                            "device_traces[{d}][{i}] should be a dict, found {}",
-                            other.type_name()
-                        ))
+                        return Err(format!("device_traces[{d}][{i}] should be a dict, found {}", other.type_name()))
                     }
                 }
             }
@@ -440,14 +498,8 @@ pub fn build(root: &Value, mut c: SnapshotCompactor) -> Result<Snapshot, String>
                 if let Value::Dict(d) = &a {
                     let items = d.items.borrow();
                     snap.annotations.push(Annotation {
-                        name: opt_str(&items, "name", "annotation")
-                            .ok()
-                            .flatten()
-                            .unwrap_or_default(),
-                        stage: opt_str(&items, "stage", "annotation")
-                            .ok()
-                            .flatten()
-                            .unwrap_or_default(),
+                        name: opt_str(&items, "name", "annotation").ok().flatten().unwrap_or_default(),
+                        stage: opt_str(&items, "stage", "annotation").ok().flatten().unwrap_or_default(),
                         device: opt_i64(&items, "device", "annotation").unwrap_or(0),
                         time_us: opt_i64(&items, "time_us", "annotation").unwrap_or(0),
                     });

@@ -33,10 +33,7 @@ fn by_site(snap: &Snapshot) -> HashMap<String, (u64, u64)> {
     for s in &snap.segments {
         for b in &s.blocks {
             if b.state == BlockState::ActiveAllocated {
-                let label = cache
-                    .entry(b.stack)
-                    .or_insert_with(|| site_label(snap, b.stack))
-                    .clone();
+                let label = cache.entry(b.stack).or_insert_with(|| site_label(snap, b.stack)).clone();
                 let e = m.entry(label).or_default();
                 e.0 += b.size_bytes;
                 e.1 += 1;
@@ -69,11 +66,7 @@ pub fn diff(a: &Snapshot, b: &Snapshot) -> Diff {
             after_count: bc,
         });
     }
-    rows.sort_by(|x, y| {
-        y.delta_bytes
-            .cmp(&x.delta_bytes)
-            .then_with(|| x.site.cmp(&y.site))
-    });
+    rows.sort_by(|x, y| y.delta_bytes.cmp(&x.delta_bytes).then_with(|| x.site.cmp(&y.site)));
     let tot = |s: &Snapshot| {
         let r: u64 = s.segments.iter().map(|g| g.total_bytes).sum();
         let al: u64 = s

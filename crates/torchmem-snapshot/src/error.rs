@@ -6,21 +6,13 @@ use thiserror::Error;
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum PickleError {
     #[error("refusing opcode {opcode} (0x{byte:02x}) at byte offset {offset}: it would import or call Python code, and a memory snapshot never needs it. This file is not a plain allocator snapshot (or it was tampered with); torchmem never executes pickled code")]
-    Forbidden {
-        opcode: &'static str,
-        byte: u8,
-        offset: u64,
-    },
+    Forbidden { opcode: &'static str, byte: u8, offset: u64 },
     #[error("unknown pickle opcode 0x{byte:02x} at byte offset {offset}: the file is damaged or not a pickle")]
     UnknownOpcode { byte: u8, offset: u64 },
     #[error("pickle protocol {version} at byte offset {offset} is newer than 5, the highest torchmem reads")]
     Protocol { version: u8, offset: u64 },
     #[error("the file ends at byte offset {offset} in the middle of {what} (opcode at byte offset {op_offset}): it is truncated. Was it still being written, or copied partly?")]
-    Truncated {
-        offset: u64,
-        what: &'static str,
-        op_offset: u64,
-    },
+    Truncated { offset: u64, what: &'static str, op_offset: u64 },
     #[error("malformed pickle at byte offset {offset}: {msg}")]
     Malformed { offset: u64, msg: String },
     #[error("read error at byte offset {offset}: {msg}")]

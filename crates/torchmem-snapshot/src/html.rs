@@ -27,27 +27,15 @@ fn timeline(snap: &Snapshot, device: usize, peak_index: Option<usize>) -> J {
     // Series: the largest sites at the peak, then "other".
     let at_peak = live_at(snap, device, peak_index);
     let rows = sites::group_sites(snap, &at_peak);
-    let mut names: Vec<String> = rows
-        .iter()
-        .take(MAX_SERIES)
-        .map(|r| r.site.clone())
-        .collect();
+    let mut names: Vec<String> = rows.iter().take(MAX_SERIES).map(|r| r.site.clone()).collect();
     let other = names.len();
     names.push("other sites".into());
-    let index_of: HashMap<&str, usize> = names
-        .iter()
-        .enumerate()
-        .take(other)
-        .map(|(i, n)| (n.as_str(), i))
-        .collect();
+    let index_of: HashMap<&str, usize> = names.iter().enumerate().take(other).map(|(i, n)| (n.as_str(), i)).collect();
     let mut stack_series: HashMap<StackId, usize> = HashMap::new();
     let mut series_of = |stack: StackId| -> usize {
-        *stack_series.entry(stack).or_insert_with(|| {
-            index_of
-                .get(site_label(snap, stack).as_str())
-                .copied()
-                .unwrap_or(other)
-        })
+        *stack_series
+            .entry(stack)
+            .or_insert_with(|| index_of.get(site_label(snap, stack).as_str()).copied().unwrap_or(other))
     };
     // Initial levels: blocks alive before the first event.
     let mut level = vec![0i128; names.len()];
@@ -99,11 +87,7 @@ fn icicle(snap: &Snapshot, blocks: &[sites::LiveBlock]) -> J {
         bytes: u64,
         children: HashMap<String, usize>,
     }
-    let mut nodes = vec![Node {
-        name: "all live blocks".into(),
-        bytes: 0,
-        children: HashMap::new(),
-    }];
+    let mut nodes = vec![Node { name: "all live blocks".into(), bytes: 0, children: HashMap::new() }];
     let mut path_cache: HashMap<StackId, Vec<String>> = HashMap::new();
     for b in blocks {
         let path = path_cache.entry(b.stack).or_insert_with(|| {
@@ -121,11 +105,7 @@ fn icicle(snap: &Snapshot, blocks: &[sites::LiveBlock]) -> J {
                 Some(&c) => c,
                 None => {
                     let id = nodes.len();
-                    nodes.push(Node {
-                        name: name.clone(),
-                        bytes: 0,
-                        children: HashMap::new(),
-                    });
+                    nodes.push(Node { name: name.clone(), bytes: 0, children: HashMap::new() });
                     nodes[cur].children.insert(name.clone(), id);
                     id
                 }
@@ -137,12 +117,8 @@ fn icicle(snap: &Snapshot, blocks: &[sites::LiveBlock]) -> J {
     let total = nodes[0].bytes.max(1);
     // Emit iteratively-bounded JSON (depth ≤ 25 by construction), pruning nodes < 0.2 % of total.
     fn emit(nodes: &[Node], i: usize, total: u64) -> J {
-        let mut kids: Vec<usize> = nodes[i]
-            .children
-            .values()
-            .copied()
-            .filter(|&c| nodes[c].bytes * 500 >= total)
-            .collect();
+        let mut kids: Vec<usize> =
+            nodes[i].children.values().copied().filter(|&c| nodes[c].bytes * 500 >= total).collect();
         kids.sort_by(|a, b| nodes[*b].bytes.cmp(&nodes[*a].bytes));
         kids.truncate(40);
         json!({ "n": nodes[i].name, "v": nodes[i].bytes, "c": kids.iter().map(|&c| emit(nodes, c, total)).collect::<Vec<_>>() })
@@ -153,11 +129,7 @@ fn icicle(snap: &Snapshot, blocks: &[sites::LiveBlock]) -> J {
 /// Segments as runs of block states, largest segments first.
 fn segment_map(snap: &Snapshot) -> J {
     let mut segs: Vec<&Segment> = snap.segments.iter().collect();
-    segs.sort_by(|a, b| {
-        b.total_bytes
-            .cmp(&a.total_bytes)
-            .then(a.address.cmp(&b.address))
-    });
+    segs.sort_by(|a, b| b.total_bytes.cmp(&a.total_bytes).then(a.address.cmp(&b.address)));
     let shown = segs.len().min(MAX_SEGMENTS);
     let mut out = Vec::with_capacity(shown);
     for s in segs.iter().take(shown) {
@@ -180,11 +152,7 @@ fn segment_map(snap: &Snapshot) -> J {
                 .chunks(chunk)
                 .map(|c| {
                     let sz: u64 = c.iter().map(|r| r.1).sum();
-                    let st = if c.iter().all(|r| r.0 == c[0].0) {
-                        c[0].0
-                    } else {
-                        3
-                    };
+                    let st = if c.iter().all(|r| r.0 == c[0].0) { c[0].0 } else { 3 };
                     (st, sz)
                 })
                 .collect();
@@ -202,11 +170,7 @@ fn segment_map(snap: &Snapshot) -> J {
 
 /// Renders the whole page.
 pub fn render(snap: &Snapshot, summary: &Summary, name: &str) -> String {
-    let dev = summary
-        .devices
-        .iter()
-        .find(|d| d.trace_entries > 0)
-        .or(summary.devices.first());
+    let dev = summary.devices.iter().find(|d| d.trace_entries > 0).or(summary.devices.first());
     let (device, peak_index) = dev.map(|d| (d.device, d.peak_index)).unwrap_or((0, None));
     let has_trace = dev.is_some_and(|d| d.trace_entries > 0);
     let peak_blocks: Vec<sites::LiveBlock> = if has_trace {
@@ -232,9 +196,7 @@ pub fn render(snap: &Snapshot, summary: &Summary, name: &str) -> String {
         "segments": segment_map(snap),
     });
     // `</` must not appear inside the script element.
-    let data_text = serde_json::to_string(&data)
-        .unwrap_or_else(|_| "{}".into())
-        .replace("</", "<\\/");
+    let data_text = serde_json::to_string(&data).unwrap_or_else(|_| "{}".into()).replace("</", "<\\/");
     let mut cards = String::new();
     for d in &summary.devices {
         cards.push_str(&format!(

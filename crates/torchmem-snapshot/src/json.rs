@@ -102,11 +102,7 @@ fn stack(i: &mut Interner, frames: Option<Vec<JFrame>>) -> StackId {
         .unwrap_or_default()
         .into_iter()
         .map(|f| {
-            let fr = Frame {
-                filename: i.string(&f.filename),
-                name: i.string(&f.name),
-                line: f.line,
-            };
+            let fr = Frame { filename: i.string(&f.filename), name: i.string(&f.name), line: f.line };
             i.frame(fr)
         })
         .collect();
@@ -175,12 +171,7 @@ pub fn read_json<R: Read>(reader: R) -> Result<Snapshot, String> {
     snap.annotations = j
         .external_annotations
         .into_iter()
-        .map(|a| Annotation {
-            name: a.name,
-            stage: a.stage,
-            device: a.device,
-            time_us: a.time_us,
-        })
+        .map(|a| Annotation { name: a.name, stage: a.stage, device: a.device, time_us: a.time_us })
         .collect();
     snap.strings = it.strings;
     snap.frames = it.frames;

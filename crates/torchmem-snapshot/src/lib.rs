@@ -32,10 +32,7 @@ pub fn read_bytes(data: &[u8], name: &str) -> Result<Snapshot, SnapshotError> {
 /// Reads a snapshot file (pickle or JSON, detected from the first byte).
 pub fn read_path(path: &Path) -> Result<Snapshot, SnapshotError> {
     let name = path.display().to_string();
-    let f = File::open(path).map_err(|e| SnapshotError::Io {
-        path: name.clone(),
-        msg: format!("cannot open: {e}"),
-    })?;
+    let f = File::open(path).map_err(|e| SnapshotError::Io { path: name.clone(), msg: format!("cannot open: {e}") })?;
     read_from(BufReader::with_capacity(1 << 20, f), &name)
 }
 
@@ -45,37 +42,20 @@ fn read_from<R: Read>(mut reader: R, name: &str) -> Result<Snapshot, SnapshotErr
         match reader.read(&mut first) {
             Ok(n) => break n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => {
-                return Err(SnapshotError::Io {
-                    path: name.into(),
-                    msg: e.to_string(),
-                })
-            }
+            Err(e) => return Err(SnapshotError::Io { path: name.into(), msg: e.to_string() }),
         }
     };
     if n == 0 {
-        return Err(SnapshotError::Schema {
-            path: name.into(),
-            msg: "the file is empty".into(),
-        });
+        return Err(SnapshotError::Schema { path: name.into(), msg: "the file is empty".into() });
     }
     let chained = std::io::Cursor::new(first).take(1).chain(reader);
     match first[0] {
         b'{' | b'[' | b' ' | b'\n' | b'\r' | b'\t' => {
-            json::read_json(chained).map_err(|msg| SnapshotError::Json {
-                path: name.into(),
-                msg,
-            })
+            json::read_json(chained).map_err(|msg| SnapshotError::Json { path: name.into(), msg })
         }
         _ => decode::read_pickle(chained).map_err(|e| match e {
-            error::PickleOrSchema::Pickle(source) => SnapshotError::Pickle {
-                path: name.into(),
-                source,
-            },
-            error::PickleOrSchema::Schema(msg) => SnapshotError::Schema {
-                path: name.into(),
-                msg,
-            },
+            error::PickleOrSchema::Pickle(source) => SnapshotError::Pickle { path: name.into(), source },
+            error::PickleOrSchema::Schema(msg) => SnapshotError::Schema { path: name.into(), msg },
         }),
     }
 }

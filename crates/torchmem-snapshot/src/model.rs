@@ -2,6 +2,39 @@
 //! and per-device trace entries. Memory scales with unique frames/stacks, not with references.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+/// A small, fast, non-cryptographic hasher (FxHash) for the interners' keys.
+#[derive(Default, Clone, Copy)]
+pub struct FxHasher {
+    hash: u64,
+}
+
+impl Hasher for FxHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        let mut chunks = bytes.chunks_exact(8);
+        for c in &mut chunks {
+            self.write_u64(u64::from_le_bytes(c.try_into().expect("8 bytes")));
+        }
+        for &b in chunks.remainder() {
+            self.write_u64(b as u64);
+        }
+    }
+    fn write_u64(&mut self, i: u64) {
+        self.hash = (self.hash.rotate_left(5) ^ i).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+    fn write_u32(&mut self, i: u32) {
+        self.write_u64(i as u64);
+    }
+    fn write_usize(&mut self, i: usize) {
+        self.write_u64(i as u64);
+    }
+    fn finish(&self) -> u64 {
+        self.hash
+    }
+}
+
+pub type FxBuild = BuildHasherDefault<FxHasher>;
 
 /// Index into `Snapshot::stacks`; `NO_STACK` when the event or block has no frames.
 pub type StackId = u32;
@@ -156,20 +189,14 @@ pub struct Snapshot {
 
 impl Snapshot {
     pub fn str(&self, id: u32) -> &str {
-        self.strings
-            .get(id as usize)
-            .map(String::as_str)
-            .unwrap_or("")
+        self.strings.get(id as usize).map(String::as_str).unwrap_or("")
     }
 
     pub fn stack(&self, id: StackId) -> &[u32] {
         if id == NO_STACK {
             return &[];
         }
-        self.stacks
-            .get(id as usize)
-            .map(Vec::as_slice)
-            .unwrap_or(&[])
+        self.stacks.get(id as usize).map(Vec::as_slice).unwrap_or(&[])
     }
 
     pub fn frame_text(&self, frame_id: u32) -> String {
@@ -184,11 +211,11 @@ impl Snapshot {
 #[derive(Default)]
 pub struct Interner {
     pub strings: Vec<String>,
-    string_ids: HashMap<String, u32>,
+    string_ids: HashMap<String, u32, FxBuild>,
     pub frames: Vec<Frame>,
-    frame_ids: HashMap<Frame, u32>,
+    frame_ids: HashMap<Frame, u32, FxBuild>,
     pub stacks: Vec<Vec<u32>>,
-    stack_ids: HashMap<Vec<u32>, u32>,
+    stack_ids: HashMap<Vec<u32>, u32, FxBuild>,
 }
 
 impl Interner {
@@ -216,6 +243,17 @@ impl Interner {
         self.frames.push(f);
         self.frame_ids.insert(f, id);
         id
+    }
+
+    /// Interns a stack given as a slice (allocates only for a new stack).
+    pub fn stack_slice(&mut self, frames: &[u32]) -> StackId {
+        if frames.is_empty() {
+            return NO_STACK;
+        }
+        if let Some(&id) = self.stack_ids.get(frames) {
+            return id;
+        }
+        self.stack(frames.to_vec())
     }
 
     pub fn stack(&mut self, frames: Vec<u32>) -> StackId {

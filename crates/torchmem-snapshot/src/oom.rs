@@ -61,14 +61,10 @@ fn unit_factor(u: &str) -> Option<f64> {
 /// Parses "12.34 GiB" at the start of `s`; returns bytes and the rest.
 fn parse_size(s: &str) -> Option<(u64, &str)> {
     let s = s.trim_start();
-    let end = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
+    let end = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
     let num: f64 = s[..end].parse().ok()?;
     let rest = s[end..].trim_start();
-    let uend = rest
-        .find(|c: char| !c.is_ascii_alphabetic())
-        .unwrap_or(rest.len());
+    let uend = rest.find(|c: char| !c.is_ascii_alphabetic()).unwrap_or(rest.len());
     let f = unit_factor(&rest[..uend])?;
     Some(((num * f).round() as u64, &rest[uend..]))
 }
@@ -86,19 +82,14 @@ fn size_before(msg: &str, suffix: &str) -> Option<u64> {
     // walk back over "<num> <unit>"
     let unit_start = head.rfind(' ')?;
     let num_part = head[..unit_start].trim_end();
-    let num_start = num_part
-        .rfind(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .map(|j| j + 1)
-        .unwrap_or(0);
+    let num_start = num_part.rfind(|c: char| !(c.is_ascii_digit() || c == '.')).map(|j| j + 1).unwrap_or(0);
     parse_size(&head[num_start..]).map(|(b, _)| b)
 }
 
 fn int_after(msg: &str, prefix: &str) -> Option<i64> {
     let i = msg.find(prefix)?;
     let rest = &msg[i + prefix.len()..];
-    let end = rest
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(rest.len());
+    let end = rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len());
     rest[..end].parse().ok()
 }
 
@@ -110,18 +101,10 @@ pub fn parse_message(msg: &str) -> Result<OomNumbers, String> {
     }
     let requested = size_after(&msg, "Tried to allocate ")
         .ok_or("the message has no 'Tried to allocate <size>' part; paste the complete message")?;
-    let mut n = OomNumbers {
-        requested_bytes: requested,
-        device: int_after(&msg, "GPU "),
-        ..Default::default()
-    };
+    let mut n = OomNumbers { requested_bytes: requested, device: int_after(&msg, "GPU "), ..Default::default() };
     if msg.contains("total capacity of") || msg.contains("total capacty of") {
         // torch ≥ 2.1
-        let cap = if msg.contains("total capacity of") {
-            "total capacity of "
-        } else {
-            "total capacty of "
-        };
+        let cap = if msg.contains("total capacity of") { "total capacity of " } else { "total capacty of " };
         n.total_bytes = size_after(&msg, cap);
         n.free_bytes = size_after(&msg, " of which ");
         n.process_bytes = size_after(&msg, "this process has ");
@@ -133,9 +116,7 @@ pub fn parse_message(msg: &str) -> Result<OomNumbers, String> {
         let mut rest = msg.as_str();
         while let Some(i) = rest.find("Process ") {
             rest = &rest[i + 8..];
-            let end = rest
-                .find(|c: char| !c.is_ascii_digit())
-                .unwrap_or(rest.len());
+            let end = rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len());
             if let Ok(pid) = rest[..end].parse::<u64>() {
                 if let Some(b) = size_after(rest, " has ") {
                     n.other_processes.push((pid, b));
@@ -145,11 +126,10 @@ pub fn parse_message(msg: &str) -> Result<OomNumbers, String> {
     } else if msg.contains("total capacity;") {
         // torch ≤ 2.0: (GPU 0; 7.93 GiB total capacity; 130.35 MiB already allocated; 47.06 MiB free; 188.00 MiB reserved in total by PyTorch)
         n.total_bytes = size_before(&msg, "total capacity;");
-        n.allocated_bytes =
-            size_before(&msg, "already allocated").ok_or("missing '<size> already allocated'")?;
+        n.allocated_bytes = size_before(&msg, "already allocated").ok_or("missing '<size> already allocated'")?;
         n.free_bytes = size_before(&msg, "free;");
-        let reserved = size_before(&msg, "reserved in total by PyTorch")
-            .ok_or("missing '<size> reserved in total by PyTorch'")?;
+        let reserved =
+            size_before(&msg, "reserved in total by PyTorch").ok_or("missing '<size> reserved in total by PyTorch'")?;
         n.reserved_unallocated_bytes = reserved.saturating_sub(n.allocated_bytes);
         if let Some(allowed) = size_before(&msg, "allowed;") {
             n.total_bytes = Some(allowed);
@@ -184,7 +164,9 @@ pub fn diagnose(n: &OomNumbers) -> Diagnosis {
             bytes(total)
         );
         steps.push("Check the shape that produced this tensor (a wrong dimension or a huge matmul/attention matrix): print the shapes before the failing line".to_string());
-        steps.push("Split the computation into chunks (e.g. chunked attention / loss, smaller sequence length)".to_string());
+        steps.push(
+            "Split the computation into chunks (e.g. chunked attention / loss, smaller sequence length)".to_string(),
+        );
     } else if shortfall == 0 && n.reserved_unallocated_bytes > 0 {
         verdict = "fragmentation";
         explanation = format!(
@@ -202,11 +184,7 @@ pub fn diagnose(n: &OomNumbers) -> Diagnosis {
             bytes(others.unwrap_or(0)),
             bytes(req)
         );
-        let list: Vec<String> = n
-            .other_processes
-            .iter()
-            .map(|(p, b)| format!("pid {p} ({})", bytes(*b)))
-            .collect();
+        let list: Vec<String> = n.other_processes.iter().map(|(p, b)| format!("pid {p} ({})", bytes(*b))).collect();
         steps.push(format!(
             "Stop or move the other processes on this GPU{} (see `torchmem info` or nvidia-smi), or run on a free GPU with CUDA_VISIBLE_DEVICES",
             if list.is_empty() { String::new() } else { format!(": {}", list.join(", ")) }
@@ -216,11 +194,7 @@ pub fn diagnose(n: &OomNumbers) -> Diagnosis {
         // What PyTorch could use at best vs what it needed at the failure.
         let usable = n.allocated_bytes + n.reserved_unallocated_bytes + free;
         let needed = n.allocated_bytes + req;
-        let f = if needed > 0 {
-            usable as f64 / needed as f64
-        } else {
-            1.0
-        };
+        let f = if needed > 0 { usable as f64 / needed as f64 } else { 1.0 };
         // Leave a 10 % margin for rounding and allocator overhead; round down to 0.05.
         let f = ((f * 0.9) * 20.0).floor() / 20.0;
         let f = f.clamp(0.05, 0.95);
@@ -273,37 +247,17 @@ pub fn render_text(d: &Diagnosis) -> String {
     use std::fmt::Write;
     let n = &d.numbers;
     let mut o = String::new();
-    let _ = writeln!(
-        o,
-        "Out of memory{}",
-        n.device.map(|g| format!(" on GPU {g}")).unwrap_or_default()
-    );
-    let _ = writeln!(
-        o,
-        "  tried to allocate          {:>12}",
-        bytes(n.requested_bytes)
-    );
+    let _ = writeln!(o, "Out of memory{}", n.device.map(|g| format!(" on GPU {g}")).unwrap_or_default());
+    let _ = writeln!(o, "  tried to allocate          {:>12}", bytes(n.requested_bytes));
     if let Some(t) = n.total_bytes {
         let _ = writeln!(o, "  device total               {:>12}", bytes(t));
     }
     if let Some(f) = n.free_bytes {
         let _ = writeln!(o, "  device free                {:>12}", bytes(f));
     }
-    let _ = writeln!(
-        o,
-        "  allocated (live tensors)   {:>12}",
-        bytes(n.allocated_bytes)
-    );
-    let _ = writeln!(
-        o,
-        "  reserved by PyTorch        {:>12}",
-        bytes(d.reserved_bytes)
-    );
-    let _ = writeln!(
-        o,
-        "  reserved but unallocated   {:>12}",
-        bytes(n.reserved_unallocated_bytes)
-    );
+    let _ = writeln!(o, "  allocated (live tensors)   {:>12}", bytes(n.allocated_bytes));
+    let _ = writeln!(o, "  reserved by PyTorch        {:>12}", bytes(d.reserved_bytes));
+    let _ = writeln!(o, "  reserved but unallocated   {:>12}", bytes(n.reserved_unallocated_bytes));
     if let Some(np) = d.non_pytorch_bytes {
         let _ = writeln!(o, "  this process, non-PyTorch  {:>12}", bytes(np));
     }
@@ -345,14 +299,8 @@ mod tests {
         let old = "CUDA out of memory. Tried to allocate 36.00 MiB (GPU 0; 7.93 GiB total capacity; 130.35 MiB already allocated; 47.06 MiB free; 188.00 MiB reserved in total by PyTorch) If reserved memory is >> allocated memory try setting max_split_size_mb";
         let n = parse_message(old).unwrap();
         assert_eq!(n.requested_bytes, 36 << 20);
-        assert_eq!(
-            n.free_bytes,
-            Some((47.06 * (1u64 << 20) as f64).round() as u64)
-        );
-        assert_eq!(
-            n.reserved_unallocated_bytes,
-            (188u64 << 20) - (130.35 * (1u64 << 20) as f64).round() as u64
-        );
+        assert_eq!(n.free_bytes, Some((47.06 * (1u64 << 20) as f64).round() as u64));
+        assert_eq!(n.reserved_unallocated_bytes, (188u64 << 20) - (130.35 * (1u64 << 20) as f64).round() as u64);
         assert_eq!(diagnose(&n).verdict, "fragmentation");
         let v21 = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacty of 79.15 GiB of which 1.50 GiB is free. Process 1234 has 20.00 GiB memory in use. Including non-PyTorch memory, this process has 57.60 GiB memory in use. Of the allocated memory 50.00 GiB is allocated by PyTorch, and 6.00 GiB is reserved by PyTorch but unallocated.";
         let n = parse_message(v21).unwrap();
@@ -362,11 +310,7 @@ mod tests {
 
     #[test]
     fn rejects_non_oom_text() {
-        assert!(parse_message("hello")
-            .unwrap_err()
-            .contains("out-of-memory"));
-        assert!(parse_message("CUDA out of memory.")
-            .unwrap_err()
-            .contains("Tried to allocate"));
+        assert!(parse_message("hello").unwrap_err().contains("out-of-memory"));
+        assert!(parse_message("CUDA out of memory.").unwrap_err().contains("Tried to allocate"));
     }
 }

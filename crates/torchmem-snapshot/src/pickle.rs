@@ -130,11 +130,7 @@ impl Value {
 
 /// Looks up a string key among dict items (last occurrence wins).
 pub fn dict_get(items: &[(Value, Value)], key: &str) -> Option<Value> {
-    items
-        .iter()
-        .rev()
-        .find(|(k, _)| k.as_str() == Some(key))
-        .map(|(_, v)| v.clone())
+    items.iter().rev().find(|(k, _)| k.as_str() == Some(key)).map(|(_, v)| v.clone())
 }
 
 impl Drop for ListObj {
@@ -186,17 +182,11 @@ fn drop_iteratively(mut work: Vec<Value>) {
 }
 
 fn new_list(items: Vec<Value>) -> Value {
-    Value::List(Rc::new(ListObj {
-        items: RefCell::new(items),
-        memo_idx: Cell::new(NO_MEMO),
-    }))
+    Value::List(Rc::new(ListObj { items: RefCell::new(items), memo_idx: Cell::new(NO_MEMO) }))
 }
 
 fn new_dict(items: Vec<(Value, Value)>) -> Value {
-    Value::Dict(Rc::new(DictObj {
-        items: RefCell::new(items),
-        memo_idx: Cell::new(NO_MEMO),
-    }))
+    Value::Dict(Rc::new(DictObj { items: RefCell::new(items), memo_idx: Cell::new(NO_MEMO) }))
 }
 
 /// Takes over finished dicts. `on_dict` runs after every SETITEM/SETITEMS/DICT; returning
@@ -214,11 +204,7 @@ pub trait Compactor {
 pub struct KeepAll;
 
 impl Compactor for KeepAll {
-    fn on_dict(
-        &mut self,
-        _: &[(Value, Value)],
-        _: &mut Vec<(Value, Value)>,
-    ) -> Result<Option<Value>, String> {
+    fn on_dict(&mut self, _: &[(Value, Value)], _: &mut Vec<(Value, Value)>) -> Result<Option<Value>, String> {
         Ok(None)
     }
 }
@@ -234,13 +220,7 @@ struct Input<R: Read> {
 
 impl<R: Read> Input<R> {
     fn new(inner: R) -> Self {
-        Input {
-            inner,
-            buf: vec![0; 1 << 20],
-            pos: 0,
-            filled: 0,
-            consumed: 0,
-        }
+        Input { inner, buf: vec![0; 1 << 20], pos: 0, filled: 0, consumed: 0 }
     }
 
     fn offset(&self) -> u64 {
@@ -291,11 +271,7 @@ impl<R: Read> Input<R> {
     ) -> Result<(), PickleError> {
         while n > 0 {
             if self.pos >= self.filled && !self.fill().map_err(|e| io_err(e, self.offset()))? {
-                return Err(PickleError::Truncated {
-                    offset: self.offset(),
-                    what,
-                    op_offset,
-                });
+                return Err(PickleError::Truncated { offset: self.offset(), what, op_offset });
             }
             let avail = (self.filled - self.pos) as u64;
             let k = avail.min(n) as usize;
@@ -306,11 +282,7 @@ impl<R: Read> Input<R> {
         Ok(())
     }
 
-    fn fixed<const N: usize>(
-        &mut self,
-        what: &'static str,
-        op_offset: u64,
-    ) -> Result<[u8; N], PickleError> {
+    fn fixed<const N: usize>(&mut self, what: &'static str, op_offset: u64) -> Result<[u8; N], PickleError> {
         let mut out = [0u8; N];
         if self.filled - self.pos >= N {
             out.copy_from_slice(&self.buf[self.pos..self.pos + N]);
@@ -328,13 +300,7 @@ impl<R: Read> Input<R> {
         let mut out = Vec::new();
         loop {
             match self.byte()? {
-                None => {
-                    return Err(PickleError::Truncated {
-                        offset: self.offset(),
-                        what: "text argument",
-                        op_offset,
-                    })
-                }
+                None => return Err(PickleError::Truncated { offset: self.offset(), what: "text argument", op_offset }),
                 Some(b'\n') => return Ok(out),
                 Some(b) => {
                     if out.len() >= 4096 {
@@ -351,10 +317,7 @@ impl<R: Read> Input<R> {
 }
 
 fn io_err(e: std::io::Error, offset: u64) -> PickleError {
-    PickleError::Io {
-        offset,
-        msg: e.to_string(),
-    }
+    PickleError::Io { offset, msg: e.to_string() }
 }
 
 /// Name of an opcode that executes code or needs outside objects; `None` for allowed opcodes.
@@ -411,9 +374,7 @@ fn teardown(roots: Vec<Value>) {
             continue;
         }
         match &v {
-            Value::List(l) => {
-                work.extend(l.items.borrow().iter().filter(|c| is_container(c)).cloned())
-            }
+            Value::List(l) => work.extend(l.items.borrow().iter().filter(|c| is_container(c)).cloned()),
             Value::Dict(d) => {
                 for (k, x) in d.items.borrow().iter() {
                     if is_container(k) {
@@ -452,15 +413,13 @@ fn is_container(v: &Value) -> bool {
 }
 
 /// Reads one pickle from `reader` with the given compactor.
-pub fn unpickle<R: Read, C: Compactor>(
-    reader: R,
-    compactor: &mut C,
-) -> Result<Document, PickleError> {
+pub fn unpickle<R: Read, C: Compactor>(reader: R, compactor: &mut C) -> Result<Document, PickleError> {
     let mut u = Unpickler {
         input: Input::new(reader),
         stack: Vec::new(),
         marks: Vec::new(),
         memo: Vec::new(),
+        replaced: Vec::new(),
     };
     let root = u.run(compactor)?;
     let mut memo = std::mem::take(&mut u.memo);
@@ -479,6 +438,8 @@ struct Unpickler<R: Read> {
     stack: Vec<Value>,
     marks: Vec<usize>,
     memo: Vec<Option<Value>>,
+    /// Scratch list reused by `compact_dict`.
+    replaced: Vec<(Value, Value)>,
 }
 
 impl<R: Read> Drop for Unpickler<R> {
@@ -494,10 +455,7 @@ const MAX_MEMO_GAP: usize = 1 << 16;
 
 impl<R: Read> Unpickler<R> {
     fn malformed(&self, offset: u64, msg: impl Into<String>) -> PickleError {
-        PickleError::Malformed {
-            offset,
-            msg: msg.into(),
-        }
+        PickleError::Malformed { offset, msg: msg.into() }
     }
 
     fn pop(&mut self, op: &'static str, offset: u64) -> Result<Value, PickleError> {
@@ -523,16 +481,23 @@ impl<R: Read> Unpickler<R> {
         Ok(self.stack.split_off(m))
     }
 
+    /// For APPENDS/SETITEMS: the mark position and (a clone of) the container right below it.
+    fn marked_target(&self, op: &'static str, offset: u64) -> Result<(usize, Value), PickleError> {
+        let Some(&m) = self.marks.last() else {
+            return Err(self.malformed(offset, format!("{op} without a MARK")));
+        };
+        let floor = if self.marks.len() >= 2 { self.marks[self.marks.len() - 2] } else { 0 };
+        if m == 0 || m - 1 < floor {
+            return Err(self.malformed(offset, format!("{op} without a container below the MARK")));
+        }
+        Ok((m, self.stack[m - 1].clone()))
+    }
+
     fn memo_put(&mut self, idx: usize, offset: u64) -> Result<(), PickleError> {
         let v = self.top("PUT/MEMOIZE", offset)?.clone();
         if idx > self.memo.len() + MAX_MEMO_GAP {
-            return Err(self.malformed(
-                offset,
-                format!(
-                    "memo index {idx} is far beyond the {} stored objects",
-                    self.memo.len()
-                ),
-            ));
+            return Err(self
+                .malformed(offset, format!("memo index {idx} is far beyond the {} stored objects", self.memo.len())));
         }
         if idx >= self.memo.len() {
             self.memo.resize(idx + 1, None);
@@ -580,20 +545,14 @@ impl<R: Read> Unpickler<R> {
     }
 
     /// Runs the compactor on the dict at stack position `pos`.
-    fn compact_dict<C: Compactor>(
-        &mut self,
-        pos: usize,
-        compactor: &mut C,
-        offset: u64,
-    ) -> Result<(), PickleError> {
+    fn compact_dict<C: Compactor>(&mut self, pos: usize, compactor: &mut C, offset: u64) -> Result<(), PickleError> {
         let dict = self.stack[pos].clone();
         let Value::Dict(d) = &dict else { return Ok(()) };
-        let mut replaced = Vec::new();
+        let mut replaced = std::mem::take(&mut self.replaced);
+        replaced.clear();
         let new = {
             let items = d.items.borrow();
-            compactor
-                .on_dict(&items, &mut replaced)
-                .map_err(|msg| PickleError::Malformed { offset, msg })?
+            compactor.on_dict(&items, &mut replaced).map_err(|msg| PickleError::Malformed { offset, msg })?
         };
         for (old, newv) in &replaced {
             self.memo_replace(old, newv);
@@ -605,19 +564,29 @@ impl<R: Read> Unpickler<R> {
         }
         // The compactor took over these containers. Empty them: in a real snapshot nothing else holds
         // them any more, and in a crafted pickle they could form a cycle no one can reach to free.
-        for (old, _) in replaced {
+        let mut nested = Vec::new();
+        for (old, _) in replaced.drain(..) {
             match &old {
                 Value::List(l) => {
                     let items = std::mem::take(&mut *l.items.borrow_mut());
-                    drop_iteratively(items);
+                    nested.extend(items.into_iter().filter(is_container));
                 }
                 Value::Dict(d) => {
                     let pairs = std::mem::take(&mut *d.items.borrow_mut());
-                    drop_iteratively(pairs.into_iter().flat_map(|(k, v)| [k, v]).collect());
+                    for (k, v) in pairs {
+                        if is_container(&k) {
+                            nested.push(k);
+                        }
+                        if is_container(&v) {
+                            nested.push(v);
+                        }
+                    }
                 }
                 _ => {}
             }
         }
+        drop_iteratively(nested);
+        self.replaced = replaced;
         Ok(())
     }
 
@@ -643,8 +612,7 @@ impl<R: Read> Unpickler<R> {
     }
 
     fn text_int(&self, line: &[u8], offset: u64) -> Result<Value, PickleError> {
-        let s = std::str::from_utf8(line)
-            .map_err(|_| self.malformed(offset, "integer text is not UTF-8"))?;
+        let s = std::str::from_utf8(line).map_err(|_| self.malformed(offset, "integer text is not UTF-8"))?;
         let s = s.trim().trim_end_matches('L');
         match s {
             "00" => return Ok(Value::Bool(false)),
@@ -657,8 +625,7 @@ impl<R: Read> Unpickler<R> {
     }
 
     fn push_str(&mut self, bytes: Vec<u8>, offset: u64) -> Result<(), PickleError> {
-        let s = String::from_utf8(bytes)
-            .map_err(|_| self.malformed(offset, "string is not valid UTF-8"))?;
+        let s = String::from_utf8(bytes).map_err(|_| self.malformed(offset, "string is not valid UTF-8"))?;
         self.stack.push(Value::Str(Rc::new(s)));
         Ok(())
     }
@@ -667,18 +634,10 @@ impl<R: Read> Unpickler<R> {
         loop {
             let offset = self.input.offset();
             let Some(op) = self.input.byte()? else {
-                return Err(PickleError::Truncated {
-                    offset,
-                    what: "opcode (no STOP)",
-                    op_offset: offset,
-                });
+                return Err(PickleError::Truncated { offset, what: "opcode (no STOP)", op_offset: offset });
             };
             if let Some(name) = forbidden_name(op) {
-                return Err(PickleError::Forbidden {
-                    opcode: name,
-                    byte: op,
-                    offset,
-                });
+                return Err(PickleError::Forbidden { opcode: name, byte: op, offset });
             }
             match op {
                 0x80 => {
@@ -755,26 +714,17 @@ impl<R: Read> Unpickler<R> {
                 0x8c | b'X' | 0x8d => {
                     let n = match op {
                         0x8c => self.input.fixed::<1>("SHORT_BINUNICODE length", offset)?[0] as u64,
-                        b'X' => {
-                            u32::from_le_bytes(self.input.fixed::<4>("BINUNICODE length", offset)?)
-                                as u64
-                        }
-                        _ => {
-                            u64::from_le_bytes(self.input.fixed::<8>("BINUNICODE8 length", offset)?)
-                        }
+                        b'X' => u32::from_le_bytes(self.input.fixed::<4>("BINUNICODE length", offset)?) as u64,
+                        _ => u64::from_le_bytes(self.input.fixed::<8>("BINUNICODE8 length", offset)?),
                     };
                     let mut bytes = Vec::with_capacity(n.min(1 << 16) as usize);
-                    self.input
-                        .take_into(n, &mut bytes, "string bytes", offset)?;
+                    self.input.take_into(n, &mut bytes, "string bytes", offset)?;
                     self.push_str(bytes, offset)?;
                 }
                 b'C' | b'B' | 0x8e | 0x96 | b'U' | b'T' => {
                     let n = match op {
                         b'C' | b'U' => self.input.fixed::<1>("bytes length", offset)?[0] as u64,
-                        b'B' | b'T' => {
-                            u32::from_le_bytes(self.input.fixed::<4>("bytes length", offset)?)
-                                as u64
-                        }
+                        b'B' | b'T' => u32::from_le_bytes(self.input.fixed::<4>("bytes length", offset)?) as u64,
                         _ => u64::from_le_bytes(self.input.fixed::<8>("bytes length", offset)?),
                     };
                     let mut bytes = Vec::with_capacity(n.min(1 << 16) as usize);
@@ -785,11 +735,7 @@ impl<R: Read> Unpickler<R> {
                     // protocol 0 text strings; accept plain text only (no escape processing).
                     let line = self.input.line(offset)?;
                     let mut s = line;
-                    if op == b'S'
-                        && s.len() >= 2
-                        && (s[0] == b'\'' || s[0] == b'"')
-                        && s[s.len() - 1] == s[0]
-                    {
+                    if op == b'S' && s.len() >= 2 && (s[0] == b'\'' || s[0] == b'"') && s[s.len() - 1] == s[0] {
                         s = s[1..s.len() - 1].to_vec();
                     }
                     self.push_str(s, offset)?;
@@ -803,16 +749,14 @@ impl<R: Read> Unpickler<R> {
                     self.stack.push(new_list(items));
                 }
                 b't' | 0x91 => {
-                    let items =
-                        self.pop_mark(if op == b't' { "TUPLE" } else { "FROZENSET" }, offset)?;
+                    let items = self.pop_mark(if op == b't' { "TUPLE" } else { "FROZENSET" }, offset)?;
                     self.stack.push(Value::Tuple(Rc::new(items)));
                 }
                 0x85..=0x87 => {
                     let n = (op - 0x84) as usize;
                     let floor = self.marks.last().copied().unwrap_or(0);
                     if self.stack.len() < floor + n {
-                        return Err(self
-                            .malformed(offset, format!("TUPLE{n} needs {n} items on the stack")));
+                        return Err(self.malformed(offset, format!("TUPLE{n} needs {n} items on the stack")));
                     }
                     let items = self.stack.split_off(self.stack.len() - n);
                     self.stack.push(Value::Tuple(Rc::new(items)));
@@ -831,37 +775,53 @@ impl<R: Read> Unpickler<R> {
                     let pos = self.stack.len() - 1;
                     self.compact_dict(pos, compactor, offset)?;
                 }
-                b'a' | b'e' | 0x90 => {
-                    let items = if op == b'a' {
-                        vec![self.pop("APPEND", offset)?]
-                    } else {
-                        self.pop_mark(if op == b'e' { "APPENDS" } else { "ADDITEMS" }, offset)?
+                b'e' | 0x90 => {
+                    let (m, target) = self.marked_target(if op == b'e' { "APPENDS" } else { "ADDITEMS" }, offset)?;
+                    let Value::List(l) = target else {
+                        return Err(self.malformed(offset, format!("APPENDS to a {}, not a list", target.type_name())));
                     };
-                    let target = self
-                        .top("APPEND(S)", offset)
-                        .map_err(|_| self.malformed(offset, "APPEND(S) without a list"))?;
+                    let mut v = l.items.borrow_mut();
+                    v.extend(self.stack.drain(m..));
+                    drop(v);
+                    self.marks.pop();
+                }
+                b'a' => {
+                    let item = self.pop("APPEND", offset)?;
+                    let target =
+                        self.top("APPEND", offset).map_err(|_| self.malformed(offset, "APPEND without a list"))?;
                     match target {
-                        Value::List(l) => {
-                            if let Ok(mut v) = l.items.try_borrow_mut() {
-                                v.extend(items);
-                            }
-                        }
+                        Value::List(l) => l.items.borrow_mut().push(item),
                         other => {
                             let t = other.type_name();
-                            drop_iteratively(items);
-                            return Err(
-                                self.malformed(offset, format!("APPEND(S) to a {t}, not a list"))
-                            );
+                            drop_iteratively(vec![item]);
+                            return Err(self.malformed(offset, format!("APPEND to a {t}, not a list")));
                         }
                     }
                 }
-                b's' | b'u' => {
-                    let items = if op == b's' {
+                b'u' => {
+                    let (m, target) = self.marked_target("SETITEMS", offset)?;
+                    let Value::Dict(d) = target else {
+                        return Err(self.malformed(offset, format!("SETITEMS on a {}, not a dict", target.type_name())));
+                    };
+                    if (self.stack.len() - m) % 2 != 0 {
+                        return Err(self.malformed(offset, "SETITEMS with an odd number of items"));
+                    }
+                    {
+                        let mut v = d.items.borrow_mut();
+                        v.reserve((self.stack.len() - m) / 2);
+                        let mut it = self.stack.drain(m..);
+                        while let (Some(k), Some(val)) = (it.next(), it.next()) {
+                            v.push((k, val));
+                        }
+                    }
+                    self.marks.pop();
+                    self.compact_dict(m - 1, compactor, offset)?;
+                }
+                b's' => {
+                    let items = {
                         let v = self.pop("SETITEM", offset)?;
                         let k = self.pop("SETITEM", offset)?;
                         vec![k, v]
-                    } else {
-                        self.pop_mark("SETITEMS", offset)?
                     };
                     if items.len() % 2 != 0 {
                         drop_iteratively(items);
@@ -882,9 +842,7 @@ impl<R: Read> Unpickler<R> {
                         other => {
                             let t = other.type_name();
                             drop_iteratively(items);
-                            return Err(
-                                self.malformed(offset, format!("SETITEM(S) on a {t}, not a dict"))
-                            );
+                            return Err(self.malformed(offset, format!("SETITEM(S) on a {t}, not a dict")));
                         }
                     }
                     let pos = self.stack.len() - 1;
@@ -904,9 +862,7 @@ impl<R: Read> Unpickler<R> {
                 }
                 b'p' => {
                     let line = self.input.line(offset)?;
-                    let i = std::str::from_utf8(&line)
-                        .ok()
-                        .and_then(|s| s.trim().parse::<usize>().ok());
+                    let i = std::str::from_utf8(&line).ok().and_then(|s| s.trim().parse::<usize>().ok());
                     let i = i.ok_or_else(|| self.malformed(offset, "PUT index is not a number"))?;
                     self.memo_put(i, offset)?;
                 }
@@ -920,18 +876,11 @@ impl<R: Read> Unpickler<R> {
                 }
                 b'g' => {
                     let line = self.input.line(offset)?;
-                    let i = std::str::from_utf8(&line)
-                        .ok()
-                        .and_then(|s| s.trim().parse::<usize>().ok());
+                    let i = std::str::from_utf8(&line).ok().and_then(|s| s.trim().parse::<usize>().ok());
                     let i = i.ok_or_else(|| self.malformed(offset, "GET index is not a number"))?;
                     self.memo_get(i, offset)?;
                 }
-                other => {
-                    return Err(PickleError::UnknownOpcode {
-                        byte: other,
-                        offset,
-                    })
-                }
+                other => return Err(PickleError::UnknownOpcode { byte: other, offset }),
             }
         }
     }

@@ -115,12 +115,7 @@ pub fn live_at(snap: &Snapshot, device: usize, upto: Option<usize>) -> Vec<LiveB
                 if before {
                     live.insert(
                         e.addr,
-                        LiveBlock {
-                            addr: e.addr,
-                            size_bytes: e.size_bytes,
-                            stack: e.stack,
-                            before_history: false,
-                        },
+                        LiveBlock { addr: e.addr, size_bytes: e.size_bytes, stack: e.stack, before_history: false },
                     );
                 }
             }
@@ -183,10 +178,7 @@ fn is_library(path: &str) -> bool {
 pub fn site_frame(snap: &Snapshot, stack: StackId) -> Option<u32> {
     let frames = snap.stack(stack);
     let py = |f: &u32| snap.str(snap.frames[*f as usize].filename).ends_with(".py");
-    if let Some(f) = frames
-        .iter()
-        .find(|f| py(f) && !is_library(snap.str(snap.frames[**f as usize].filename)))
-    {
+    if let Some(f) = frames.iter().find(|f| py(f) && !is_library(snap.str(snap.frames[**f as usize].filename))) {
         return Some(*f);
     }
     if let Some(f) = frames.iter().find(|f| py(f)) {
@@ -195,10 +187,7 @@ pub fn site_frame(snap: &Snapshot, stack: StackId) -> Option<u32> {
     // C++-only stacks (e.g. backward on the autograd thread): the autograd node, else the ATen op,
     // else the first frame that is not the unwinder or the allocator.
     let name_of = |f: &u32| snap.str(snap.frames[*f as usize].name);
-    if let Some(f) = frames
-        .iter()
-        .find(|f| name_of(f).starts_with("torch::autograd::generated::"))
-    {
+    if let Some(f) = frames.iter().find(|f| name_of(f).starts_with("torch::autograd::generated::")) {
         return Some(*f);
     }
     if let Some(f) = frames.iter().find(|f| name_of(f).starts_with("at::_ops::")) {
@@ -262,10 +251,7 @@ pub fn python_frames(snap: &Snapshot, stack: StackId, n: usize) -> Vec<String> {
     let frames = snap.stack(stack);
     let mut out: Vec<String> = frames
         .iter()
-        .filter(|f| {
-            snap.str(snap.frames[**f as usize].filename)
-                .ends_with(".py")
-        })
+        .filter(|f| snap.str(snap.frames[**f as usize].filename).ends_with(".py"))
         .take(n)
         .map(|f| snap.frame_text(*f))
         .collect();
@@ -292,21 +278,9 @@ pub fn group_sites(snap: &Snapshot, blocks: &[LiveBlock]) -> Vec<SiteRow> {
     let mut by_site: HashMap<String, (SiteRow, u64)> = HashMap::new();
     let mut label_cache: HashMap<StackId, String> = HashMap::new();
     for b in blocks {
-        let label = label_cache
-            .entry(b.stack)
-            .or_insert_with(|| site_label(snap, b.stack))
-            .clone();
+        let label = label_cache.entry(b.stack).or_insert_with(|| site_label(snap, b.stack)).clone();
         let e = by_site.entry(label.clone()).or_insert_with(|| {
-            (
-                SiteRow {
-                    site: label,
-                    bytes: 0,
-                    count: 0,
-                    before_history_count: 0,
-                    example_stack: Vec::new(),
-                },
-                0,
-            )
+            (SiteRow { site: label, bytes: 0, count: 0, before_history_count: 0, example_stack: Vec::new() }, 0)
         });
         e.0.bytes += b.size_bytes;
         e.0.count += 1;
@@ -335,19 +309,11 @@ pub struct TopSites {
 }
 
 /// Top `n` sites for every device with a trace, at the traced peak or at `at_time_us`.
-pub fn top_sites(
-    snap: &Snapshot,
-    summary: &Summary,
-    n: usize,
-    at_time_us: Option<i64>,
-) -> Vec<TopSites> {
+pub fn top_sites(snap: &Snapshot, summary: &Summary, n: usize, at_time_us: Option<i64>) -> Vec<TopSites> {
     let mut out = Vec::new();
     for d in &summary.devices {
         let device = d.device;
-        let has_trace = snap
-            .device_traces
-            .get(device)
-            .is_some_and(|t| !t.is_empty());
+        let has_trace = snap.device_traces.get(device).is_some_and(|t| !t.is_empty());
         let (upto, moment, time_us) = match (at_time_us, has_trace) {
             (Some(t), true) => (index_at_time(snap, device, t), "time", Some(t)),
             (None, true) => (d.peak_index, "peak", d.peak_time_us),
@@ -364,13 +330,7 @@ pub fn top_sites(
                 let total = blocks.iter().map(|b| b.size_bytes).sum();
                 let mut rows = group_sites(snap, &blocks);
                 rows.truncate(n);
-                out.push(TopSites {
-                    device,
-                    moment: "end".into(),
-                    time_us: None,
-                    total_bytes: total,
-                    rows,
-                });
+                out.push(TopSites { device, moment: "end".into(), time_us: None, total_bytes: total, rows });
                 continue;
             }
         };
@@ -378,13 +338,7 @@ pub fn top_sites(
         let total = blocks.iter().map(|b| b.size_bytes).sum();
         let mut rows = group_sites(snap, &blocks);
         rows.truncate(n);
-        out.push(TopSites {
-            device,
-            moment: moment.into(),
-            time_us,
-            total_bytes: total,
-            rows,
-        });
+        out.push(TopSites { device, moment: moment.into(), time_us, total_bytes: total, rows });
     }
     out
 }
@@ -400,37 +354,21 @@ pub fn render_top_text(tops: &[TopSites]) -> String {
             ("time", Some(us)) => format!("at t={us} us"),
             _ => "at the end (no trace recorded)".to_string(),
         };
-        let _ = writeln!(
-            o,
-            "Device {}: top allocation sites {when}; {} alive",
-            t.device,
-            crate::fmt::bytes(t.total_bytes)
-        );
+        let _ =
+            writeln!(o, "Device {}: top allocation sites {when}; {} alive", t.device, crate::fmt::bytes(t.total_bytes));
         let _ = writeln!(o, "  {:>12} {:>8}  site", "bytes", "blocks");
         for r in &t.rows {
             let note = if r.before_history_count > 0 {
-                format!(
-                    "  ({} allocated before the recorded history)",
-                    r.before_history_count
-                )
+                format!("  ({} allocated before the recorded history)", r.before_history_count)
             } else {
                 String::new()
             };
-            let _ = writeln!(
-                o,
-                "  {:>12} {:>8}  {}{note}",
-                crate::fmt::bytes(r.bytes),
-                r.count,
-                r.site
-            );
+            let _ = writeln!(o, "  {:>12} {:>8}  {}{note}", crate::fmt::bytes(r.bytes), r.count, r.site);
             // The frames between the site and the allocation, site side first.
             let inner: Vec<&String> = if r.site.ends_with("(C++)") {
                 Vec::new()
             } else {
-                r.example_stack
-                    .iter()
-                    .take_while(|f| !r.site.starts_with(f.as_str()))
-                    .collect()
+                r.example_stack.iter().take_while(|f| !r.site.starts_with(f.as_str())).collect()
             };
             for f in inner.iter().rev().take(3) {
                 let _ = writeln!(o, "  {:>12} {:>8}    via {f}", "", "");

@@ -150,27 +150,14 @@ fn round_count(n: usize) -> bool {
 /// Summarizes a snapshot.
 pub fn summarize(snap: &Snapshot) -> Summary {
     let segments: Vec<SegmentInfo> = snap.segments.iter().map(segment_info).collect();
-    let max_seg_dev = snap
-        .segments
-        .iter()
-        .map(|s| s.device.max(0) as usize + 1)
-        .max()
-        .unwrap_or(0);
+    let max_seg_dev = snap.segments.iter().map(|s| s.device.max(0) as usize + 1).max().unwrap_or(0);
     let n_dev = max_seg_dev.max(snap.device_traces.len());
     let mut action_counts = BTreeMap::new();
     for t in &snap.traces {
-        *action_counts
-            .entry(t.action.name().to_string())
-            .or_insert(0u64) += 1;
+        *action_counts.entry(t.action.name().to_string()).or_insert(0u64) += 1;
     }
-    let overflowed = snap
-        .allocator_settings
-        .get("trace_alloc_overflowed")
-        .and_then(|v| v.as_bool());
-    let max_entries = snap
-        .allocator_settings
-        .get("trace_alloc_max_entries")
-        .and_then(|v| v.as_u64());
+    let overflowed = snap.allocator_settings.get("trace_alloc_overflowed").and_then(|v| v.as_bool());
+    let max_entries = snap.allocator_settings.get("trace_alloc_max_entries").and_then(|v| v.as_u64());
     let mut devices = Vec::new();
     for d in 0..n_dev {
         let segs: Vec<&SegmentInfo> = segments.iter().filter(|s| s.device == d as i64).collect();
@@ -222,11 +209,7 @@ pub fn summarize(snap: &Snapshot) -> Summary {
             .iter()
             .map(|&i| &snap.traces[i as usize])
             .filter(|t| t.action == Action::Oom)
-            .map(|t| OomEvent {
-                size_bytes: t.size_bytes,
-                device_free_bytes: t.device_free_bytes,
-                time_us: t.time_us,
-            })
+            .map(|t| OomEvent { size_bytes: t.size_bytes, device_free_bytes: t.device_free_bytes, time_us: t.time_us })
             .collect();
         devices.push(DeviceSummary {
             device: d,
@@ -237,11 +220,7 @@ pub fn summarize(snap: &Snapshot) -> Summary {
             requested_bytes: segs.iter().map(|s| s.requested_bytes).sum(),
             reserved_unallocated_bytes: reserved.saturating_sub(allocated),
             inactive_split_bytes: segs.iter().map(|s| s.inactive_split_bytes).sum(),
-            largest_free_block_bytes: segs
-                .iter()
-                .map(|s| s.largest_free_block_bytes)
-                .max()
-                .unwrap_or(0),
+            largest_free_block_bytes: segs.iter().map(|s| s.largest_free_block_bytes).max().unwrap_or(0),
             blocks_allocated: blocks.0,
             blocks_pending_free: blocks.1,
             blocks_inactive: blocks.2,
@@ -290,7 +269,14 @@ pub fn render_text(s: &Summary, name: &str) -> String {
     );
     for d in &s.devices {
         let _ = writeln!(o, "\nDevice {}", d.device);
-        let _ = writeln!(o, "  now (segments)     reserved {:>12}  allocated {:>12}  active {:>12}  requested {:>12}", bytes(d.reserved_bytes), bytes(d.allocated_bytes), bytes(d.active_bytes), bytes(d.requested_bytes));
+        let _ = writeln!(
+            o,
+            "  now (segments)     reserved {:>12}  allocated {:>12}  active {:>12}  requested {:>12}",
+            bytes(d.reserved_bytes),
+            bytes(d.allocated_bytes),
+            bytes(d.active_bytes),
+            bytes(d.requested_bytes)
+        );
         let _ = writeln!(
             o,
             "  reserved but unallocated {} ({:.1}% of reserved); inactive split {}; largest free block {}",
@@ -309,21 +295,13 @@ pub fn render_text(s: &Summary, name: &str) -> String {
                 (Some(a), Some(b)) => (b - a) as f64 / 1000.0,
                 _ => 0.0,
             };
-            let _ = writeln!(
-                o,
-                "  trace: {} entries over {:.1} ms",
-                d.trace_entries, span_ms
-            );
+            let _ = writeln!(o, "  trace: {} entries over {:.1} ms", d.trace_entries, span_ms);
             let _ = writeln!(
                 o,
                 "  traced peak {} requested at t={} us (entry {}); at the end {}",
                 bytes(d.peak_requested_bytes),
-                d.peak_time_us
-                    .map(|t| t.to_string())
-                    .unwrap_or_else(|| "start".into()),
-                d.peak_index
-                    .map(|i| i.to_string())
-                    .unwrap_or_else(|| "-".into()),
+                d.peak_time_us.map(|t| t.to_string()).unwrap_or_else(|| "start".into()),
+                d.peak_index.map(|i| i.to_string()).unwrap_or_else(|| "-".into()),
                 bytes(d.end_requested_bytes)
             );
         }
@@ -334,9 +312,7 @@ pub fn render_text(s: &Summary, name: &str) -> String {
                 "  OOM at t={} us: tried to allocate {} with {} free on the device",
                 oom.time_us,
                 bytes(oom.size_bytes),
-                oom.device_free_bytes
-                    .map(bytes)
-                    .unwrap_or_else(|| "?".into())
+                oom.device_free_bytes.map(bytes).unwrap_or_else(|| "?".into())
             );
         }
     }
@@ -346,11 +322,7 @@ pub fn render_text(s: &Summary, name: &str) -> String {
             let _ = writeln!(o, "  {a:<16} {n:>10}");
         }
     }
-    let mut frag: Vec<&SegmentInfo> = s
-        .segments
-        .iter()
-        .filter(|g| g.inactive_split_bytes > 0)
-        .collect();
+    let mut frag: Vec<&SegmentInfo> = s.segments.iter().filter(|g| g.inactive_split_bytes > 0).collect();
     frag.sort_by_key(|g| std::cmp::Reverse(g.inactive_split_bytes));
     if !frag.is_empty() {
         let _ = writeln!(
@@ -382,10 +354,7 @@ pub fn render_text(s: &Summary, name: &str) -> String {
         let _ = writeln!(o, "\nAllocator settings");
         for (k, v) in &s.allocator_settings {
             if k == "roundup_power2_divisions" {
-                let nonzero = v
-                    .as_object()
-                    .map(|m| m.values().any(|x| x.as_i64().unwrap_or(0) != 0))
-                    .unwrap_or(false);
+                let nonzero = v.as_object().map(|m| m.values().any(|x| x.as_i64().unwrap_or(0) != 0)).unwrap_or(false);
                 if !nonzero {
                     let _ = writeln!(o, "  {k:<36} (all 0)");
                     continue;
