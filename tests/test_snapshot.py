@@ -316,3 +316,37 @@ def test_checkpointing_hazard_is_detected_and_avoided() -> None:
     ctx, stacks, warning = tsnap._safe_context("python", "all")
     assert ctx is None and warning is not None and "Block" in warning
     del m
+
+
+class FakeCudaTorch:
+    """A fake of the few torch.cuda calls `OomHandler._on_oom` makes, to test the report logic without a
+    GPU: `_dump_snapshot` copies a real H200 snapshot fixture; memory_stats returns fixed numbers."""
+
+    class cuda:  # noqa: N801
+        class memory:  # noqa: N801
+            @staticmethod
+            def _dump_snapshot(path: str) -> None:
+                Path(path).write_bytes((FIX / "snapshot_mlp_adam_pystacks.pickle").read_bytes())
+
+        @staticmethod
+        def memory_stats(device: int) -> dict[str, int]:
+            return {"allocated_bytes.all.current": 100 << 30, "reserved_bytes.all.current": (100 << 30) + (1 << 20)}
+
+
+def test_oom_report_logic_with_a_fake_cuda(tmp_path: Path) -> None:
+    h = tsnap.OomHandler(tmp_path / "oom", True, None, FakeCudaTorch)
+    gib = 1 << 30
+    h._on_oom(0, 60 * gib, 140 * gib, 39 * gib)
+    assert len(h.reports) == 1 and len(h.snapshots) == 1
+    rep = json.loads(h.reports[0].with_name(h.reports[0].name.replace("-report.txt", "-report.json")).read_text())
+    assert rep["requested_bytes"] == 60 * gib
+    assert rep["allocated_bytes"] == 100 * gib
+    assert rep["reserved_unallocated_bytes"] == 1 << 20
+    assert rep["diagnosis"]["verdict"] == "capacity"
+    assert rep["top_holders"] and rep["top_holders"][0]["bytes"] > 0
+    assert any("test_snapshot.py" in f for f in rep["allocating_frames"])
+    text = h.reports[0].read_text()
+    assert "Next steps" in text and "Top holders" in text and "Reduce the batch size" in text
+    # the holders are the blocks alive at the end of the snapshot (the moment of the failure)
+    summary = json.loads(_native.snapshot_summary_json(str(h.snapshots[0])))["summary"]["devices"][0]
+    assert sum(r["bytes"] for r in rep["top_holders"]) <= summary["end_requested_bytes"]
