@@ -22,8 +22,8 @@ pub enum PickleError {
 /// Any problem reading a snapshot file.
 #[derive(Debug, Error)]
 pub enum SnapshotError {
-    #[error("{path}: {source}")]
-    Pickle { path: String, source: PickleError },
+    #[error("{path}: {error}")]
+    Pickle { path: String, error: PickleError },
     #[error("{path}: not an allocator snapshot: {msg}")]
     Schema { path: String, msg: String },
     #[error("{path}: invalid JSON snapshot: {msg}")]

@@ -54,7 +54,7 @@ fn read_from<R: Read>(mut reader: R, name: &str) -> Result<Snapshot, SnapshotErr
             json::read_json(chained).map_err(|msg| SnapshotError::Json { path: name.into(), msg })
         }
         _ => decode::read_pickle(chained).map_err(|e| match e {
-            error::PickleOrSchema::Pickle(source) => SnapshotError::Pickle { path: name.into(), source },
+            error::PickleOrSchema::Pickle(error) => SnapshotError::Pickle { path: name.into(), error },
             error::PickleOrSchema::Schema(msg) => SnapshotError::Schema { path: name.into(), msg },
         }),
     }
