@@ -105,6 +105,8 @@ pub fn live_at(snap: &Snapshot, device: usize, upto: Option<usize>) -> Vec<LiveB
     // Which addresses get allocated inside the trace (to tell pre-history blocks apart).
     let mut live: HashMap<u64, LiveBlock> = HashMap::new();
     let mut seen_alloc: HashSet<u64> = HashSet::new();
+    // Alive at the end of the trace: end-state blocks not among these predate the history (as in `replay`).
+    let mut live_end: HashSet<u64> = HashSet::new();
     let mut ghosts: Vec<LiveBlock> = Vec::new();
     for (i, &ti) in idxs.iter().enumerate() {
         let e = &snap.traces[ti as usize];
@@ -112,6 +114,7 @@ pub fn live_at(snap: &Snapshot, device: usize, upto: Option<usize>) -> Vec<LiveB
         match e.action {
             Action::Alloc => {
                 seen_alloc.insert(e.addr);
+                live_end.insert(e.addr);
                 if before {
                     live.insert(
                         e.addr,
@@ -121,6 +124,7 @@ pub fn live_at(snap: &Snapshot, device: usize, upto: Option<usize>) -> Vec<LiveB
             }
             Action::FreeCompleted => {
                 let had_alloc = seen_alloc.contains(&e.addr);
+                live_end.remove(&e.addr);
                 if before {
                     live.remove(&e.addr);
                 } else if !had_alloc {
@@ -138,7 +142,7 @@ pub fn live_at(snap: &Snapshot, device: usize, upto: Option<usize>) -> Vec<LiveB
         }
     }
     for b in end_blocks(snap, device) {
-        if !seen_alloc.contains(&b.address) {
+        if !live_end.contains(&b.address) {
             ghosts.push(LiveBlock {
                 addr: b.address,
                 size_bytes: b.requested_bytes,
