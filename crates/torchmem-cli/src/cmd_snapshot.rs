@@ -44,23 +44,12 @@ pub fn run(args: SnapshotArgs) -> anyhow::Result<i32> {
         && !(args.files.len() == 1 && args.files[0].exists());
     if first_is_diff {
         if args.files.len() != 3 {
-            anyhow::bail!(
-                "usage: torchmem snapshot diff BEFORE AFTER (got {} file(s))",
-                args.files.len() - 1
-            );
+            anyhow::bail!("usage: torchmem snapshot diff BEFORE AFTER (got {} file(s))", args.files.len() - 1);
         }
-        return run_diff(
-            &args.files[1],
-            &args.files[2],
-            args.json,
-            args.top.unwrap_or(20),
-        );
+        return run_diff(&args.files[1], &args.files[2], args.json, args.top.unwrap_or(20));
     }
     if args.files.len() != 1 {
-        anyhow::bail!(
-            "give one snapshot file (or `diff BEFORE AFTER`); got {} paths",
-            args.files.len()
-        );
+        anyhow::bail!("give one snapshot file (or `diff BEFORE AFTER`); got {} paths", args.files.len());
     }
     if args.at.is_some() && args.top.is_none() && !args.json {
         anyhow::bail!("--at needs --top N (the sites alive at that moment)");

@@ -5,16 +5,11 @@ use std::path::PathBuf;
 use std::process::Command;
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/snapshots")
-        .join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/snapshots").join(name)
 }
 
 fn torchmem(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_torchmem"))
-        .args(args)
-        .output()
-        .expect("run torchmem");
+    let out = Command::new(env!("CARGO_BIN_EXE_torchmem")).args(args).output().expect("run torchmem");
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -34,19 +29,11 @@ fn every_fixture_parses_and_summarizes() {
         let f = fixture(name);
         let (code, out, err) = torchmem(&["snapshot", f.to_str().unwrap()]);
         assert_eq!(code, 0, "{name}: {err}");
-        assert!(
-            out.contains("Device 0") && out.contains("reserved") && out.contains("Trace actions"),
-            "{name}: {out}"
-        );
+        assert!(out.contains("Device 0") && out.contains("reserved") && out.contains("Trace actions"), "{name}: {out}");
         let (code, out, _) = torchmem(&["snapshot", f.to_str().unwrap(), "--json"]);
         assert_eq!(code, 0);
         let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-        assert!(
-            v["summary"]["devices"][0]["reserved_bytes"]
-                .as_u64()
-                .unwrap()
-                > 0
-        );
+        assert!(v["summary"]["devices"][0]["reserved_bytes"].as_u64().unwrap() > 0);
     }
 }
 
@@ -55,10 +42,7 @@ fn top_sites_and_at() {
     let f = fixture("snapshot_mlp_adam_pystacks.pickle");
     let (code, out, err) = torchmem(&["snapshot", f.to_str().unwrap(), "--top", "3"]);
     assert_eq!(code, 0, "{err}");
-    assert!(
-        out.contains("top allocation sites at the traced peak"),
-        "{out}"
-    );
+    assert!(out.contains("top allocation sites at the traced peak"), "{out}");
     assert!(out.contains("/home/user/train/probe.py:"), "{out}");
     let (code, out, _) = torchmem(&["snapshot", f.to_str().unwrap(), "--top", "3", "--at", "0"]);
     assert_eq!(code, 0);
@@ -72,13 +56,9 @@ fn top_sites_and_at() {
 fn diff_reports_growth_by_site() {
     let a = fixture("snapshot_mlp_adam_pystacks.pickle");
     let b = fixture("snapshot_mlp_adam_cppstacks.pickle");
-    let (code, out, err) =
-        torchmem(&["snapshot", "diff", a.to_str().unwrap(), b.to_str().unwrap()]);
+    let (code, out, err) = torchmem(&["snapshot", "diff", a.to_str().unwrap(), b.to_str().unwrap()]);
     assert_eq!(code, 0, "{err}");
-    assert!(
-        out.contains("Snapshot diff") && out.contains("reserved") && out.contains("site"),
-        "{out}"
-    );
+    assert!(out.contains("Snapshot diff") && out.contains("reserved") && out.contains("site"), "{out}");
 }
 
 #[test]
@@ -86,17 +66,10 @@ fn malicious_and_truncated_pickles_fail_clearly() {
     let dir = tempfile::tempdir().unwrap();
     // GLOBAL 'os\nsystem', then REDUCE: what pickle.dumps(os.system) + call looks like.
     let evil = dir.path().join("evil.pickle");
-    std::fs::write(
-        &evil,
-        b"\x80\x02cos\nsystem\nq\x00X\x04\x00\x00\x00trueq\x01\x85q\x02Rq\x03.",
-    )
-    .unwrap();
+    std::fs::write(&evil, b"\x80\x02cos\nsystem\nq\x00X\x04\x00\x00\x00trueq\x01\x85q\x02Rq\x03.").unwrap();
     let (code, _, err) = torchmem(&["snapshot", evil.to_str().unwrap()]);
     assert_eq!(code, 1);
-    assert!(
-        err.contains("refusing opcode GLOBAL (0x63) at byte offset 2"),
-        "{err}"
-    );
+    assert!(err.contains("refusing opcode GLOBAL (0x63) at byte offset 2"), "{err}");
     let data = std::fs::read(fixture("snapshot_mlp_adam_pystacks.pickle")).unwrap();
     let cut = dir.path().join("cut.pickle");
     std::fs::write(&cut, &data[..1000]).unwrap();
@@ -116,9 +89,7 @@ fn explain_oom_message() {
     let (code, out, err) = torchmem(&["explain-oom", msg.trim()]);
     assert_eq!(code, 0, "{err}");
     assert!(
-        out.contains("tried to allocate")
-            && out.contains("60.00 GiB")
-            && out.contains("Diagnosis: capacity"),
+        out.contains("tried to allocate") && out.contains("60.00 GiB") && out.contains("Diagnosis: capacity"),
         "{out}"
     );
     let (code, _, err) = torchmem(&["explain-oom", "not an oom"]);

@@ -9,16 +9,10 @@ use torchmem_snapshot::{html, oom, sites, summary, Snapshot};
 use crate::errors::SnapshotError;
 
 fn load(path: &str) -> PyResult<Snapshot> {
-    torchmem_snapshot::read_path(std::path::Path::new(path))
-        .map_err(|e| SnapshotError::new_err(e.to_string()))
+    torchmem_snapshot::read_path(std::path::Path::new(path)).map_err(|e| SnapshotError::new_err(e.to_string()))
 }
 
-fn summary_json(
-    snap: &Snapshot,
-    name: &str,
-    top: usize,
-    at_time_us: Option<i64>,
-) -> PyResult<String> {
+fn summary_json(snap: &Snapshot, name: &str, top: usize, at_time_us: Option<i64>) -> PyResult<String> {
     let sum = summary::summarize(snap);
     let tops = sites::top_sites(snap, &sum, top, at_time_us);
     let v = serde_json::json!({ "file": name, "summary": sum, "top": tops });
@@ -28,12 +22,7 @@ fn summary_json(
 /// Summary and top sites of a snapshot file (pickle or JSON) as a JSON string.
 #[pyfunction]
 #[pyo3(signature = (path, top=10, at_time_us=None))]
-fn snapshot_summary_json(
-    py: Python<'_>,
-    path: String,
-    top: usize,
-    at_time_us: Option<i64>,
-) -> PyResult<String> {
+fn snapshot_summary_json(py: Python<'_>, path: String, top: usize, at_time_us: Option<i64>) -> PyResult<String> {
     let snap = py.detach(|| load(&path))?;
     summary_json(&snap, &path, top, at_time_us)
 }
@@ -41,13 +30,8 @@ fn snapshot_summary_json(
 /// The same for snapshot bytes (e.g. `pickle.dumps(torch.cuda.memory._snapshot())`).
 #[pyfunction]
 #[pyo3(signature = (data, top=10, at_time_us=None))]
-fn snapshot_summary_bytes_json(
-    data: &[u8],
-    top: usize,
-    at_time_us: Option<i64>,
-) -> PyResult<String> {
-    let snap = torchmem_snapshot::read_bytes(data, "<bytes>")
-        .map_err(|e| SnapshotError::new_err(e.to_string()))?;
+fn snapshot_summary_bytes_json(data: &[u8], top: usize, at_time_us: Option<i64>) -> PyResult<String> {
+    let snap = torchmem_snapshot::read_bytes(data, "<bytes>").map_err(|e| SnapshotError::new_err(e.to_string()))?;
     summary_json(&snap, "<bytes>", top, at_time_us)
 }
 
@@ -58,11 +42,7 @@ fn snapshot_text(py: Python<'_>, path: String, top: usize) -> PyResult<String> {
     let snap = py.detach(|| load(&path))?;
     let sum = summary::summarize(&snap);
     let tops = sites::top_sites(&snap, &sum, top, None);
-    Ok(format!(
-        "{}\n{}",
-        summary::render_text(&sum, &path),
-        sites::render_top_text(&tops)
-    ))
+    Ok(format!("{}\n{}", summary::render_text(&sum, &path), sites::render_top_text(&tops)))
 }
 
 /// Writes the offline HTML report of a snapshot file to `out_path`.
@@ -71,8 +51,7 @@ fn snapshot_html(py: Python<'_>, path: String, out_path: String) -> PyResult<()>
     let snap = py.detach(|| load(&path))?;
     let sum = summary::summarize(&snap);
     let page = html::render(&snap, &sum, &path);
-    std::fs::write(&out_path, page)
-        .map_err(|e| PyValueError::new_err(format!("cannot write {out_path}: {e}")))
+    std::fs::write(&out_path, page).map_err(|e| PyValueError::new_err(format!("cannot write {out_path}: {e}")))
 }
 
 fn diagnosis_json(d: &oom::Diagnosis) -> PyResult<String> {
