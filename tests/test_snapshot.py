@@ -350,3 +350,76 @@ def test_oom_report_logic_with_a_fake_cuda(tmp_path: Path) -> None:
     # the holders are the blocks alive at the end of the snapshot (the moment of the failure)
     summary = json.loads(_native.snapshot_summary_json(str(h.snapshots[0])))["summary"]["devices"][0]
     assert sum(r["bytes"] for r in rep["top_holders"]) <= summary["end_requested_bytes"]
+
+
+def test_ring_buffer_wrap_is_reported(tmp_path: Path) -> None:
+    snap = load_py(FIX / "snapshot_mlp_adam_pystacks.pickle")
+    full = json.loads(_native.snapshot_summary_bytes_json(pickle.dumps(snap)))["summary"]["devices"][0]
+    assert full["history"]["wrapped"] is None  # one block predates recording: cannot tell
+    # What a wrapped ring buffer of max_entries=100 leaves: the last 100 entries only.
+    snap["device_traces"][0] = snap["device_traces"][0][-100:]
+    d = json.loads(_native.snapshot_summary_bytes_json(pickle.dumps(snap)))["summary"]["devices"][0]
+    assert d["trace_entries"] == 100
+    assert d["history"]["wrapped"] is True
+    assert d["history"]["frees_without_alloc"] > 0
+    assert "ring buffer wrapped" in d["history"]["note"]
+    # Newer torch says so itself.
+    snap["device_traces"][0] = snap["device_traces"][0][-97:]
+    snap["allocator_settings"]["trace_alloc_overflowed"] = True
+    snap["allocator_settings"]["trace_alloc_max_entries"] = 97
+    d = json.loads(_native.snapshot_summary_bytes_json(pickle.dumps(snap)))["summary"]["devices"][0]
+    assert d["history"]["wrapped"] is True and d["history"]["max_entries"] == 97
+    assert "max_entries=97" in d["history"]["note"]
+    # The totals of the segments do not depend on the trace.
+    assert d["reserved_bytes"] == full["reserved_bytes"] and d["allocated_bytes"] == full["allocated_bytes"]
+
+
+def test_oom_entries_and_big_addresses() -> None:
+    # The `oom` entry shape recorded on the H200 (allocator_probe1_main_log.txt), addresses above 2**63.
+    top_addr = 2**64 - 2**21
+    snap = {
+        "segments": [
+            {
+                "device": 0,
+                "address": top_addr,
+                "total_size": 2 << 20,
+                "allocated_size": 512,
+                "active_size": 512,
+                "requested_size": 40,
+                "stream": 0,
+                "segment_type": "small",
+                "segment_pool_id": (0, 0),
+                "is_expandable": False,
+                "frames": [],
+                "blocks": [
+                    {"address": top_addr, "size": 512, "requested_size": 40, "state": "active_allocated", "frames": []},
+                    {"address": top_addr + 512, "size": (2 << 20) - 512, "requested_size": 0, "state": "inactive"},
+                ],
+            }
+        ],
+        "device_traces": [
+            [
+                {"action": "alloc", "addr": top_addr, "size": 40, "stream": 0, "time_us": 1796056088782000},
+                {
+                    "action": "oom",
+                    "device_free": 41870819328,
+                    "size": 64424509440,
+                    "stream": 0,
+                    "time_us": 1796056088782781,
+                    "compile_context": "N/A",
+                    "user_metadata": "phase=train",
+                },
+            ]
+        ],
+        "allocator_settings": {},
+        "external_annotations": [],
+    }
+    for proto in (2, 4, 5):
+        d = json.loads(_native.snapshot_summary_bytes_json(pickle.dumps(snap, protocol=proto)))["summary"]
+        dev = d["devices"][0]
+        assert dev["ooms"] == [
+            {"size_bytes": 64424509440, "device_free_bytes": 41870819328, "time_us": 1796056088782781}
+        ]
+        assert d["segments"][0]["address"] == top_addr
+        assert dev["inactive_split_bytes"] == (2 << 20) - 512
+        assert dev["history"]["wrapped"] is False
