@@ -34,7 +34,7 @@ def make_cpu_train():
     import torch
 
     torch.manual_seed(0)
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     model = torch.nn.Sequential(
         torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)
     )
