@@ -885,3 +885,89 @@ impl<R: Read> Unpickler<R> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(data: &[u8]) -> PickleError {
+        match unpickle_bytes(data) {
+            Ok(_) => panic!("expected an error"),
+            Err(e) => e,
+        }
+    }
+
+    #[test]
+    fn shared_memo_values_stay_shared() {
+        // pickle.dumps(l := [1]; {"a": l, "b": l}, protocol=4)
+        let data = b"\x80\x04\x95\x13\x00\x00\x00\x00\x00\x00\x00}\x94(\x8c\x01a\x94]\x94K\x01a\x8c\x01b\x94h\x02u.";
+        let doc = unpickle_bytes(data).unwrap();
+        let (Some(Value::List(a)), Some(Value::List(b))) = (doc.root.get("a"), doc.root.get("b")) else {
+            panic!("expected two lists")
+        };
+        assert!(Rc::ptr_eq(&a, &b));
+        assert_eq!(a.items.borrow()[0].as_i64(), Some(1));
+    }
+
+    #[test]
+    fn forbidden_opcodes_name_offset() {
+        let e = err(b"\x80\x02cos\nsystem\n.");
+        assert_eq!(e, PickleError::Forbidden { opcode: "GLOBAL", byte: b'c', offset: 2 });
+        assert!(e.to_string().contains("refusing opcode GLOBAL (0x63) at byte offset 2"));
+        assert!(matches!(err(b"\x80\x05N)R."), PickleError::Forbidden { opcode: "REDUCE", offset: 4, .. }));
+        assert!(matches!(err(b"\x80\x05\x97."), PickleError::Forbidden { opcode: "NEXT_BUFFER", offset: 2, .. }));
+    }
+
+    #[test]
+    fn forged_lengths_and_indices_do_not_allocate() {
+        // BINUNICODE8 claiming 2^62 bytes: truncated, not an allocation failure.
+        let mut d = b"\x80\x04\x8d".to_vec();
+        d.extend_from_slice(&(1u64 << 62).to_le_bytes());
+        assert!(matches!(err(&d), PickleError::Truncated { .. }));
+        // LONG_BINPUT far beyond the memo.
+        assert!(err(b"\x80\x04Nr\xff\xff\xff\x7f.").to_string().contains("far beyond"));
+        // LONG_BINGET of something never stored.
+        assert!(err(b"\x80\x04j\x05\x00\x00\x00.").to_string().contains("never stored"));
+        assert!(matches!(err(b"\x80\x06N."), PickleError::Protocol { version: 6, .. }));
+        assert!(matches!(err(b""), PickleError::Truncated { .. }));
+        assert!(err(b"\x80\x04u.").to_string().contains("without a MARK"));
+    }
+
+    #[test]
+    fn deep_nesting_and_cycles_do_not_overflow_or_leak() {
+        // 1,000,000 nested lists: "]" then "a" appends each to the previous, via MARK-free APPEND.
+        let n = 1_000_000;
+        let mut d = b"\x80\x04]".to_vec();
+        for _ in 0..n {
+            d.extend_from_slice(b"]");
+        }
+        for _ in 0..n {
+            d.extend_from_slice(b"a");
+        }
+        d.push(b'.');
+        let doc = unpickle_bytes(&d).unwrap();
+        drop(doc);
+        // A list that contains itself.
+        let doc = unpickle_bytes(b"\x80\x04]\x94h\x00a.").unwrap();
+        let weak = {
+            let Value::List(l) = &doc.root else { panic!() };
+            let same = matches!(&l.items.borrow()[0], Value::List(inner) if Rc::ptr_eq(l, inner));
+            assert!(same, "the list contains itself");
+            Rc::downgrade(l)
+        };
+        drop(doc);
+        assert!(weak.upgrade().is_none(), "the self-referencing list was freed");
+    }
+
+    #[test]
+    fn ints_of_every_width() {
+        let doc = unpickle_bytes(b"\x80\x04(K\xffM\xff\xffJ\xff\xff\xff\xff\x8a\x09\x00\x00\x00\x00\x00\x00\x00\x00\x01\x8a\x08\xff\xff\xff\xff\xff\xff\xff\xffl.").unwrap();
+        let Value::List(l) = &doc.root else { panic!() };
+        let v = l.items.borrow();
+        assert_eq!(v[0].as_i64(), Some(255));
+        assert_eq!(v[1].as_i64(), Some(65535));
+        assert_eq!(v[2].as_i64(), Some(-1));
+        assert_eq!(v[3].as_u64(), None); // 2^64 does not fit
+        assert_eq!(v[4].as_i64(), Some(-1));
+    }
+}
