@@ -289,7 +289,7 @@ function drawIcicle(){
     if(w<0.5)return; maxDepth=Math.max(maxDepth,depth);
     const r=el("rect",{x:x0,y:depth*RH,width:Math.max(w-1,0.5),height:RH-1,fill:COLORS[depth%COLORS.length],class:"node"},svg);
     hover(r,nd.n+" — "+fmt(nd.v)+" ("+(100*nd.v/Math.max(root.v,1)).toFixed(1)+"%)");
-    if(w>60){const t=el("text",{x:x0+3,y:depth*RH+13,"font-size":11,"pointer-events":"none"},svg);t.textContent=(nd.n+" "+fmt(nd.v)).slice(0,Math.floor(w/6.5));}
+    if(w>60){const t=el("text",{x:x0+3,y:depth*RH+13,"font-size":11,"pointer-events":"none"},svg);t.textContent=(nd.n.replace(/^[^:]*\//,"")+" "+fmt(nd.v)).slice(0,Math.floor(w/6.5));}
     let cx=x0; for(const c of nd.c){const cw=w*c.v/Math.max(nd.v,1);walk(c,cx,cw,depth+1);cx+=cw;}
   }
   walk(root,0,W,0);
