@@ -111,6 +111,23 @@ def _stop_recording(torch: Any) -> None:
         warnings.warn(f"torchmem: could not stop allocator history recording: {e}", RuntimeWarning, stacklevel=3)
 
 
+def _resume_or_stop(torch: Any) -> None:
+    """After `capture`: hand recording back to an active `on_oom` handler, or stop it."""
+    for h in list(_handlers):
+        if h.active and h.recording is not None:
+            r = h.recording
+            try:
+                torch.cuda.memory._record_memory_history(
+                    enabled="all", context=r["context"], stacks=r["stacks"] or "python", max_entries=r["max_entries"]
+                )
+                return
+            except Exception as e:
+                warnings.warn(
+                    f"torchmem: could not resume on_oom's history recording: {e}", RuntimeWarning, stacklevel=3
+                )
+    _stop_recording(torch)
+
+
 def summary(path: str | os.PathLike[str], top: int = 10, at_time_us: int | None = None) -> dict[str, Any]:
     """The summary and top allocation sites of a snapshot file, read safely in Rust (raises SnapshotError)."""
     return json.loads(_native.snapshot_summary_json(os.fspath(path), top, at_time_us))
@@ -177,7 +194,7 @@ class capture:  # noqa: N801 - used as `with torchmem.capture(path):`, like a fu
         except Exception as e:
             warnings.warn(f"torchmem.capture: could not write {self.path}: {e}", RuntimeWarning, stacklevel=2)
         finally:
-            _stop_recording(torch)
+            _resume_or_stop(torch)
         if isinstance(exc, SystemError) and "NULL without setting an exception" in str(exc):
             if hasattr(exc, "add_note"):
                 exc.add_note(_HAZARD_NOTE)
