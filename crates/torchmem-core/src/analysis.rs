@@ -380,7 +380,13 @@ pub fn journey(
     let mut phases_done: Vec<String> = Vec::new();
     let mut peak_inserted = false;
     let mut items: Vec<(u64, JourneyStage)> = Vec::new();
+    // A journey is a path, not a log: a mark repeated every epoch (e.g. "Cache emptied") appears once, first time.
+    let mut marks_done: Vec<&str> = Vec::new();
     for m in markers.iter().filter(|m| m.kind == MarkerKind::Mark && m.edge == Edge::Point) {
+        if marks_done.contains(&m.name.as_str()) {
+            continue;
+        }
+        marks_done.push(&m.name);
         items.push((m.t_ns, stage(m.name.clone(), &m.memory, false)));
     }
     for s in all_spans.iter().filter(|s| s.kind == MarkerKind::Phase) {
@@ -650,6 +656,14 @@ mod tests {
             memory: MarkerMemory { allocated_bytes: Some(0), reserved_bytes: Some(0), ..Default::default() },
         }];
         m.extend(leaky_run(2, 0));
+        m.push(Marker {
+            t_ns: 900,
+            kind: MarkerKind::Mark,
+            edge: Edge::Point,
+            name: "Cache emptied".into(),
+            index: None,
+            memory: MarkerMemory::default(),
+        });
         m.push(Marker {
             t_ns: 1000,
             kind: MarkerKind::Mark,
