@@ -35,7 +35,7 @@ pub struct ExplainOomArgs {
 }
 
 fn load(path: &Path) -> anyhow::Result<torchmem_snapshot::Snapshot> {
-    crate::existing_file(&path.to_path_buf(), "snapshot file")?;
+    crate::existing_file(path, "snapshot file")?;
     Ok(torchmem_snapshot::read_path(path)?)
 }
 
