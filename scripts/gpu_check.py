@@ -159,7 +159,8 @@ def run_script(c: Checks, name: str, args: list[str], timeout_s: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "docs" / "gpu-check.md"))
-    ap.add_argument("--skip", action="append", default=[], help="skip a part: api, line, snapshot, bench")
+    ap.add_argument("--skip", action="append", default=[], help="skip a part: run, api, line, snapshot, bench")
+    ap.add_argument("--only", action="append", default=[], help="run only these parts (same names as --skip)")
     args = ap.parse_args()
     import torch
 
@@ -176,7 +177,11 @@ def main() -> None:
     )
     print(header)
     sections: list[tuple[str, str]] = []
-    run_profile_check(c, torchmem)
+    def wanted(key: str) -> bool:
+        return key not in args.skip and (not args.only or key in args.only)
+
+    if wanted("run"):
+        run_profile_check(c, torchmem)
     parts = [
         ("api", "scripts/gpu_check_api.py", [], 400),
         ("line", "scripts/gpu_check_line.py", [], 600),
@@ -189,7 +194,7 @@ def main() -> None:
         ),
     ]
     for key, script, extra, timeout_s in parts:
-        if key in args.skip:
+        if not wanted(key):
             continue
         out = run_script(c, script, extra, timeout_s)
         sections.append((script, out))
