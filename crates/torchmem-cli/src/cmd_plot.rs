@@ -29,15 +29,9 @@ pub fn default_output(profile: &Path, svg: bool) -> PathBuf {
 
 pub fn run(args: PlotArgs) -> anyhow::Result<i32> {
     let profile = open_profile(&args.profile)?;
-    let output = args
-        .output
-        .clone()
-        .unwrap_or_else(|| default_output(&args.profile, args.svg));
+    let output = args.output.clone().unwrap_or_else(|| default_output(&args.profile, args.svg));
     if output == args.profile {
-        anyhow::bail!(
-            "{}: the output would overwrite the profile. Choose another path with -o",
-            output.display()
-        );
+        anyhow::bail!("{}: the output would overwrite the profile. Choose another path with -o", output.display());
     }
     let text = if args.svg {
         report::render_svg(&profile)
@@ -45,23 +39,18 @@ pub fn run(args: PlotArgs) -> anyhow::Result<i32> {
         report::render_html(&profile, &Summary::from_profile(&profile))
     };
     // Write next to the target, then rename: a failed write never leaves half a page behind.
-    let tmp = output.with_file_name(format!(
-        ".{}.tmp",
-        output
-            .file_name()
-            .and_then(|n| n.to_str())
-            .unwrap_or("plot")
-    ));
+    let tmp = output.with_file_name(format!(".{}.tmp", output.file_name().and_then(|n| n.to_str()).unwrap_or("plot")));
     std::fs::write(&tmp, text.as_bytes())
         .and_then(|_| std::fs::rename(&tmp, &output))
         .inspect_err(|_| {
             let _ = std::fs::remove_file(&tmp);
         })
-        .with_context(|| format!("cannot write {}. Check that its directory exists and is writable, or choose another path with -o", output.display()))?;
-    eprintln!(
-        "torchmem: wrote {} ({})",
-        output.display(),
-        torchmem_core::units::format_bytes(text.len() as u64)
-    );
+        .with_context(|| {
+            format!(
+                "cannot write {}. Check that its directory exists and is writable, or choose another path with -o",
+                output.display()
+            )
+        })?;
+    eprintln!("torchmem: wrote {} ({})", output.display(), torchmem_core::units::format_bytes(text.len() as u64));
     Ok(0)
 }

@@ -48,7 +48,10 @@ pub struct ReportArgs {
 /// Opens a profile for a report; the core's errors already name the problem and the fix.
 pub fn open_profile(path: &std::path::Path) -> anyhow::Result<Profile> {
     if path.is_dir() {
-        anyhow::bail!("{}: is a directory, not a profile file. Give the .sqlite file `torchmem run -o PROFILE` wrote", path.display());
+        anyhow::bail!(
+            "{}: is a directory, not a profile file. Give the .sqlite file `torchmem run -o PROFILE` wrote",
+            path.display()
+        );
     }
     Ok(Profile::open(path)?)
 }
