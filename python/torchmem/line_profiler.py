@@ -141,6 +141,8 @@ def _start() -> bool:
                 "monitoring" if _MONITORING else "settrace", float(gate) if gate else None, _gpu_probe
             )
             _run_info.update(info)
+            if _specs:
+                _native.line_set_matcher(_matcher)
             if _MONITORING:
                 _start_monitoring()
             else:
@@ -218,9 +220,7 @@ def _bootstrap_line(specs: list[str], script_path: str) -> None:
             _specs.append(_Spec(text, script_path))
         except ValueError as exc:
             print(f"torchmem: {exc}", file=sys.stderr)
-    if not _start():
-        return
-    if _specs:
+    if _start() and _specs:  # idempotent: also right when the hooks were already started
         _native.line_set_matcher(_matcher)
         if _MONITORING and _tool_id is not None:
             sys.monitoring.set_events(_tool_id, _monitoring_masks()[1])
