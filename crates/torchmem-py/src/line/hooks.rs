@@ -12,7 +12,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 
 use super::sampler::ticks;
-use super::state::{self, Ev, Gpu, Sample, Verdict};
+use super::state::{self, Ev, Gpu, Profiler, Verdict};
 
 /// How an event names its place, before the code object is known to be profiled.
 #[derive(Clone, Copy)]
@@ -31,12 +31,6 @@ pub enum Raw {
     Exit,
 }
 
-enum Lookup {
-    Off,
-    Known(u32),
-    Unknown(Option<Py<PyAny>>),
-}
-
 /// Handle one event. Never raises, never panics outward.
 pub fn drive(code_ptr: *mut ffi::PyObject, frame: usize, raw: Raw) -> Verdict {
     std::panic::catch_unwind(|| drive_inner(code_ptr, frame, raw)).unwrap_or_else(|_| {
@@ -48,25 +42,60 @@ pub fn drive(code_ptr: *mut ffi::PyObject, frame: usize, raw: Raw) -> Verdict {
     })
 }
 
+enum First {
+    Off,
+    Unknown(Option<Py<PyAny>>),
+    /// Accounted without reading memory (the common, cheap path: one borrow, one clock read).
+    Done,
+    Read(u32, Option<Py<PyAny>>),
+}
+
+/// The event kind, once the code object's entry is known.
+fn event_of(p: &Profiler, idx: u32, raw: Raw) -> Ev {
+    match raw {
+        Raw::Start => Ev::Start,
+        Raw::Call { frame_line } => {
+            if frame_line <= p.codes[idx as usize].first_line {
+                Ev::Start
+            } else {
+                Ev::Resume(frame_line)
+            }
+        }
+        Raw::ResumeAt { offset } => Ev::Resume(p.codes[idx as usize].line_of_offset(offset)),
+        Raw::Line(l) => Ev::Line(l),
+        Raw::Exit => Ev::Exit,
+    }
+}
+
 fn drive_inner(code_ptr: *mut ffi::PyObject, frame: usize, raw: Raw) -> Verdict {
     let key = code_ptr as usize;
-    let lookup = state::with(|p| {
-        if !p.active {
-            return Lookup::Off;
-        }
-        match p.by_ptr.get(&key) {
-            Some(i) => Lookup::Known(*i),
-            None if p.rejected.contains_key(&key) => Lookup::Unknown(None),
-            None => Lookup::Unknown(p.matcher.as_ref().map(|m| m.clone_ref(unsafe { Python::assume_attached() }))),
-        }
-    })
-    .unwrap_or(Lookup::Off);
+    let now = ticks();
     // SAFETY: every hook runs on a thread attached to the interpreter.
     let py = unsafe { Python::assume_attached() };
-    let idx = match lookup {
-        Lookup::Off => return Verdict::NotProfiled,
-        Lookup::Known(i) => i,
-        Lookup::Unknown(matcher) => {
+    let first = state::with(|p| {
+        if !p.active {
+            return First::Off;
+        }
+        let Some(&idx) = p.by_ptr.get(&key) else {
+            if p.rejected.contains_key(&key) {
+                return First::Unknown(None);
+            }
+            return First::Unknown(p.matcher.as_ref().map(|m| m.clone_ref(py)));
+        };
+        if p.needs_read(now) {
+            First::Read(idx, p.probe_due(now))
+        } else {
+            let ev = event_of(p, idx, raw);
+            p.account(idx, frame, ev, None, now);
+            First::Done
+        }
+    })
+    .unwrap_or(First::Off);
+    let (idx, probe) = match first {
+        First::Off => return Verdict::NotProfiled,
+        First::Done => return Verdict::Profiled,
+        First::Read(idx, probe) => (idx, probe),
+        First::Unknown(matcher) => {
             let first_sight = matches!(raw, Raw::Start | Raw::Call { .. });
             let Some(matcher) = matcher.filter(|_| first_sight) else {
                 return Verdict::NotProfiled;
@@ -79,22 +108,16 @@ fn drive_inner(code_ptr: *mut ffi::PyObject, frame: usize, raw: Raw) -> Verdict 
                 if k.is_none() {
                     p.rejected.insert(key, code.clone().unbind());
                 }
-                k
+                k.map(|k| (k, p.probe_due(ticks())))
             })
             .flatten();
             match known {
-                Some(i) if accepted => i,
+                Some(k) if accepted => k,
                 _ => return Verdict::NotProfiled,
             }
         }
     };
 
-    let now = ticks();
-    let (need, probe) = state::with(|p| {
-        let need = p.needs_read(now);
-        (need, if need { p.probe_due(now) } else { None })
-    })
-    .unwrap_or((false, None));
     if let Some(probe) = probe {
         match probe.call0(py) {
             Ok(r) if !r.is_none(py) => {
@@ -116,50 +139,32 @@ fn drive_inner(code_ptr: *mut ffi::PyObject, frame: usize, raw: Raw) -> Verdict 
             }
         }
     }
-    let mut sample: Option<Sample> = None;
-    if need {
-        let gpu = state::with(|p| match &p.gpu {
-            Gpu::Ready { device, stats, reset } => Some((*device, stats.clone_ref(py), reset.clone_ref(py))),
-            _ => None,
-        })
-        .flatten();
-        let mut s = state::with(|p| p.last_sample()).unwrap_or_default();
-        if let Some((device, stats, reset)) = gpu {
-            match read_gpu(py, device, &stats, &reset) {
-                Ok((alloc, peak, reserved)) => {
-                    s.gpu_alloc_bytes = alloc;
-                    s.gpu_peak_bytes = peak;
-                    s.gpu_reserved_bytes = reserved;
-                    state::with(|p| p.gpu_seen = true);
-                }
-                Err(e) => {
-                    state::with(|p| {
-                        p.gpu = Gpu::Off;
-                        p.warnings.push(format!("GPU columns stopped: reading the allocator failed ({e})"));
-                    });
-                }
+    let gpu = state::with(|p| match &p.gpu {
+        Gpu::Ready { device, stats, reset } => Some((*device, stats.clone_ref(py), reset.clone_ref(py))),
+        _ => None,
+    })
+    .flatten();
+    let mut s = state::with(|p| p.last_sample()).unwrap_or_default();
+    if let Some((device, stats, reset)) = gpu {
+        match read_gpu(py, device, &stats, &reset) {
+            Ok((alloc, peak, reserved)) => {
+                s.gpu_alloc_bytes = alloc;
+                s.gpu_peak_bytes = peak;
+                s.gpu_reserved_bytes = reserved;
+                state::with(|p| p.gpu_seen = true);
+            }
+            Err(e) => {
+                state::with(|p| {
+                    p.gpu = Gpu::Off;
+                    p.warnings.push(format!("GPU columns stopped: reading the allocator failed ({e})"));
+                });
             }
         }
-        sample = Some(s);
     }
     state::with(|p| {
-        let ev = match raw {
-            Raw::Start => Ev::Start,
-            Raw::Call { frame_line } => {
-                if frame_line <= p.codes[idx as usize].first_line {
-                    Ev::Start
-                } else {
-                    Ev::Resume(frame_line)
-                }
-            }
-            Raw::ResumeAt { offset } => Ev::Resume(p.codes[idx as usize].line_of_offset(offset)),
-            Raw::Line(l) => Ev::Line(l),
-            Raw::Exit => Ev::Exit,
-        };
-        if let Some(s) = sample.as_mut() {
-            s.rss_bytes = p.rss_now();
-        }
-        p.account(idx, frame, ev, sample, ticks());
+        let ev = event_of(p, idx, raw);
+        s.rss_bytes = p.rss_now();
+        p.account(idx, frame, ev, Some(s), ticks());
     });
     Verdict::Profiled
 }
