@@ -324,10 +324,10 @@ def cpu_cases() -> None:
 
 def bench() -> None:
     p = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "line_overhead", "run.py"), "--rounds", "3"],
+        [sys.executable, os.path.join(ROOT, "bench", "line_overhead", "run.py"), "--rounds", "2", "--repeats", "2"],
         capture_output=True,
         text=True,
-        timeout=1500,
+        timeout=420,
     )
     print(p.stdout + p.stderr[-2000:], flush=True)
     check("bench/line_overhead ran", p.returncode == 0, f"rc {p.returncode}")
