@@ -119,8 +119,7 @@ def run_profile_check(c: Checks, torchmem: str) -> None:
     gpu = j["peak"]["gpus"][0]
     c.check(
         "report JSON peak allocated/reserved match torch",
-        gpu["allocated_bytes"] == truth["max_allocated_bytes"]
-        and gpu["reserved_bytes"] == truth["max_reserved_bytes"],
+        gpu["allocated_bytes"] == truth["max_allocated_bytes"] and gpu["reserved_bytes"] == truth["max_reserved_bytes"],
         f"{gpu['allocated_bytes']}/{gpu['reserved_bytes']}",
     )
     c.check(
@@ -177,6 +176,7 @@ def main() -> None:
     )
     print(header)
     sections: list[tuple[str, str]] = []
+
     def wanted(key: str) -> bool:
         return key not in args.skip and (not args.only or key in args.only)
 

@@ -30,6 +30,15 @@ def nvml_process_bytes(pid: int) -> int | None:
     return total
 
 
+def nvml_total_bytes() -> int | None:
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    pynvml.nvmlInit()
+    return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total
+
+
 def main() -> None:
     out = sys.argv[1]
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 6
@@ -40,9 +49,7 @@ def main() -> None:
         model = torchvision.models.resnet18(num_classes=100).to(dev)
         shape = (64, 3, 224, 224)
     except ImportError:
-        model = torch.nn.Sequential(
-            torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 100)
-        ).to(dev)
+        model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 100)).to(dev)
         shape = (256, 4096)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(steps):
@@ -65,6 +72,7 @@ def main() -> None:
         "max_reserved_bytes": torch.cuda.max_memory_reserved(),
         "nvml_process_bytes": nvml_process_bytes(os.getpid()),
         "device_total_bytes": torch.cuda.get_device_properties(0).total_memory,
+        "nvml_total_bytes": nvml_total_bytes(),
     }
     with open(out, "w") as f:
         json.dump(truth, f)
