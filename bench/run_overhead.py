@@ -37,6 +37,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--interval-ms", type=float, default=10.0)
+    ap.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="also run torchmem without the in-process sampler (--no-inject) and without NVML (--no-gpu)",
+    )
     ap.add_argument("program", nargs="*", default=[])
     args = ap.parse_args()
     program = args.program or [str(ROOT / "examples" / "train.py"), "--epochs", "3"]
@@ -63,6 +68,11 @@ def main() -> None:
             *program,
         ],
     }
+    if args.diagnose:
+        for flag in ("--no-inject", "--no-gpu"):
+            variants[f"torchmem run {flag}"] = [
+                torchmem, "run", "-q", flag, "-o", str(tmp / "diag.sqlite"), "--", python, *program,
+            ]  # fmt: skip
     if mprof:
         variants["mprof run (100 ms)"] = [mprof, "run", "-o", str(tmp / "mprof.dat"), python, *program]
         variants["mprof run (10 ms)"] = [
