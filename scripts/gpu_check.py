@@ -133,6 +133,40 @@ def run_profile_check(c: Checks, torchmem: str) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+INTERPLAY = """
+import torch, torchmem
+torch.empty(1 << 20, device="cuda")
+
+@torchmem.profile
+def step():
+    t = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    del t
+    return torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+
+base = torch.cuda.memory_allocated()
+with torchmem.peak() as p:
+    u = step()
+print(base, p.allocated_bytes, torchmem.peak().allocated_bytes)
+"""
+
+
+def run_interplay_check(c: Checks) -> None:
+    """The line profiler resets torch's peak counters after a line with a temporary; an open `peak()` window
+    around the profiled function must still see the temporary (both go through one reset path)."""
+    proc = subprocess.run([sys.executable, "-c", INTERPLAY], capture_output=True, text=True, timeout=300)
+    try:
+        base, window_peak, process_peak = (int(v) for v in proc.stdout.split()[:3])
+    except ValueError:
+        c.check("peak() window around a line-profiled function", False, proc.stderr[-1500:])
+        return
+    want = base + (256 << 20)
+    c.check(
+        "peak() window around a line-profiled function sees the 256 MiB temporary",
+        window_peak >= want and process_peak >= want,
+        f"window {window_peak}, torchmem.peak() {process_peak}, expected >= {want}",
+    )
+
+
 def run_script(c: Checks, name: str, args: list[str], timeout_s: int) -> str:
     path = ROOT / name
     if not path.exists():
@@ -188,6 +222,8 @@ def main() -> None:
 
     if wanted("run"):
         run_profile_check(c, torchmem)
+    if wanted("interplay"):
+        run_interplay_check(c)
     parts = [
         ("api", "scripts/gpu_check_api.py", [], 400),
         ("line", "scripts/gpu_check_line.py", [], 600),

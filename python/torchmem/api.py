@@ -247,6 +247,20 @@ class Stats:
         return "\n".join(lines)
 
 
+def _fold_and_reset_gpu_peak(dev: int) -> None:
+    """Resets the allocator's peak counters of `dev` without losing what they held: the peak so far goes into
+    every open `peak()`/`track()` window and into `torchmem.peak()`'s accumulator first. Every torchmem part
+    that resets torch's peaks (windows, the line profiler) goes through here, so their peaks stay exact."""
+    with _PEAKS.lock:
+        torch = _torch()
+        if torch is None:
+            return
+        counters = _counters(torch, dev)
+        if counters is not None:
+            _PEAKS.fold_gpu(dev, counters)
+        _reset_torch_peak(torch, dev)
+
+
 def stats(device: Any = None, *, uss: bool = False) -> Stats:
     """This process's memory now: PyTorch's allocator counters for `device` (default: the current CUDA
     device), NVML's view of the process, and the CPU's RSS (and USS/PSS with `uss=True`). Cheap by default
@@ -335,17 +349,22 @@ class _PeakState:
         counters = _counters(torch, dev) if (torch is not None and dev is not None) else None
         for w in self.windows:
             w.rss = max(w.rss, rss_peak)
-            if counters is not None and w.dev == dev:
-                w.alloc = max(w.alloc, counters[2])
-                w.reserved = max(w.reserved, counters[3])
         self.rss_acc = max(self.rss_acc, rss_peak)
         if counters is not None:
-            a, r = self.gpu_acc.get(dev, (0, 0))  # type: ignore[arg-type]
-            self.gpu_acc[dev] = (max(a, counters[2]), max(r, counters[3]))  # type: ignore[index]
+            self.fold_gpu(dev, counters)  # type: ignore[arg-type]
             _reset_torch_peak(torch, dev)  # type: ignore[arg-type]
         if self.rss_reset_works:
             self.rss_reset_works = _native.reset_peak_rss()
         return rss, counters
+
+    def fold_gpu(self, dev: int, counters: tuple) -> None:
+        """Folds the allocator's peaks read just before a reset into every open window and the accumulator."""
+        for w in self.windows:
+            if w.dev == dev:
+                w.alloc = max(w.alloc, counters[2])
+                w.reserved = max(w.reserved, counters[3])
+        a, r = self.gpu_acc.get(dev, (0, 0))
+        self.gpu_acc[dev] = (max(a, counters[2]), max(r, counters[3]))
 
     def open(self, dev: int | None) -> tuple[_Window, int | None, tuple | None]:
         with self.lock:

@@ -78,7 +78,10 @@ def _gpu_probe() -> Optional[tuple[int, Callable[..., Any], Callable[..., Any]]]
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
         return None
-    return (torch.cuda.current_device(), torch._C._cuda_memoryStats, torch._C._cuda_resetPeakMemoryStats)
+    # Resets go through the API's peak bookkeeping so open `torchmem.peak()`/`track()` windows stay exact.
+    from .api import _fold_and_reset_gpu_peak
+
+    return (torch.cuda.current_device(), torch._C._cuda_memoryStats, _fold_and_reset_gpu_peak)
 
 
 def _monitoring_masks() -> tuple[int, int]:
