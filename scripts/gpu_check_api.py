@@ -84,7 +84,8 @@ def main() -> int:
     pid = os.getpid()
     # torch device 0 is NVML device 0 unless CUDA_VISIBLE_DEVICES remaps; match by UUID like torchmem does.
     handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}, pid {pid}")
+    # The name through NVML: torch.cuda.get_device_name() would initialise CUDA before the no-context check.
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {pynvml.nvmlDeviceGetName(handle)}, pid {pid}")
 
     @check
     def no_context_before_use():
