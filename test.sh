@@ -6,5 +6,6 @@ cd "$(dirname "$0")"
 scripts/dev-env.sh
 export PATH="$PWD/.venv/bin:$PATH"
 export TORCHMEM_PYTHON="$PWD/.venv/bin/python"
-cargo test --workspace --exclude torchmem-py
+export PYO3_PYTHON="$PWD/.venv/bin/python"
+cargo test --workspace
 .venv/bin/python -m pytest -q tests

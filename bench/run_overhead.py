@@ -42,6 +42,7 @@ def main() -> None:
         action="store_true",
         help="also run torchmem without the in-process sampler (--no-inject) and without NVML (--no-gpu)",
     )
+    ap.add_argument("--no-anchor", action="store_true", help="skip mprof (a quicker torchmem-only A/B)")
     ap.add_argument("program", nargs="*", default=[])
     args = ap.parse_args()
     program = args.program or [str(ROOT / "examples" / "train.py"), "--epochs", "3"]
@@ -73,7 +74,7 @@ def main() -> None:
             variants[f"torchmem run {flag}"] = [
                 torchmem, "run", "-q", flag, "-o", str(tmp / "diag.sqlite"), "--", python, *program,
             ]  # fmt: skip
-    if mprof:
+    if mprof and not args.no_anchor:
         variants["mprof run (100 ms)"] = [mprof, "run", "-o", str(tmp / "mprof.dat"), python, *program]
         variants["mprof run (10 ms)"] = [
             mprof,
@@ -91,6 +92,7 @@ def main() -> None:
     for _ in range(args.reps):
         for name, cmd in variants.items():
             t, rss = timed(cmd, env)
+            print(f"  {name}: {t:.3f} s", flush=True)  # progress: partial results survive a time limit
             times[name].append(t)
             maxrss[name] = max(maxrss.get(name, 0), rss)
     base = statistics.median(times["untraced"])

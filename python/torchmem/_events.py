@@ -4,6 +4,7 @@ every event (markers, allocator samples, line profiles) goes there as one JSON l
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
@@ -39,13 +40,35 @@ def now_ns() -> int:
 
 
 def emit(message: dict) -> None:
-    """Send one message to the recorder; a closed pipe (recorder gone) turns sending off, never raises."""
+    """Queue one message for the recorder; never raises. The Rust side buffers it and the allocator sampler
+    thread writes the buffer to the pipe every tick (10 ms), so the training loop pays no system call per
+    event; without a sampler it is written at once. A closed pipe (recorder gone) turns sending off."""
     global _fd
     if _fd is None:
         return
-    data = (json.dumps(message, separators=(",", ":")) + "\n").encode()
-    with _lock:
-        try:
-            os.write(_fd, data)
-        except OSError:
-            _fd = None
+    line = json.dumps(message, separators=(",", ":"))
+    try:
+        from . import _native
+
+        _native.emit_event(line)
+    except Exception:
+        with _lock:
+            try:
+                os.write(_fd, (line + "\n").encode())
+            except OSError:
+                _fd = None
+
+
+def flush() -> None:
+    """Write buffered messages now (at exit; the sampler does it every tick otherwise)."""
+    if _fd is None:
+        return
+    try:
+        from . import _native
+
+        _native.flush_events()
+    except Exception:
+        pass
+
+
+atexit.register(flush)

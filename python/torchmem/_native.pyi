@@ -147,3 +147,11 @@ def oom_diagnosis_json(
 def explain_oom_json(message: str) -> str:
     """Parses a PyTorch CUDA OOM message (torch <= 2.0, 2.1, >= 2.2 wordings) and diagnoses it, as JSON
     (like `oom_diagnosis_json`, with the parsed numbers). Raises ValueError for text that is not one."""
+
+# --- event buffer (crates/torchmem-py/src/events.rs) ---
+def emit_event(line: str) -> bool:
+    """Queue one JSON message (no newline) for `torchmem run`'s recorder; written by the sampler thread every
+    tick, or at once when no sampler runs. False when there is no recorder."""
+
+def flush_events() -> bool:
+    """Write the queued messages now. False when there is no recorder."""

@@ -338,7 +338,10 @@ fn sampler_loop(stop: Arc<AtomicBool>, fd: i32, interval: Duration) {
         if !lines.iter().all(|l| write_all(fd, l.as_bytes())) {
             break;
         }
+        // The Python API's buffered events go out on the same tick, without the interpreter.
+        crate::events::flush();
     }
+    crate::events::flush();
     // Release the references with the interpreter attached while it still runs; otherwise pyo3 defers the
     // decrefs (the closure and `cache` are dropped unrun), which is safe.
     if let Some(fns) = cache.take() {
@@ -409,6 +412,11 @@ fn stop_allocator_sampler(py: Python<'_>) -> bool {
     s.thread.thread().unpark();
     // Join detached: the thread may be waiting to attach, and must get the interpreter to finish its tick.
     py.detach(move || s.thread.join().is_ok())
+}
+
+/// True when the sampler thread runs in this process (it flushes the event buffer every tick).
+pub fn sampler_running() -> bool {
+    allocator_sampler_running()
 }
 
 /// True when the sampler thread runs in this process.

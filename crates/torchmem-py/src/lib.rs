@@ -6,6 +6,7 @@ use pyo3::prelude::*;
 mod api;
 mod cli;
 mod errors;
+mod events;
 mod line;
 mod snapshot;
 
@@ -15,6 +16,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     cli::register(m)?;
     api::register(m)?;
+    events::register(m)?;
     line::register(m)?;
     snapshot::register(m)?;
     Ok(())
