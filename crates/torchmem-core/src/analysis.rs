@@ -375,6 +375,7 @@ pub fn journey(
         reserved_bytes: if peak { mem.peak_reserved_bytes.or(mem.reserved_bytes) } else { mem.reserved_bytes },
         rss_bytes: if peak { mem.peak_rss_bytes.or(mem.rss_bytes) } else { mem.rss_bytes },
         capacity_bytes,
+        measure: String::new(),
     };
     let all_spans = spans(markers);
     let mut phases_done: Vec<String> = Vec::new();
@@ -420,6 +421,7 @@ pub fn journey(
         reserved_bytes: opt_max(peak_reserved, marker_peak_reserved),
         rss_bytes: opt_max(peak_rss.map(|p| p.bytes), marker_peak_rss),
         capacity_bytes,
+        measure: String::new(),
     };
     for (_, st) in items {
         if !peak_inserted && st.section == "Cleanup" {
@@ -430,6 +432,11 @@ pub fn journey(
     }
     if !peak_inserted && (peak_stage.used_bytes().is_some()) {
         stages.push(peak_stage);
+    }
+    // One yardstick for the whole journey: the GPU when the run used one, else the host's RAM.
+    let gpu_run = stages.iter().any(|s| s.allocated_bytes.is_some() || s.reserved_bytes.is_some());
+    for s in &mut stages {
+        s.measure = if gpu_run { "gpu" } else { "cpu" }.into();
     }
     stages
 }

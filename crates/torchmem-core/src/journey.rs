@@ -21,12 +21,28 @@ pub struct JourneyStage {
     /// What the memory is measured against: the GPU's total (with CUDA) or the host's RAM (CPU only).
     #[serde(default)]
     pub capacity_bytes: Option<u64>,
+    /// What pressure is measured on: "gpu" (reserved against the GPU's total; a stage before CUDA started
+    /// holds no GPU memory), "cpu" (RSS against the host's RAM), or "" (whatever the stage has).
+    #[serde(default)]
+    pub measure: String,
 }
 
 impl JourneyStage {
     /// The memory that counts for pressure: reserved on a GPU run (what the allocator holds), RSS otherwise.
     pub fn used_bytes(&self) -> Option<u64> {
-        self.reserved_bytes.or(self.allocated_bytes).or(self.rss_bytes)
+        match self.measure.as_str() {
+            "gpu" => Some(self.reserved_bytes.or(self.allocated_bytes).unwrap_or(0)),
+            "cpu" => self.rss_bytes,
+            _ => self.reserved_bytes.or(self.allocated_bytes).or(self.rss_bytes),
+        }
+    }
+
+    fn measure_label(&self) -> &'static str {
+        match self.measure.as_str() {
+            "gpu" => "GPU ",
+            "cpu" => "RAM ",
+            _ => "",
+        }
     }
 
     /// Fraction of capacity in use, 0..=1 (None when either side is unknown).
@@ -73,7 +89,7 @@ pub fn render_text(stages: &[JourneyStage]) -> String {
     let width = stages.iter().map(|s| s.name.len()).max().unwrap_or(0);
     for (i, s) in stages.iter().enumerate() {
         let share = match (s.pressure(), s.capacity_bytes) {
-            (Some(p), Some(cap)) => format!("  ({:.1}% of {})", p * 100.0, format_bytes(cap)),
+            (Some(p), Some(cap)) => format!("  ({}{:.1}% of {})", s.measure_label(), p * 100.0, format_bytes(cap)),
             _ => String::new(),
         };
         out.push_str(&format!("  {:>2}. {:<width$}  {}{}\n", i + 1, s.name, s.memory_text(), share));
@@ -96,7 +112,12 @@ pub fn render_mermaid(stages: &[JourneyStage], title: &str) -> String {
             out.push_str(&format!("    section {}\n", mermaid_safe(section)));
             current_section = Some(section);
         }
-        let actor = if s.allocated_bytes.is_some() || s.reserved_bytes.is_some() { "GPU" } else { "CPU" };
+        let actor = match s.measure.as_str() {
+            "gpu" => "GPU",
+            "cpu" => "CPU",
+            _ if s.allocated_bytes.is_some() || s.reserved_bytes.is_some() => "GPU",
+            _ => "CPU",
+        };
         out.push_str(&format!(
             "      {} ({}): {}: {}\n",
             mermaid_safe(&s.name),
@@ -122,6 +143,7 @@ mod tests {
             reserved_bytes: Some(reserved),
             rss_bytes: None,
             capacity_bytes: Some(10 * GIB),
+            measure: String::new(),
         }
     }
 
@@ -152,6 +174,20 @@ mod tests {
         assert!(lines[4].ends_with(": 1: GPU"));
         // exactly two colons per task line: name: score: actors
         assert!(lines[3..].iter().all(|l| l.matches(':').count() == 2));
+    }
+
+    #[test]
+    fn a_gpu_journey_measures_every_stage_on_the_gpu() {
+        let before_cuda = JourneyStage {
+            name: "Device checked".into(),
+            rss_bytes: Some(9 * GIB),
+            capacity_bytes: Some(10 * GIB),
+            measure: "gpu".into(),
+            ..Default::default()
+        };
+        // 9 GiB of RSS says nothing about the GPU, which holds nothing of ours before CUDA starts.
+        assert_eq!(before_cuda.score(), 5);
+        assert!(render_text(&[before_cuda]).contains("(GPU 0.0% of 10.00 GiB)"));
     }
 
     #[test]
