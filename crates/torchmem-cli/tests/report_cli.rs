@@ -12,10 +12,7 @@ const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 
 fn torchmem(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_torchmem"))
-        .args(args)
-        .output()
-        .expect("run torchmem")
+    Command::new(env!("CARGO_BIN_EXE_torchmem")).args(args).output().expect("run torchmem")
 }
 
 fn stdout(o: &Output) -> String {
@@ -77,11 +74,7 @@ fn write_profile(path: &Path, gpu: bool, finish: bool) {
             process_count: 1,
         }));
         if gpu {
-            let alloc = if i == 150 {
-                2 * GIB
-            } else {
-                GIB + (i % 20) * MIB
-            };
+            let alloc = if i == 150 { 2 * GIB } else { GIB + (i % 20) * MIB };
             w.push(Record::Torch(TorchSample {
                 t_ns: t + 1,
                 device: 0,
@@ -121,60 +114,12 @@ fn write_profile(path: &Path, gpu: bool, finish: bool) {
     for e in 0..3u64 {
         let t0 = e * 1_000_000_000;
         let alloc = |x: u64| gpu.then_some(GIB + x * MIB);
-        w.push(marker(
-            t0,
-            MarkerKind::Epoch,
-            Edge::Start,
-            "epoch",
-            Some(e as i64),
-            alloc(0),
-            600 * MIB,
-        ));
-        w.push(marker(
-            t0 + 100_000_000,
-            MarkerKind::Phase,
-            Edge::Start,
-            "forward",
-            None,
-            alloc(0),
-            600 * MIB,
-        ));
-        w.push(marker(
-            t0 + 400_000_000,
-            MarkerKind::Phase,
-            Edge::End,
-            "forward",
-            None,
-            alloc(300),
-            700 * MIB,
-        ));
-        w.push(marker(
-            t0 + 400_000_000,
-            MarkerKind::Phase,
-            Edge::Start,
-            "backward",
-            None,
-            alloc(300),
-            700 * MIB,
-        ));
-        w.push(marker(
-            t0 + 800_000_000,
-            MarkerKind::Phase,
-            Edge::End,
-            "backward",
-            None,
-            alloc(0),
-            650 * MIB,
-        ));
-        w.push(marker(
-            t0 + 900_000_000,
-            MarkerKind::Epoch,
-            Edge::End,
-            "epoch",
-            Some(e as i64),
-            alloc(0),
-            650 * MIB,
-        ));
+        w.push(marker(t0, MarkerKind::Epoch, Edge::Start, "epoch", Some(e as i64), alloc(0), 600 * MIB));
+        w.push(marker(t0 + 100_000_000, MarkerKind::Phase, Edge::Start, "forward", None, alloc(0), 600 * MIB));
+        w.push(marker(t0 + 400_000_000, MarkerKind::Phase, Edge::End, "forward", None, alloc(300), 700 * MIB));
+        w.push(marker(t0 + 400_000_000, MarkerKind::Phase, Edge::Start, "backward", None, alloc(300), 700 * MIB));
+        w.push(marker(t0 + 800_000_000, MarkerKind::Phase, Edge::End, "backward", None, alloc(0), 650 * MIB));
+        w.push(marker(t0 + 900_000_000, MarkerKind::Epoch, Edge::End, "epoch", Some(e as i64), alloc(0), 650 * MIB));
     }
     w.flush().unwrap();
     if finish {
@@ -197,55 +142,25 @@ fn table_report_shows_peaks_phases_epochs_processes_in_readable_units() {
     let o = torchmem(&["report", p.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let text = stdout(&o);
-    for needle in [
-        "Peaks",
-        "Phases",
-        "Epochs",
-        "Processes",
-        "Memory journey",
-        "python train.py",
-        "exit code 0",
-        "Test GPU",
-    ] {
+    for needle in
+        ["Peaks", "Phases", "Epochs", "Processes", "Memory journey", "python train.py", "exit code 0", "Test GPU"]
+    {
         assert!(text.contains(needle), "missing {needle:?} in:\n{text}");
     }
     // peaks: the one-sample 2 GiB spike of allocated, reserved 3 GiB, NVML 3.49 GiB, RSS ~1.5 GiB
-    let peaks: Vec<&str> = text
-        .lines()
-        .skip_while(|l| *l != "Peaks")
-        .take(12)
-        .collect();
+    let peaks: Vec<&str> = text.lines().skip_while(|l| *l != "Peaks").take(12).collect();
     let row = |what: &str| {
-        peaks
-            .iter()
-            .find(|l| l.contains(what))
-            .copied()
-            .unwrap_or_else(|| panic!("no {what} row in {peaks:#?}"))
+        peaks.iter().find(|l| l.contains(what)).copied().unwrap_or_else(|| panic!("no {what} row in {peaks:#?}"))
     };
-    assert!(
-        row("allocated (PyTorch)").contains("2.00 GiB"),
-        "{peaks:#?}"
-    );
+    assert!(row("allocated (PyTorch)").contains("2.00 GiB"), "{peaks:#?}");
     assert!(row("reserved (PyTorch)").contains("3.00 GiB"), "{peaks:#?}");
-    assert!(
-        row("NVML, profiled processes").contains("3.49 GiB"),
-        "{peaks:#?}"
-    );
+    assert!(row("NVML, profiled processes").contains("3.49 GiB"), "{peaks:#?}");
     assert!(row("CPU RSS").contains("1.50 GiB"), "{peaks:#?}");
     assert!(!text.contains("no CUDA device"), "{text}");
     // the phase table has one row per phase name with its count
-    let forward = text
-        .lines()
-        .find(|l| l.trim_start().starts_with("forward"))
-        .unwrap();
-    assert!(
-        forward.contains("     3 ") || forward.split_whitespace().nth(1) == Some("3"),
-        "{forward}"
-    );
-    assert!(
-        forward.contains("+300.0 MiB"),
-        "mean Δ allocated of forward: {forward}"
-    );
+    let forward = text.lines().find(|l| l.trim_start().starts_with("forward")).unwrap();
+    assert!(forward.contains("     3 ") || forward.split_whitespace().nth(1) == Some("3"), "{forward}");
+    assert!(forward.contains("+300.0 MiB"), "mean Δ allocated of forward: {forward}");
 }
 
 #[test]
@@ -254,21 +169,12 @@ fn cpu_only_profile_says_there_is_no_cuda_device() {
     let p = profile(dir.path(), "cpu.sqlite", false);
     let text = stdout(&torchmem(&["report", p.to_str().unwrap()]));
     assert!(text.contains("no CUDA device"), "{text}");
-    assert!(
-        !text.contains("allocated"),
-        "no GPU columns on a CPU-only run:\n{text}"
-    );
-    let json: serde_json::Value = serde_json::from_slice(
-        &torchmem(&["report", p.to_str().unwrap(), "--format", "json"]).stdout,
-    )
-    .unwrap();
+    assert!(!text.contains("allocated"), "no GPU columns on a CPU-only run:\n{text}");
+    let json: serde_json::Value =
+        serde_json::from_slice(&torchmem(&["report", p.to_str().unwrap(), "--format", "json"]).stdout).unwrap();
     assert_eq!(json["cuda"], false);
     assert_eq!(json["peak"]["gpus"].as_array().unwrap().len(), 0);
-    assert!(
-        json["epochs"][0]["allocated_bytes"].is_null(),
-        "null, not 0: {}",
-        json["epochs"][0]
-    );
+    assert!(json["epochs"][0]["allocated_bytes"].is_null(), "null, not 0: {}", json["epochs"][0]);
 }
 
 #[test]
@@ -291,27 +197,15 @@ fn json_report_has_the_documented_keys_with_exact_bytes() {
     assert_eq!(g["total_bytes"], 80 * GIB);
     assert_eq!(v["epochs"].as_array().unwrap().len(), 3);
     assert_eq!(v["epochs"][2]["index"], 2);
-    let phases: Vec<&str> = v["phases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p["name"].as_str().unwrap())
-        .collect();
+    let phases: Vec<&str> = v["phases"].as_array().unwrap().iter().map(|p| p["name"].as_str().unwrap()).collect();
     assert_eq!(phases, ["forward", "backward"]);
     assert_eq!(v["phases"][0]["count"], 3);
     assert_eq!(v["processes"][0]["pid"], 4242);
-    assert_eq!(
-        v["meta"]["command"],
-        serde_json::json!(["python", "train.py"])
-    );
+    assert_eq!(v["meta"]["command"], serde_json::json!(["python", "train.py"]));
     assert_eq!(v["meta"]["exit_code"], 0);
     assert_eq!(v["meta"]["duration_ns"], 3_000_000_000u64);
     assert_eq!(v["meta"]["interval_ms"], 10.0);
-    assert!(v["journey"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .any(|s| s["name"] == "Peak"));
+    assert!(v["journey"].as_array().unwrap().iter().any(|s| s["name"] == "Peak"));
     assert!(v.get("growth").is_some() && v.get("lines").is_some());
 }
 
@@ -319,22 +213,12 @@ fn json_report_has_the_documented_keys_with_exact_bytes() {
 fn csv_has_one_row_per_cpu_sample_with_gpu_values() {
     let dir = tempfile::tempdir().unwrap();
     let p = profile(dir.path(), "gpu.sqlite", true);
-    let text = stdout(&torchmem(&[
-        "report",
-        p.to_str().unwrap(),
-        "--format",
-        "csv",
-    ]));
+    let text = stdout(&torchmem(&["report", p.to_str().unwrap(), "--format", "csv"]));
     let rows: Vec<&str> = text.lines().collect();
     assert_eq!(rows[0], "t_s,cpu_rss_bytes,cpu_pss_bytes,cpu_uss_bytes,processes,gpu0_allocated_bytes,gpu0_reserved_bytes,gpu0_nvml_process_bytes,gpu0_nvml_used_bytes");
     assert_eq!(rows.len(), 301);
     // the allocator's sample at 1.500000001 s lands on the CPU row of 1.51 s (carried forward)
-    let at_151: Vec<&str> = rows
-        .iter()
-        .find(|r| r.starts_with("1.510000,"))
-        .unwrap()
-        .split(',')
-        .collect();
+    let at_151: Vec<&str> = rows.iter().find(|r| r.starts_with("1.510000,")).unwrap().split(',').collect();
     assert_eq!(at_151[5], (2 * GIB).to_string());
     assert_eq!(at_151[6], (3 * GIB).to_string());
     assert_eq!(at_151[8], (4 * GIB).to_string());
@@ -345,32 +229,13 @@ fn csv_has_one_row_per_cpu_sample_with_gpu_values() {
 fn markdown_and_mermaid() {
     let dir = tempfile::tempdir().unwrap();
     let p = profile(dir.path(), "gpu.sqlite", true);
-    let md = stdout(&torchmem(&[
-        "report",
-        p.to_str().unwrap(),
-        "--format",
-        "markdown",
-    ]));
+    let md = stdout(&torchmem(&["report", p.to_str().unwrap(), "--format", "markdown"]));
     assert!(md.starts_with("## torchmem report"), "{md}");
-    assert!(
-        md.contains("| phase | count |") && md.contains("| forward | 3 |"),
-        "{md}"
-    );
+    assert!(md.contains("| phase | count |") && md.contains("| forward | 3 |"), "{md}");
     assert!(md.contains("```mermaid\njourney\n"), "{md}");
-    let mm = stdout(&torchmem(&[
-        "report",
-        p.to_str().unwrap(),
-        "--format",
-        "mermaid",
-    ]));
-    assert!(
-        mm.starts_with("journey\n    title Memory journey of train.py\n"),
-        "{mm}"
-    );
-    assert!(
-        mm.lines().any(|l| l.trim_start().starts_with("Peak (")),
-        "{mm}"
-    );
+    let mm = stdout(&torchmem(&["report", p.to_str().unwrap(), "--format", "mermaid"]));
+    assert!(mm.starts_with("journey\n    title Memory journey of train.py\n"), "{mm}");
+    assert!(mm.lines().any(|l| l.trim_start().starts_with("Peak (")), "{mm}");
 }
 
 #[test]
@@ -397,10 +262,7 @@ fn plot_writes_one_offline_html_page_and_an_svg() {
     assert!(stderr(&o).contains("run.html"), "{}", stderr(&o));
     let html = std::fs::read_to_string(&html_path).unwrap();
     for needle in ["http://", "https://", "src=", "<link", "@import", "url("] {
-        assert!(
-            !html.contains(needle),
-            "{needle:?} in the page: it must work offline"
-        );
+        assert!(!html.contains(needle), "{needle:?} in the page: it must work offline");
     }
     for needle in [
         "<svg",
@@ -416,26 +278,12 @@ fn plot_writes_one_offline_html_page_and_an_svg() {
         assert!(html.contains(needle), "missing {needle:?}");
     }
     let svg_out = dir.path().join("chart.svg");
-    let o = torchmem(&[
-        "plot",
-        p.to_str().unwrap(),
-        "--svg",
-        "-o",
-        svg_out.to_str().unwrap(),
-    ]);
+    let o = torchmem(&["plot", p.to_str().unwrap(), "--svg", "-o", svg_out.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let svg = std::fs::read_to_string(&svg_out).unwrap();
-    assert!(
-        svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""),
-        "{}",
-        &svg[..80]
-    );
+    assert!(svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""), "{}", &svg[..80]);
     assert!(!svg.contains("<script"));
-    assert_eq!(
-        svg.matches("<path d=").count(),
-        4,
-        "CPU RSS, allocated, reserved, NVML"
-    );
+    assert_eq!(svg.matches("<path d=").count(), 4, "CPU RSS, allocated, reserved, NVML");
 }
 
 fn assert_fails(args: &[&str], needles: &[&str]) {
@@ -454,52 +302,24 @@ fn bad_inputs_give_clear_errors() {
     let d = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
     // missing file
     for cmd in ["report", "plot"] {
-        assert_fails(
-            &[cmd, &d("nope.sqlite")],
-            &["no such profile", "torchmem run -o PROFILE"],
-        );
+        assert_fails(&[cmd, &d("nope.sqlite")], &["no such profile", "torchmem run -o PROFILE"]);
     }
     // not SQLite at all
-    std::fs::write(
-        d("junk.sqlite"),
-        "this is a CSV file, not a profile\n".repeat(200),
-    )
-    .unwrap();
-    assert_fails(
-        &["report", &d("junk.sqlite")],
-        &["is not a torchmem profile"],
-    );
+    std::fs::write(d("junk.sqlite"), "this is a CSV file, not a profile\n".repeat(200)).unwrap();
+    assert_fails(&["report", &d("junk.sqlite")], &["is not a torchmem profile"]);
     // empty file
     std::fs::write(d("empty.sqlite"), "").unwrap();
-    assert_fails(
-        &["report", &d("empty.sqlite")],
-        &["is not a torchmem profile"],
-    );
+    assert_fails(&["report", &d("empty.sqlite")], &["is not a torchmem profile"]);
     // a directory
-    assert_fails(
-        &["report", dir.path().to_str().unwrap()],
-        &["is a directory"],
-    );
+    assert_fails(&["report", dir.path().to_str().unwrap()], &["is a directory"]);
     // a bad format name: clap lists the valid ones
     let p = profile(dir.path(), "good.sqlite", false);
-    assert_fails(
-        &["report", p.to_str().unwrap(), "--format", "xml"],
-        &["table", "json", "csv", "markdown", "mermaid"],
-    );
+    assert_fails(&["report", p.to_str().unwrap(), "--format", "xml"], &["table", "json", "csv", "markdown", "mermaid"]);
     // plot into a directory that does not exist
-    assert_fails(
-        &["plot", p.to_str().unwrap(), "-o", &d("no/such/dir/x.html")],
-        &["cannot write", "-o"],
-    );
+    assert_fails(&["plot", p.to_str().unwrap(), "-o", &d("no/such/dir/x.html")], &["cannot write", "-o"]);
     // plot over the profile itself
-    assert_fails(
-        &["plot", p.to_str().unwrap(), "-o", p.to_str().unwrap()],
-        &["overwrite the profile"],
-    );
-    assert!(
-        torchmem(&["report", p.to_str().unwrap()]).status.success(),
-        "the profile is intact"
-    );
+    assert_fails(&["plot", p.to_str().unwrap(), "-o", p.to_str().unwrap()], &["overwrite the profile"]);
+    assert!(torchmem(&["report", p.to_str().unwrap()]).status.success(), "the profile is intact");
 }
 
 #[test]
@@ -507,11 +327,7 @@ fn truncated_and_corrupted_profiles_give_clear_errors() {
     let dir = tempfile::tempdir().unwrap();
     let good = profile(dir.path(), "good.sqlite", true);
     let bytes = std::fs::read(&good).unwrap();
-    assert!(
-        bytes.len() > 64 * 1024,
-        "the profile spans many pages: {}",
-        bytes.len()
-    );
+    assert!(bytes.len() > 64 * 1024, "the profile spans many pages: {}", bytes.len());
     for (name, data) in [
         ("half.sqlite", bytes[..bytes.len() / 2].to_vec()),
         ("header_only.sqlite", bytes[..100].to_vec()),
@@ -527,15 +343,9 @@ fn truncated_and_corrupted_profiles_give_clear_errors() {
         for cmd in ["report", "plot"] {
             let o = torchmem(&[cmd, p.to_str().unwrap()]);
             let err = stderr(&o);
-            assert_ne!(
-                o.status.code(),
-                Some(0),
-                "{name}: {cmd} must fail, got: {}",
-                stdout(&o)
-            );
+            assert_ne!(o.status.code(), Some(0), "{name}: {cmd} must fail, got: {}", stdout(&o));
             assert!(
-                err.contains("is not a torchmem profile")
-                    && (err.contains("damaged") || err.contains("malformed")),
+                err.contains("is not a torchmem profile") && (err.contains("damaged") || err.contains("malformed")),
                 "{name}: {err}"
             );
             assert!(!err.contains("panicked"), "{err}");
@@ -547,14 +357,9 @@ fn truncated_and_corrupted_profiles_give_clear_errors() {
 fn line_profiles_in_the_profile_reach_every_report() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("lines.sqlite");
-    let mut w = ProfileWriter::create(
-        &p,
-        &RunMeta {
-            command: vec!["python".into(), "x.py".into()],
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let mut w =
+        ProfileWriter::create(&p, &RunMeta { command: vec!["python".into(), "x.py".into()], ..Default::default() })
+            .unwrap();
     w.push(Record::Cpu(CpuSample {
         t_ns: 0,
         rss_bytes: 100 * MIB,
@@ -580,44 +385,18 @@ fn line_profiles_in_the_profile_reach_every_report() {
     w.flush().unwrap();
     w.finish(Some(0), 1_000_000).unwrap();
     let text = stdout(&torchmem(&["report", p.to_str().unwrap()]));
-    assert!(
-        text.contains("load_batch") && text.contains("+128.0 MiB"),
-        "{text}"
-    );
-    let v: serde_json::Value = serde_json::from_slice(
-        &torchmem(&["report", p.to_str().unwrap(), "--format", "json"]).stdout,
-    )
-    .unwrap();
+    assert!(text.contains("load_batch") && text.contains("+128.0 MiB"), "{text}");
+    let v: serde_json::Value =
+        serde_json::from_slice(&torchmem(&["report", p.to_str().unwrap(), "--format", "json"]).stdout).unwrap();
     assert_eq!(v["lines"]["functions"][0]["name"], "load_batch");
-    assert_eq!(
-        v["lines"]["functions"][0]["lines"][1]["cpu_delta_bytes"],
-        128 * MIB
-    );
-    let md = stdout(&torchmem(&[
-        "report",
-        p.to_str().unwrap(),
-        "--format",
-        "markdown",
-    ]));
-    assert!(
-        md.contains("### Line profile") && md.contains("load_batch"),
-        "{md}"
-    );
+    assert_eq!(v["lines"]["functions"][0]["lines"][1]["cpu_delta_bytes"], 128 * MIB);
+    let md = stdout(&torchmem(&["report", p.to_str().unwrap(), "--format", "markdown"]));
+    assert!(md.contains("### Line profile") && md.contains("load_batch"), "{md}");
     let html_path = dir.path().join("lines.html");
-    assert!(torchmem(&[
-        "plot",
-        p.to_str().unwrap(),
-        "-o",
-        html_path.to_str().unwrap()
-    ])
-    .status
-    .success());
+    assert!(torchmem(&["plot", p.to_str().unwrap(), "-o", html_path.to_str().unwrap()]).status.success());
     let html = std::fs::read_to_string(&html_path).unwrap();
     assert!(html.contains("<h2>Line profile</h2>") && html.contains("load_batch"));
-    assert!(
-        html.contains("# &lt;b&gt;") && !html.contains("# <b>"),
-        "source is escaped"
-    );
+    assert!(html.contains("# &lt;b&gt;") && !html.contains("# <b>"), "source is escaped");
 }
 
 #[test]
@@ -625,49 +404,25 @@ fn a_profile_without_samples_reports_and_plots() {
     // e.g. the program could not start: the recorder wrote the metadata and nothing else
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("empty.sqlite");
-    let w = ProfileWriter::create(
-        &p,
-        &RunMeta {
-            command: vec!["missing-program".into()],
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let w =
+        ProfileWriter::create(&p, &RunMeta { command: vec!["missing-program".into()], ..Default::default() }).unwrap();
     w.finish(Some(127), 1_000).unwrap();
     let o = torchmem(&["report", p.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let text = stdout(&o);
     assert!(
-        text.contains("exit code 127")
-            && text.contains("no CPU samples")
-            && text.contains("none recorded"),
+        text.contains("exit code 127") && text.contains("no CPU samples") && text.contains("none recorded"),
         "{text}"
     );
     assert_eq!(
-        stdout(&torchmem(&[
-            "report",
-            p.to_str().unwrap(),
-            "--format",
-            "csv"
-        ])),
+        stdout(&torchmem(&["report", p.to_str().unwrap(), "--format", "csv"])),
         "t_s,cpu_rss_bytes,cpu_pss_bytes,cpu_uss_bytes,processes\n"
     );
-    let v: serde_json::Value = serde_json::from_slice(
-        &torchmem(&["report", p.to_str().unwrap(), "--format", "json"]).stdout,
-    )
-    .unwrap();
+    let v: serde_json::Value =
+        serde_json::from_slice(&torchmem(&["report", p.to_str().unwrap(), "--format", "json"]).stdout).unwrap();
     assert_eq!(v["samples"], 0);
     assert!(v["peak"]["cpu_rss_bytes"].is_null());
     let html_path = dir.path().join("empty.html");
-    assert!(torchmem(&[
-        "plot",
-        p.to_str().unwrap(),
-        "-o",
-        html_path.to_str().unwrap()
-    ])
-    .status
-    .success());
-    assert!(std::fs::read_to_string(&html_path)
-        .unwrap()
-        .contains("no memory samples in this profile"));
+    assert!(torchmem(&["plot", p.to_str().unwrap(), "-o", html_path.to_str().unwrap()]).status.success());
+    assert!(std::fs::read_to_string(&html_path).unwrap().contains("no memory samples in this profile"));
 }

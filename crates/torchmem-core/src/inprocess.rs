@@ -46,10 +46,7 @@ fn with_self_files<T>(f: impl FnOnce(&SelfFiles) -> Option<T>) -> Option<T> {
             pid,
             statm: fs::File::open("/proc/self/statm").ok()?,
             status: fs::File::open("/proc/self/status").ok()?,
-            clear_refs: fs::OpenOptions::new()
-                .write(true)
-                .open("/proc/self/clear_refs")
-                .ok(),
+            clear_refs: fs::OpenOptions::new().write(true).open("/proc/self/clear_refs").ok(),
         });
     }
     f(guard.as_ref()?)
@@ -79,8 +76,7 @@ pub fn self_rss_bytes() -> Option<u64> {
     let mut buf = [0u8; 256];
     let n = with_self_files(|f| pread_text(&f.statm, &mut buf))?;
     let text = std::str::from_utf8(&buf[..n]).ok()?;
-    crate::sources::procfs::parse_statm_rss_pages(text)
-        .map(|p| p * crate::sources::procfs::page_size())
+    crate::sources::procfs::parse_statm_rss_pages(text).map(|p| p * crate::sources::procfs::page_size())
 }
 
 /// Resets `VmHWM` to the current RSS (writes "5" to `/proc/self/clear_refs`), so that the next peak read
@@ -92,9 +88,7 @@ pub fn reset_peak_rss() -> Result<()> {
     });
     match written {
         Some(true) => Ok(()),
-        _ => Err(CoreError::Invalid(
-            "cannot write /proc/self/clear_refs: the peak RSS cannot be reset here".into(),
-        )),
+        _ => Err(CoreError::Invalid("cannot write /proc/self/clear_refs: the peak RSS cannot be reset here".into())),
     }
 }
 
@@ -163,18 +157,13 @@ pub struct ProcessGpuReading {
 
 impl ProcessGpu {
     pub fn open() -> Result<Self> {
-        let nvml = Nvml::init().map_err(|e| {
-            CoreError::Nvml(format!(
-                "{e} (no NVIDIA driver / libnvidia-ml.so.1 on this machine?)"
-            ))
-        })?;
+        let nvml = Nvml::init()
+            .map_err(|e| CoreError::Nvml(format!("{e} (no NVIDIA driver / libnvidia-ml.so.1 on this machine?)")))?;
         Ok(ProcessGpu { nvml })
     }
 
     pub fn device_count(&self) -> Result<u32> {
-        self.nvml
-            .device_count()
-            .map_err(|e| CoreError::Nvml(e.to_string()))
+        self.nvml.device_count().map_err(|e| CoreError::Nvml(e.to_string()))
     }
 
     /// The NVML index of the device with this UUID ("GPU-…" or "MIG-…").
@@ -188,13 +177,7 @@ impl ProcessGpu {
         let mem = d.memory_info().map_err(nv)?;
         let mut mine: Option<u64> = None;
         let mut others: std::collections::BTreeMap<u32, u64> = Default::default();
-        for list in [
-            d.running_compute_processes(),
-            d.running_graphics_processes(),
-        ]
-        .into_iter()
-        .flatten()
-        {
+        for list in [d.running_compute_processes(), d.running_graphics_processes()].into_iter().flatten() {
             for p in list {
                 let UsedGpuMemory::Used(bytes) = p.used_gpu_memory else {
                     continue;
@@ -225,10 +208,7 @@ pub fn parse_markers(markers_json: &str) -> Result<Vec<Marker>> {
 
 /// The Monitor's summary (epochs, phases, growth, journey) as JSON, from its markers alone.
 pub fn summary_json(markers: &[Marker], capacity_bytes: Option<u64>) -> Result<String> {
-    Ok(serde_json::to_string(&Summary::from_markers(
-        markers,
-        capacity_bytes,
-    ))?)
+    Ok(serde_json::to_string(&Summary::from_markers(markers, capacity_bytes))?)
 }
 
 /// The Monitor's `summary()` text: the per-epoch table, the per-phase table, growth warnings.
@@ -252,12 +232,7 @@ pub fn summary_text(markers: &[Marker], capacity_bytes: Option<u64>) -> String {
 }
 
 /// The journey as text or as a Mermaid `journey` diagram.
-pub fn journey_render(
-    markers: &[Marker],
-    capacity_bytes: Option<u64>,
-    mermaid: bool,
-    title: &str,
-) -> String {
+pub fn journey_render(markers: &[Marker], capacity_bytes: Option<u64>, mermaid: bool, title: &str) -> String {
     let stages = crate::analysis::journey(markers, capacity_bytes, &[], &[]);
     if mermaid {
         journey::render_mermaid(&stages, title)
@@ -280,12 +255,7 @@ pub struct EpochReport {
 /// The line and warnings for the last finished epoch, from the epoch markers (start/end pairs) so far.
 pub fn epoch_report(epoch_markers: &[Marker]) -> EpochReport {
     let s = Summary::from_markers(epoch_markers, None);
-    let row = s
-        .epochs
-        .iter()
-        .rev()
-        .find(|r| r.duration_ns.is_some())
-        .cloned();
+    let row = s.epochs.iter().rev().find(|r| r.duration_ns.is_some()).cloned();
     let line = match &row {
         None => "epoch: no finished epoch".to_string(),
         Some(r) => epoch_line(r),
@@ -314,10 +284,7 @@ pub fn epoch_line(r: &EpochRow) -> String {
         (None, None) => "growth -".to_string(),
     };
     parts.push(growth);
-    let secs = r
-        .duration_ns
-        .map(|ns| format!(" ({:.2} s)", ns as f64 / 1e9))
-        .unwrap_or_default();
+    let secs = r.duration_ns.map(|ns| format!(" ({:.2} s)", ns as f64 / 1e9)).unwrap_or_default();
     format!("epoch {}{}: {}", r.index, secs, parts.join(", "))
 }
 
@@ -346,10 +313,7 @@ mod tests {
         drop(big);
         if reset_peak_rss().is_ok() {
             let after = self_memory().unwrap();
-            assert!(
-                after.peak_rss_bytes + 32 * MIB < with_big.peak_rss_bytes,
-                "{after:?} vs {with_big:?}"
-            );
+            assert!(after.peak_rss_bytes + 32 * MIB < with_big.peak_rss_bytes, "{after:?} vs {with_big:?}");
         }
     }
 
@@ -378,16 +342,7 @@ mod tests {
                 inactive_split,
             } => {
                 assert_eq!(
-                    (
-                        t_ns,
-                        device,
-                        allocated,
-                        reserved,
-                        peak_allocated,
-                        peak_reserved,
-                        active,
-                        inactive_split
-                    ),
+                    (t_ns, device, allocated, reserved, peak_allocated, peak_reserved, active, inactive_split),
                     (77, 1, 1, 2, 3, 4, 5, 6)
                 );
             }
@@ -416,35 +371,18 @@ mod tests {
     fn epoch_report_says_the_growth_per_epoch() {
         let mut m = Vec::new();
         for e in 0..4 {
-            m.push(epoch(
-                e as u64 * 10,
-                Edge::Start,
-                e,
-                100 * MIB + e as u64 * 8 * MIB,
-            ));
-            m.push(epoch(
-                e as u64 * 10 + 5,
-                Edge::End,
-                e,
-                100 * MIB + (e as u64 + 1) * 8 * MIB,
-            ));
+            m.push(epoch(e as u64 * 10, Edge::Start, e, 100 * MIB + e as u64 * 8 * MIB));
+            m.push(epoch(e as u64 * 10 + 5, Edge::End, e, 100 * MIB + (e as u64 + 1) * 8 * MIB));
         }
         let r = epoch_report(&m);
         assert!(r.line.starts_with("epoch 3"), "{}", r.line);
-        assert!(
-            r.line.contains("CPU RSS 132.0 MiB") && r.line.contains("growth RSS +8.0 MiB"),
-            "{}",
-            r.line
-        );
+        assert!(r.line.contains("CPU RSS 132.0 MiB") && r.line.contains("growth RSS +8.0 MiB"), "{}", r.line);
         assert_eq!(r.growth_per_epoch_bytes, Some(8 * MIB as i64));
         assert!(r.growth[0].contains("+8.0 MiB per epoch"), "{:?}", r.growth);
         // Flat memory: no warning.
         let flat: Vec<Marker> = (0..4)
             .flat_map(|e| {
-                [
-                    epoch(e as u64 * 10, Edge::Start, e, 100 * MIB),
-                    epoch(e as u64 * 10 + 5, Edge::End, e, 100 * MIB),
-                ]
+                [epoch(e as u64 * 10, Edge::Start, e, 100 * MIB), epoch(e as u64 * 10 + 5, Edge::End, e, 100 * MIB)]
             })
             .collect();
         assert!(epoch_report(&flat).growth.is_empty());
@@ -458,10 +396,7 @@ mod tests {
         let m = parse_markers(json).unwrap();
         assert_eq!(m.len(), 3);
         let text = journey_render(&m, Some(1000), false, "run");
-        assert!(
-            text.contains("Device checked") && text.contains("forward"),
-            "{text}"
-        );
+        assert!(text.contains("Device checked") && text.contains("forward"), "{text}");
         let mermaid = journey_render(&m, Some(1000), true, "run");
         assert!(mermaid.starts_with("journey\n"));
         assert!(summary_json(&m, None).unwrap().contains("\"phases\""));
@@ -541,12 +476,7 @@ pub fn device_info(pid: u32) -> DeviceInfo {
                     used_bytes: r.used_bytes,
                     free_bytes: r.free_bytes,
                     this_process_bytes: r.process_bytes.get(&pid).copied(),
-                    other_processes_bytes: r
-                        .process_bytes
-                        .iter()
-                        .filter(|(p, _)| **p != pid)
-                        .map(|(_, b)| b)
-                        .sum(),
+                    other_processes_bytes: r.process_bytes.iter().filter(|(p, _)| **p != pid).map(|(_, b)| b).sum(),
                     processes: r.process_bytes.clone(),
                 });
             }

@@ -58,13 +58,9 @@ fn format_bytes(bytes: u64) -> String {
 static NVML: OnceLock<std::result::Result<Mutex<ProcessGpu>, String>> = OnceLock::new();
 
 fn nvml() -> PyResult<&'static Mutex<ProcessGpu>> {
-    NVML.get_or_init(|| {
-        ProcessGpu::open()
-            .map(Mutex::new)
-            .map_err(|e| e.to_string())
-    })
-    .as_ref()
-    .map_err(|e| crate::errors::TorchmemError::new_err(e.clone()))
+    NVML.get_or_init(|| ProcessGpu::open().map(Mutex::new).map_err(|e| e.to_string()))
+        .as_ref()
+        .map_err(|e| crate::errors::TorchmemError::new_err(e.clone()))
 }
 
 /// Why NVML cannot be used here, or None when it can (opens it once per process).
@@ -85,18 +81,8 @@ fn nvml_index_of_uuid(py: Python<'_>, uuid: &str) -> PyResult<Option<u32>> {
 #[pyfunction]
 fn nvml_read(py: Python<'_>, index: u32, pid: u32) -> PyResult<(u64, u64, u64, Option<u64>, u64)> {
     py.detach(|| {
-        let r = nvml()?
-            .lock()
-            .expect("NVML lock")
-            .read(index, pid)
-            .map_err(to_py)?;
-        Ok((
-            r.total_bytes,
-            r.used_bytes,
-            r.free_bytes,
-            r.process_bytes,
-            r.other_processes_bytes,
-        ))
+        let r = nvml()?.lock().expect("NVML lock").read(index, pid).map_err(to_py)?;
+        Ok((r.total_bytes, r.used_bytes, r.free_bytes, r.process_bytes, r.other_processes_bytes))
     })
 }
 
@@ -113,24 +99,15 @@ fn device_info_json(py: Python<'_>) -> PyResult<String> {
 /// The Monitor's summary (epochs, phases, growth, journey) as JSON, from markers in `model::Marker` form.
 #[pyfunction]
 #[pyo3(signature = (markers_json, capacity_bytes=None))]
-fn summary_json(
-    py: Python<'_>,
-    markers_json: &str,
-    capacity_bytes: Option<u64>,
-) -> PyResult<String> {
+fn summary_json(py: Python<'_>, markers_json: &str, capacity_bytes: Option<u64>) -> PyResult<String> {
     let markers = inprocess::parse_markers(markers_json).map_err(to_py)?;
-    py.detach(|| inprocess::summary_json(&markers, capacity_bytes))
-        .map_err(to_py)
+    py.detach(|| inprocess::summary_json(&markers, capacity_bytes)).map_err(to_py)
 }
 
 /// The per-epoch and per-phase tables and growth warnings as text.
 #[pyfunction]
 #[pyo3(signature = (markers_json, capacity_bytes=None))]
-fn summary_text(
-    py: Python<'_>,
-    markers_json: &str,
-    capacity_bytes: Option<u64>,
-) -> PyResult<String> {
+fn summary_text(py: Python<'_>, markers_json: &str, capacity_bytes: Option<u64>) -> PyResult<String> {
     let markers = inprocess::parse_markers(markers_json).map_err(to_py)?;
     Ok(py.detach(|| inprocess::summary_text(&markers, capacity_bytes)))
 }
@@ -138,28 +115,14 @@ fn summary_text(
 /// The journey as "text" or "mermaid".
 #[pyfunction]
 #[pyo3(signature = (markers_json, capacity_bytes=None, format="text", title="torchmem memory journey"))]
-fn journey(
-    markers_json: &str,
-    capacity_bytes: Option<u64>,
-    format: &str,
-    title: &str,
-) -> PyResult<String> {
+fn journey(markers_json: &str, capacity_bytes: Option<u64>, format: &str, title: &str) -> PyResult<String> {
     let mermaid = match format {
         "text" => false,
         "mermaid" => true,
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "journey format {other:?}: use \"text\" or \"mermaid\""
-            )))
-        }
+        other => return Err(PyValueError::new_err(format!("journey format {other:?}: use \"text\" or \"mermaid\""))),
     };
     let markers = inprocess::parse_markers(markers_json).map_err(to_py)?;
-    Ok(inprocess::journey_render(
-        &markers,
-        capacity_bytes,
-        mermaid,
-        title,
-    ))
+    Ok(inprocess::journey_render(&markers, capacity_bytes, mermaid, title))
 }
 
 /// `{"line", "row", "growth", "growth_per_epoch_bytes"}` for the last finished epoch, from epoch markers.
@@ -186,12 +149,7 @@ fn lookup_torch(py: Python<'_>) -> Option<TorchFns> {
     Some(TorchFns {
         is_initialized: cuda.getattr("is_initialized").ok()?.unbind(),
         device_count: cuda.getattr("device_count").ok()?.unbind(),
-        memory_stats: torch
-            .getattr("_C")
-            .ok()?
-            .getattr("_cuda_memoryStats")
-            .ok()?
-            .unbind(),
+        memory_stats: torch.getattr("_C").ok()?.getattr("_cuda_memoryStats").ok()?.unbind(),
     })
 }
 
@@ -229,21 +187,11 @@ fn sample_lines(py: Python<'_>, cache: &mut Option<TorchFns>) -> Vec<String> {
     let Some(fns) = cache.as_ref() else {
         return Vec::new();
     };
-    let initialised = fns
-        .is_initialized
-        .bind(py)
-        .call0()
-        .and_then(|v| v.is_truthy())
-        .unwrap_or(false);
+    let initialised = fns.is_initialized.bind(py).call0().and_then(|v| v.is_truthy()).unwrap_or(false);
     if !initialised {
         return Vec::new();
     }
-    let count: u32 = fns
-        .device_count
-        .bind(py)
-        .call0()
-        .and_then(|v| v.extract())
-        .unwrap_or(0);
+    let count: u32 = fns.device_count.bind(py).call0().and_then(|v| v.extract()).unwrap_or(0);
     let mut lines = Vec::new();
     for dev in 0..count {
         let Ok(d) = fns.memory_stats.bind(py).call1((dev,)) else {
@@ -291,11 +239,7 @@ static SAMPLER: Mutex<Option<Sampler>> = Mutex::new(None);
 static ATEXIT_REGISTERED: AtomicBool = AtomicBool::new(false);
 
 fn event_fd() -> Option<i32> {
-    let fd: i32 = std::env::var("TORCHMEM_EVENT_FD")
-        .ok()?
-        .trim()
-        .parse()
-        .ok()?;
+    let fd: i32 = std::env::var("TORCHMEM_EVENT_FD").ok()?.trim().parse().ok()?;
     // SAFETY: F_GETFD only asks whether the descriptor is open.
     (unsafe { libc::fcntl(fd, libc::F_GETFD) } != -1).then_some(fd)
 }
@@ -324,13 +268,17 @@ fn sampler_loop(stop: Arc<AtomicBool>, fd: i32, interval: Duration) {
             break;
         }
         // try_attach returns None once the interpreter is finalizing: the thread then just ends.
-        let Some(lines) = Python::try_attach(|py| {
-            if stop.load(Ordering::Acquire) {
-                None
-            } else {
-                Some(sample_lines(py, &mut cache))
-            }
-        }) else {
+        let Some(lines) =
+            Python::try_attach(
+                |py| {
+                    if stop.load(Ordering::Acquire) {
+                        None
+                    } else {
+                        Some(sample_lines(py, &mut cache))
+                    }
+                },
+            )
+        else {
             break;
         };
         let Some(lines) = lines else { break };
@@ -381,16 +329,8 @@ fn start_allocator_sampler(py: Python<'_>, interval_ms: f64) -> PyResult<bool> {
         let thread = std::thread::Builder::new()
             .name("torchmem-allocator-sampler".into())
             .spawn(move || sampler_loop(thread_stop, fd, interval))
-            .map_err(|e| {
-                crate::errors::TorchmemError::new_err(format!(
-                    "cannot start the sampler thread: {e}"
-                ))
-            })?;
-        *guard = Some(Sampler {
-            stop,
-            thread,
-            pid: me,
-        });
+            .map_err(|e| crate::errors::TorchmemError::new_err(format!("cannot start the sampler thread: {e}")))?;
+        *guard = Some(Sampler { stop, thread, pid: me });
     }
     if !ATEXIT_REGISTERED.swap(true, Ordering::AcqRel) {
         let stopper = wrap_pyfunction!(stop_allocator_sampler, py)?;

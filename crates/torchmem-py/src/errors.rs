@@ -5,8 +5,18 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
 create_exception!(torchmem, TorchmemError, PyException, "Base class of torchmem's errors.");
-create_exception!(torchmem, ProfileError, TorchmemError, "A profile file is missing, damaged or not a torchmem profile.");
-create_exception!(torchmem, SnapshotError, TorchmemError, "An allocator snapshot cannot be read (truncated, malicious or not a snapshot).");
+create_exception!(
+    torchmem,
+    ProfileError,
+    TorchmemError,
+    "A profile file is missing, damaged or not a torchmem profile."
+);
+create_exception!(
+    torchmem,
+    SnapshotError,
+    TorchmemError,
+    "An allocator snapshot cannot be read (truncated, malicious or not a snapshot)."
+);
 
 pub fn to_py(e: torchmem_core::CoreError) -> PyErr {
     use torchmem_core::CoreError::*;
