@@ -9,6 +9,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 if ! .venv/bin/python -c "import torch, maturin, pytest, memory_profiler, psutil, numpy, transformers" 2>/dev/null || [ ! -x .venv/bin/ruff ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q "maturin>=1.9,<2" torch pytest ruff memory_profiler psutil numpy
+  .venv/bin/python -m pip install -q "maturin>=1.9,<2" torch pytest ruff memory_profiler psutil numpy transformers
 fi
 .venv/bin/maturin develop -q --release
