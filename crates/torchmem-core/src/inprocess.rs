@@ -15,7 +15,7 @@ use crate::error::{CoreError, Result};
 use crate::journey;
 use crate::model::Marker;
 use crate::report::table;
-use crate::units::{format_bytes, format_delta, format_opt_bytes};
+use crate::units::{format_delta, format_opt_bytes};
 use crate::wire::ChildMessage;
 
 /// RSS and its high-water mark, both from one read of `/proc/self/status`.
@@ -286,11 +286,6 @@ pub fn epoch_line(r: &EpochRow) -> String {
     parts.push(growth);
     let secs = r.duration_ns.map(|ns| format!(" ({:.2} s)", ns as f64 / 1e9)).unwrap_or_default();
     format!("epoch {}{}: {}", r.index, secs, parts.join(", "))
-}
-
-/// `format_bytes` for Python (`str(Stats)`).
-pub fn human_bytes(bytes: u64) -> String {
-    format_bytes(bytes)
 }
 
 #[cfg(test)]

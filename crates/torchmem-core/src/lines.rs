@@ -183,18 +183,7 @@ pub fn render_text(profiles: &[Value]) -> String {
 }
 
 fn escape(s: &str) -> String {
-    let mut o = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '&' => o.push_str("&amp;"),
-            '<' => o.push_str("&lt;"),
-            '>' => o.push_str("&gt;"),
-            '"' => o.push_str("&quot;"),
-            '\'' => o.push_str("&#39;"),
-            _ => o.push(c),
-        }
-    }
-    o
+    crate::units::escape_html(s)
 }
 
 /// A self-contained HTML fragment (inline styles, no scripts, nothing fetched): annotated source per

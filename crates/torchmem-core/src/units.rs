@@ -1,4 +1,4 @@
-//! Byte and time formatting shared by every report.
+//! Byte, time and HTML-text formatting shared by every report.
 
 const KIB: f64 = 1024.0;
 const MIB: f64 = 1024.0 * 1024.0;
@@ -30,6 +30,22 @@ pub fn format_delta(delta: i64) -> String {
 /// Optional bytes: `-` when the value does not exist (no GPU, not measured).
 pub fn format_opt_bytes(bytes: Option<u64>) -> String {
     bytes.map(format_bytes).unwrap_or_else(|| "-".to_string())
+}
+
+/// Escapes text for HTML/XML content and attribute values.
+pub fn escape_html(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            _ => out.push(c),
+        }
+    }
+    out
 }
 
 /// Seconds from nanoseconds with millisecond precision.

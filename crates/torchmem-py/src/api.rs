@@ -50,7 +50,7 @@ fn malloc_trim(py: Python<'_>) -> bool {
 
 #[pyfunction]
 fn format_bytes(bytes: u64) -> String {
-    inprocess::human_bytes(bytes)
+    torchmem_core::units::format_bytes(bytes)
 }
 
 // --- NVML ------------------------------------------------------------------------------------------------
@@ -238,27 +238,7 @@ struct Sampler {
 static SAMPLER: Mutex<Option<Sampler>> = Mutex::new(None);
 static ATEXIT_REGISTERED: AtomicBool = AtomicBool::new(false);
 
-fn event_fd() -> Option<i32> {
-    let fd: i32 = std::env::var("TORCHMEM_EVENT_FD").ok()?.trim().parse().ok()?;
-    // SAFETY: F_GETFD only asks whether the descriptor is open.
-    (unsafe { libc::fcntl(fd, libc::F_GETFD) } != -1).then_some(fd)
-}
-
-/// Writes the whole buffer; false when the recorder is gone (EPIPE, EBADF).
-fn write_all(fd: i32, mut data: &[u8]) -> bool {
-    while !data.is_empty() {
-        // SAFETY: writes from a live slice to a descriptor; a closed one returns an error, nothing else.
-        let n = unsafe { libc::write(fd, data.as_ptr().cast(), data.len()) };
-        if n < 0 {
-            if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return false;
-        }
-        data = &data[n as usize..];
-    }
-    true
-}
+use crate::events::{event_fd, write_all};
 
 fn sampler_loop(stop: Arc<AtomicBool>, fd: i32, interval: Duration) {
     let mut cache: Option<TorchFns> = None;

@@ -20,13 +20,15 @@ struct Buffer {
 
 static BUFFER: Mutex<Buffer> = Mutex::new(Buffer { pid: 0, bytes: Vec::new() });
 
-fn event_fd() -> Option<i32> {
+/// The recorder's pipe from `TORCHMEM_EVENT_FD`, when it is set and open.
+pub fn event_fd() -> Option<i32> {
     let fd: i32 = std::env::var("TORCHMEM_EVENT_FD").ok()?.trim().parse().ok()?;
     // SAFETY: F_GETFD only asks whether the descriptor is open.
     (unsafe { libc::fcntl(fd, libc::F_GETFD) } != -1).then_some(fd)
 }
 
-fn write_all(fd: i32, mut data: &[u8]) -> bool {
+/// Writes the whole buffer; false when the recorder is gone (EPIPE, EBADF).
+pub fn write_all(fd: i32, mut data: &[u8]) -> bool {
     while !data.is_empty() {
         // SAFETY: writes from a live slice to a descriptor; a closed one returns an error, nothing else.
         let n = unsafe { libc::write(fd, data.as_ptr().cast(), data.len()) };

@@ -8,18 +8,7 @@ use crate::store::Profile;
 
 /// Escapes text for XML/HTML content and attribute values.
 pub fn esc(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&#39;"),
-            _ => out.push(c),
-        }
-    }
-    out
+    crate::units::escape_html(s)
 }
 
 /// Where things go, in SVG user units (= CSS pixels at 100 %).
