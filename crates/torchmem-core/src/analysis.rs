@@ -330,8 +330,13 @@ pub fn growth_warnings(rows: &[EpochRow], unit: &str) -> Vec<Growth> {
         if values.len() != rows.len() {
             continue;
         }
-        // RSS wobbles with the Python heap: ask for a clearer trend there.
-        let min = if what == "CPU RSS" { 4 * GROWTH_MIN_BYTES } else { GROWTH_MIN_BYTES };
+        // RSS grows in allocator-sized chunks (glibc arenas, torch's CPU caching) that scale with the process:
+        // ask for at least 4 MiB and 1 % of the RSS per unit there; the GPU allocator's counters are exact.
+        let min = if what == "CPU RSS" {
+            (4 * GROWTH_MIN_BYTES).max(values.last().copied().unwrap_or(0) as i64 / 100)
+        } else {
+            GROWTH_MIN_BYTES
+        };
         if let Some(per) = detect_growth(values, min) {
             out.push(Growth {
                 unit: unit.into(),
