@@ -33,8 +33,15 @@ if __name__ == "__main__":
     keep2 = not_decorated()
 """
 
+# Torch's first large tensor op pages in several MiB of its own code, which RSS counts on a cold page cache
+# (a fresh venv, as in CI): warm up before the script so each case measures its own allocations.
 RUNNER = """
 import json, runpy, sys
+import torch
+_warm = torch.ones(64 << 20, dtype=torch.uint8)
+_warm.add_(1)
+_warm = (_warm + 1).clone()
+del _warm
 from torchmem.line_profiler import _bootstrap_line, profile_data
 specs, script, out = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
 _bootstrap_line(specs, script)
