@@ -85,7 +85,7 @@ def test_example_under_run_has_epochs_phases_and_journey(tmp_path: Path) -> None
 
 def test_leak_warning_reaches_the_report(tmp_path: Path) -> None:
     prof = tmp_path / "leak.sqlite"
-    args = ["--epochs", "4", "--steps", "10", "--device", "cpu", "--leak", "--hidden", "1024"]
+    args = ["--epochs", "4", "--steps", "10", "--device", "cpu", "--leak", "--hidden", "1024", "--batch", "512"]
     torchmem("run", "-q", "-o", str(prof), "--", str(ROOT / "examples/train.py"), *args)
     j = report(prof)
     assert j["growth"], "a run that keeps every step's graph alive must be flagged"
