@@ -103,7 +103,7 @@ def line_monitoring_callbacks() -> dict[str, Any]:
     """Raw METH_FASTCALL builtins for sys.monitoring: keys "line", "start", "resume", "exit"."""
 def line_trace_install(on: bool) -> bool:
     """Install/remove the C trace function (PyEval_SetTrace via dlsym) on this thread; False if unavailable."""
-def line_thread_installer(frame: Any, event: Any, arg: Any) -> None:
+def line_thread_installer(_frame: Any, _event: Any, _arg: Any) -> None:
     """For `threading.settrace`: installs the C trace function in each new thread."""
 def line_snapshot() -> dict[str, Any]:
     """{"functions": [{"code", "calls", "threads", "lines": [(line, hits, rss_after_bytes, cpu_delta_bytes,

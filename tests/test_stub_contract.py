@@ -1,0 +1,33 @@
+"""`python/torchmem/_native.pyi` is the contract of the Rust extension: every name the extension exports is
+in the stub and every name in the stub exists, with the same parameter names for functions."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+import torchmem._native as native
+
+STUB = Path(__file__).resolve().parent.parent / "python" / "torchmem" / "_native.pyi"
+TREE = ast.parse(STUB.read_text())
+STUB_FUNCS = {n.name: n for n in TREE.body if isinstance(n, ast.FunctionDef)}
+STUB_CLASSES = {n.name for n in TREE.body if isinstance(n, ast.ClassDef)}
+
+
+def test_stub_and_extension_name_the_same_things() -> None:
+    exported = {k for k in dir(native) if not k.startswith("__")}
+    assert exported - set(STUB_FUNCS) - STUB_CLASSES == set(), "exported but missing from _native.pyi"
+    assert (set(STUB_FUNCS) | STUB_CLASSES) - exported == set(), "in _native.pyi but not exported"
+
+
+@pytest.mark.parametrize("name", sorted(STUB_FUNCS))
+def test_parameters_match(name: str) -> None:
+    try:
+        real = inspect.signature(getattr(native, name))
+    except (TypeError, ValueError):
+        pytest.skip(f"{name} has no introspectable signature")
+    stub_args = STUB_FUNCS[name].args
+    stub_names = [a.arg for a in stub_args.posonlyargs + stub_args.args + stub_args.kwonlyargs]
+    assert list(real.parameters) == stub_names, f"{name}: extension {list(real.parameters)} vs stub {stub_names}"
