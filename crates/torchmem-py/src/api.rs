@@ -240,12 +240,24 @@ static ATEXIT_REGISTERED: AtomicBool = AtomicBool::new(false);
 
 use crate::events::{event_fd, write_all};
 
+/// Until the program has used CUDA, the interpreter is asked only every this many ticks (the buffered
+/// events still go out every tick): a CPU-only program is not interrupted 100 times a second for nothing.
+/// The allocator's peak counters are cumulative, so a later first read loses no peak.
+const IDLE_TICKS_PER_READ: u32 = 10;
+
 fn sampler_loop(stop: Arc<AtomicBool>, fd: i32, interval: Duration) {
     let mut cache: Option<TorchFns> = None;
+    let mut cuda_seen = false;
+    let mut tick: u32 = 0;
     loop {
         std::thread::park_timeout(interval);
         if stop.load(Ordering::Acquire) {
             break;
+        }
+        tick = tick.wrapping_add(1);
+        if !cuda_seen && tick % IDLE_TICKS_PER_READ != 1 {
+            crate::events::flush();
+            continue;
         }
         // try_attach returns None once the interpreter is finalizing: the thread then just ends.
         let Some(lines) =
@@ -262,6 +274,7 @@ fn sampler_loop(stop: Arc<AtomicBool>, fd: i32, interval: Duration) {
             break;
         };
         let Some(lines) = lines else { break };
+        cuda_seen |= !lines.is_empty();
         // Each line is one write (< PIPE_BUF), so it never interleaves with the Python side's events.
         if !lines.iter().all(|l| write_all(fd, l.as_bytes())) {
             break;
