@@ -12,18 +12,16 @@ import csv
 import io
 import json
 import re
-import shutil
 import struct
 import subprocess
 import sys
-import tempfile
 import zlib
 from pathlib import Path
 
 import pytest
+from browser import NEEDS_CHROMIUM, chromium
 
-CHROMIUM = next((p for p in map(shutil.which, ["chromium", "chromium-browser", "google-chrome"]) if p), None)
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install chromium)")
+pytestmark = NEEDS_CHROMIUM
 
 CPU_RSS_RGB = (0x1F, 0x77, 0xB4)
 # phase lane colours (#9467bd, #17becf) drawn at 75 % opacity on white
@@ -67,30 +65,6 @@ def fmt_bytes(b: int) -> str:
     if b >= 1024:
         return f"{b / 1024:.1f} KiB"
     return f"{b} B"
-
-
-def chromium(*args: str) -> subprocess.CompletedProcess[str]:
-    profile_dir = tempfile.mkdtemp(prefix="tm-chromium-")
-    try:
-        return subprocess.run(
-            [
-                CHROMIUM,
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                f"--user-data-dir={profile_dir}",
-                *args,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    finally:
-        shutil.rmtree(profile_dir, ignore_errors=True)
 
 
 def read_png(path: Path) -> tuple[int, int, list[bytearray]]:

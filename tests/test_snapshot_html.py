@@ -6,41 +6,20 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
+from browser import NEEDS_CHROMIUM, chromium
 
-CHROMIUM = next((p for p in map(shutil.which, ["chromium", "chromium-browser", "google-chrome"]) if p), None)
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install chromium)")
+pytestmark = NEEDS_CHROMIUM
 
 FIX = Path(__file__).parent / "fixtures" / "snapshots"
 
 
 def dump_dom(html: Path) -> str:
-    assert CHROMIUM is not None
-    with tempfile.TemporaryDirectory() as profile:
-        r = subprocess.run(
-            [
-                CHROMIUM,
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                f"--user-data-dir={profile}",
-                "--dump-dom",
-                html.as_uri(),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+    r = chromium("--dump-dom", html.as_uri())
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout
 
