@@ -22,6 +22,8 @@ def start() -> None:
         return
     _started = True
     interval_ms = float(os.environ.get("TORCHMEM_INTERVAL_MS", "10"))
+    # A diagnostic knob (bench/run_overhead.py --diagnose): the allocator read alone at another rate.
+    interval_ms = float(os.environ.get("TORCHMEM_ALLOCATOR_INTERVAL_MS", interval_ms))
     try:
         from . import _native
 

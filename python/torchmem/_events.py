@@ -12,6 +12,7 @@ import time
 
 _fd: int | None = None
 _lock = threading.Lock()
+_native_mod = None  # torchmem._native, once loaded (a failed import leaves it None: plain writes then)
 
 
 def _init() -> None:
@@ -48,15 +49,40 @@ def emit(message: dict) -> None:
         return
     line = json.dumps(message, separators=(",", ":"))
     try:
-        from . import _native
-
-        _native.emit_event(line)
+        _ext().emit_event(line)
     except Exception:
-        with _lock:
-            try:
-                os.write(_fd, (line + "\n").encode())
-            except OSError:
-                _fd = None
+        _write_now(line)
+
+
+def emit_marker(t_ns: int, kind: str, edge: str, name: str, index: int | None, memory: dict) -> None:
+    """Queue one marker (the API's hot path: every phase, step and epoch edge); formatted in Rust."""
+    if _fd is None:
+        return
+    try:
+        _ext().emit_marker(t_ns, kind, edge, name, index, memory)
+    except Exception:
+        msg = {"type": "marker", "t_ns": t_ns, "kind": kind, "edge": edge, "name": name, "index": index}
+        _write_now(json.dumps({**msg, "memory": memory}, separators=(",", ":")))
+
+
+def _ext():  # noqa: ANN202  (the extension module, loaded once)
+    global _native_mod
+    if _native_mod is None:
+        from . import _native as mod
+
+        _native_mod = mod
+    return _native_mod
+
+
+def _write_now(line: str) -> None:
+    global _fd
+    with _lock:
+        if _fd is None:
+            return
+        try:
+            os.write(_fd, (line + "\n").encode())
+        except OSError:
+            _fd = None
 
 
 def flush() -> None:
@@ -64,9 +90,7 @@ def flush() -> None:
     if _fd is None:
         return
     try:
-        from . import _native
-
-        _native.flush_events()
+        _ext().flush_events()
     except Exception:
         pass
 

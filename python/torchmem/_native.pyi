@@ -153,5 +153,11 @@ def emit_event(line: str) -> bool:
     """Queue one JSON message (no newline) for `torchmem run`'s recorder; written by the sampler thread every
     tick, or at once when no sampler runs. False when there is no recorder."""
 
+def emit_marker(t_ns: int, kind: str, edge: str, name: str, index: int | None, memory: dict[str, int]) -> bool:
+    """Queue one marker message (the `marker` wire format of `torchmem-core/src/wire.rs`), formatted in Rust.
+    `kind`: epoch|step|phase|mark; `edge`: start|end|point; `memory`: the `MarkerMemory` fields read
+    (`rss_bytes`, `allocated_bytes`, `reserved_bytes`, `peak_*_bytes`). ValueError for an unknown kind or
+    edge. False when there is no recorder."""
+
 def flush_events() -> bool:
     """Write the queued messages now. False when there is no recorder."""

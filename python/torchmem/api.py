@@ -353,7 +353,9 @@ class _PeakState:
         if counters is not None:
             self.fold_gpu(dev, counters)  # type: ignore[arg-type]
             _reset_torch_peak(torch, dev)  # type: ignore[arg-type]
-        if self.rss_reset_works:
+        # Resetting VmHWM takes the process's mmap lock for writing (it waits for any reader, such as a
+        # recorder walking smaps): skip it when the peak is the current RSS, where it would change nothing.
+        if self.rss_reset_works and rss is not None and rss_peak > rss:
             self.rss_reset_works = _native.reset_peak_rss()
         return rss, counters
 
@@ -576,8 +578,8 @@ def _record(kind: str, edge: str, name: str, index: int | None, memory: dict[str
         "index": index,
         "memory": memory,
     }
-    if _events.enabled():
-        _events.emit({"type": "marker", **marker})
+    if _events._fd is not None:
+        _events.emit_marker(marker["t_ns"], kind, edge, name, index, memory)
     for sink in list(_sinks):
         sink(marker)
     return marker

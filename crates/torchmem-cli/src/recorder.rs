@@ -50,12 +50,22 @@ pub struct Recorder {
     known: BTreeSet<u32>,
     last_tree: Option<Instant>,
     last_pss: Option<Instant>,
+    /// The PSS/USS interval in use: the configured one, stretched so that walking a process's pages (it
+    /// holds that process's mmap lock: its mmap, munmap and peak-RSS resets wait) takes ≤ 1 % of the time.
+    pss_every_ms: f64,
     last_flush: Instant,
     last_gpu: BTreeMap<u32, (GpuSample, u64)>,
     last_torch: BTreeMap<u32, TorchSample>,
     pub latest: Latest,
     messages: Option<Receiver<String>>,
     pub bad_messages: u64,
+}
+
+/// The next PSS/USS interval: the configured one, or 100 times the slowest walk of one process's pages
+/// (~12 ms for a 700 MiB torch process), whichever is longer: the profiled program waits on that walk only
+/// when it maps, unmaps or resets its peak RSS during it, and this bounds that to 1 % of its time.
+pub fn pss_interval_for(configured_ms: f64, slowest_walk_ms: f64) -> f64 {
+    configured_ms.max(slowest_walk_ms * 100.0)
 }
 
 /// A GPU row repeats the previous one unless a value changed; rows are kept at least once a second anyway.
@@ -71,6 +81,7 @@ impl Recorder {
         messages: Option<Receiver<String>>,
     ) -> Self {
         Recorder {
+            pss_every_ms: config.pss_interval_ms,
             config,
             writer,
             gpu,
@@ -104,7 +115,8 @@ impl Recorder {
         if Self::due(self.last_tree, self.config.tree_interval_ms) || self.tree.is_empty() {
             self.refresh_tree(t_ns);
         }
-        let pss_due = Self::due(self.last_pss, self.config.pss_interval_ms);
+        let pss_due = Self::due(self.last_pss, self.pss_every_ms);
+        let mut slowest_walk_ms = 0.0f64;
         let gpu_readings: Vec<GpuReading> = self.gpu.as_ref().map(|g| g.read()).unwrap_or_default();
 
         let mut rss_total = 0u64;
@@ -114,7 +126,10 @@ impl Recorder {
         let mut per_pid = Vec::new();
         for &pid in self.tree.keys() {
             if pss_due {
-                if let Some(r) = procfs::smaps_rollup(pid).filter(|r| r.rss_bytes > 0) {
+                let walk_started = Instant::now();
+                let rollup = procfs::smaps_rollup(pid);
+                slowest_walk_ms = slowest_walk_ms.max(walk_started.elapsed().as_secs_f64() * 1000.0);
+                if let Some(r) = rollup.filter(|r| r.rss_bytes > 0) {
                     rss_total += r.rss_bytes;
                     pss_total += r.pss_bytes;
                     uss_total += r.uss_bytes;
@@ -140,13 +155,8 @@ impl Recorder {
             }
         }
         if pss_due {
-            let started = Instant::now();
             self.last_pss = Some(Instant::now());
-            // smaps_rollup takes the target's mmap lock and costs milliseconds on big processes: back off if
-            // reading it takes more than 2 % of its interval.
-            if started.elapsed().as_secs_f64() * 1000.0 > self.config.pss_interval_ms * 0.02 {
-                self.config.pss_interval_ms *= 2.0;
-            }
+            self.pss_every_ms = pss_interval_for(self.config.pss_interval_ms, slowest_walk_ms);
         }
         if alive > 0 {
             let sample = CpuSample {
@@ -314,4 +324,16 @@ pub fn spawn_pipe_reader(read_fd: std::os::fd::OwnedFd) -> Receiver<String> {
         })
         .expect("spawn event reader thread");
     rx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pss_interval_for;
+
+    #[test]
+    fn pss_reads_back_off_to_one_percent_of_the_time() {
+        assert_eq!(pss_interval_for(250.0, 0.3), 250.0);
+        assert_eq!(pss_interval_for(250.0, 12.0), 1200.0);
+        assert_eq!(pss_interval_for(1000.0, 5.0), 1000.0);
+    }
 }

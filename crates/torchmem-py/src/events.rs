@@ -6,7 +6,11 @@
 
 use std::sync::Mutex;
 
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use torchmem_core::model::{Edge, MarkerKind, MarkerMemory};
+use torchmem_core::wire::ChildMessage;
 
 /// Flush synchronously when the buffer grows past this, whoever is calling.
 const FLUSH_AT_BYTES: usize = 32 * 1024;
@@ -87,6 +91,51 @@ pub fn flush() -> bool {
 /// Queues one JSON message (without its newline) for the recorder.
 #[pyfunction]
 fn emit_event(py: Python<'_>, line: &str) -> bool {
+    queue_line(py, line)
+}
+
+fn opt_u64(memory: &Bound<'_, PyDict>, key: &str) -> Option<u64> {
+    let v = memory.get_item(key).ok()??;
+    v.extract::<i64>().ok().map(|v| v.max(0) as u64)
+}
+
+/// Queues one marker (the Python API's hot path: phases, steps, epochs), formatted here rather than by
+/// `json.dumps`. `memory` holds the `MarkerMemory` fields that were read (`rss_bytes`, `allocated_bytes`, ...).
+#[pyfunction]
+#[pyo3(signature = (t_ns, kind, edge, name, index, memory))]
+fn emit_marker(
+    py: Python<'_>,
+    t_ns: u64,
+    kind: &str,
+    edge: &str,
+    name: &str,
+    index: Option<i64>,
+    memory: &Bound<'_, PyDict>,
+) -> PyResult<bool> {
+    let kind = MarkerKind::parse(kind)
+        .ok_or_else(|| PyValueError::new_err(format!("unknown marker kind {kind:?} (epoch, step, phase, mark)")))?;
+    let edge = Edge::parse(edge)
+        .ok_or_else(|| PyValueError::new_err(format!("unknown marker edge {edge:?} (start, end, point)")))?;
+    let message = ChildMessage::Marker {
+        t_ns,
+        kind,
+        edge,
+        name: name.to_string(),
+        index,
+        memory: MarkerMemory {
+            rss_bytes: opt_u64(memory, "rss_bytes"),
+            allocated_bytes: opt_u64(memory, "allocated_bytes"),
+            reserved_bytes: opt_u64(memory, "reserved_bytes"),
+            peak_allocated_bytes: opt_u64(memory, "peak_allocated_bytes"),
+            peak_reserved_bytes: opt_u64(memory, "peak_reserved_bytes"),
+            peak_rss_bytes: opt_u64(memory, "peak_rss_bytes"),
+        },
+    };
+    let line = serde_json::to_string(&message).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    Ok(queue_line(py, &line))
+}
+
+fn queue_line(py: Python<'_>, line: &str) -> bool {
     let sampler_runs = crate::api::sampler_running();
     let full = {
         let mut buf = BUFFER.lock().expect("event buffer");
@@ -113,6 +162,7 @@ fn flush_events(py: Python<'_>) -> bool {
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(emit_event, m)?)?;
+    m.add_function(wrap_pyfunction!(emit_marker, m)?)?;
     m.add_function(wrap_pyfunction!(flush_events, m)?)?;
     Ok(())
 }
