@@ -17,7 +17,6 @@ import statistics
 import time
 
 import torch
-
 import torchmem
 import torchmem._bootstrap  # noqa: F401  (as the injected sitecustomize does; harmless when already loaded)
 from torchmem import _events, _native
@@ -29,13 +28,19 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=12, help="blocks per mode")
     ap.add_argument("--steps", type=int, default=50, help="steps per block")
     ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--profile", action="store_true", help="also: cProfile of monitored steps, and what each read costs")
+    ap.add_argument(
+        "--profile", action="store_true", help="also: cProfile of monitored steps, and what each read costs"
+    )
     args = ap.parse_args()
     fd = _events._fd  # None outside `torchmem run`: then only `bare` and `monitor` run (no recorder at all)
     device = torch.device(args.device)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10)
+        torch.nn.Linear(512, 1024),
+        torch.nn.ReLU(),
+        torch.nn.Linear(1024, 1024),
+        torch.nn.ReLU(),
+        torch.nn.Linear(1024, 10),
     ).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -98,9 +103,14 @@ def main() -> None:
     print(f"{'mode':<24} {'min us/step':>12} {'median':>9} {'vs bare':>8} {'vs monitor':>10}")
     for m in modes:
         v = per_step[m]
-        print(f"{m:<24} {min(v) * 1e6:12.1f} {statistics.median(v) * 1e6:9.1f} {min(v) / base:8.3f} {min(v) / mon_base:10.3f}")
+        print(
+            f"{m:<24} {min(v) * 1e6:12.1f} {statistics.median(v) * 1e6:9.1f} "
+            f"{min(v) / base:8.3f} {min(v) / mon_base:10.3f}"
+        )
     print("events per monitored step: 8 (step, forward, backward, optimizer step; start and end)")
-    print(f"one /proc/self/smaps_rollup read: {min(smaps_ms):.2f} ms (min of 5), RSS {_native.self_rss_bytes() >> 20} MiB")
+    print(
+        f"one /proc/self/smaps_rollup read: {min(smaps_ms):.2f} ms (min of 5), RSS {_native.self_rss_bytes() >> 20} MiB"
+    )
 
 
 def _profile(mon: torchmem.Monitor, block, device: str) -> None:  # noqa: ANN001
