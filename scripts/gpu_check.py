@@ -167,6 +167,59 @@ def run_interplay_check(c: Checks) -> None:
     )
 
 
+REMAP_CHILD = """
+import torch
+x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda:0")  # 1 GiB on the program's cuda:0
+torch.cuda.synchronize()
+import time; time.sleep(0.3)
+print(torch.cuda.get_device_properties(0).uuid)
+"""
+
+
+def run_remap_check(c: Checks, torchmem: str) -> None:
+    """CUDA_VISIBLE_DEVICES renumbers GPUs for the program: its cuda:0 is the last GPU here (NVML index N-1),
+    or, on a one-GPU machine, GPU 0 named by UUID. The profile must key the allocator's rows by NVML index,
+    on the same row as that GPU's NVML numbers."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    count = pynvml.nvmlDeviceGetCount()
+    target = count - 1
+    handle = pynvml.nvmlDeviceGetHandleByIndex(target)
+    uuid = pynvml.nvmlDeviceGetUUID(handle)
+    uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+    visible = str(target) if count > 1 else uuid
+    tmp = Path(tempfile.mkdtemp(prefix="torchmem-remap-"))
+    prof = tmp / "remap.sqlite"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible)
+    proc = subprocess.run(
+        [torchmem, "run", "-q", "-o", str(prof), "--", sys.executable, "-c", REMAP_CHILD],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    if proc.returncode != 0:
+        c.check("CUDA_VISIBLE_DEVICES remap: run", False, proc.stderr[-1500:])
+        return
+    con = sqlite3.connect(prof)
+    torch_devices = sorted(d for (d,) in con.execute("select distinct device from torch_samples"))
+    peak = con.execute("select max(peak_allocated_bytes) from torch_samples where device = ?", (target,)).fetchone()[0]
+    report = subprocess.run([torchmem, "report", str(prof), "--format", "json"], capture_output=True, text=True)
+    gpus = json.loads(report.stdout)["peak"]["gpus"] if report.returncode == 0 else []
+    row = next((g for g in gpus if g.get("device") == target), {})
+    c.check(
+        f"CUDA_VISIBLE_DEVICES={visible}: allocator rows keyed by NVML index {target} ({count} GPU(s) here)",
+        torch_devices == [target] and (peak or 0) >= 1 << 30,
+        f"torch_samples devices {torch_devices}, peak allocated on {target}: {peak}",
+    )
+    c.check(
+        "CUDA_VISIBLE_DEVICES remap: the report's GPU row holds both the allocator's and NVML's numbers",
+        (row.get("allocated_bytes") or 0) >= 1 << 30 and (row.get("nvml_process_bytes") or 0) >= 1 << 30,
+        f"row {row}",
+    )
+
+
 def run_script(c: Checks, name: str, args: list[str], timeout_s: int) -> str:
     path = ROOT / name
     if not path.exists():
@@ -198,7 +251,8 @@ def run_script(c: Checks, name: str, args: list[str], timeout_s: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "docs" / "gpu-check.md"))
-    ap.add_argument("--skip", action="append", default=[], help="skip a part: run, api, line, snapshot, bench")
+    parts_help = "skip a part: run, interplay, remap, api, line, snapshot, bench"
+    ap.add_argument("--skip", action="append", default=[], help=parts_help)
     ap.add_argument("--only", action="append", default=[], help="run only these parts (same names as --skip)")
     args = ap.parse_args()
     import torch
@@ -224,6 +278,8 @@ def main() -> None:
         run_profile_check(c, torchmem)
     if wanted("interplay"):
         run_interplay_check(c)
+    if wanted("remap"):
+        run_remap_check(c, torchmem)
     parts = [
         ("api", "scripts/gpu_check_api.py", [], 400),
         ("line", "scripts/gpu_check_line.py", [], 600),

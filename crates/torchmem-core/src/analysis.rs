@@ -455,8 +455,8 @@ impl Summary {
         if growth.is_empty() && step_rows.len() >= 5 {
             growth = growth_warnings(&step_rows, "step");
         }
-        // Peaks per GPU: torch devices and NVML devices share indices on single-GPU machines; with
-        // CUDA_VISIBLE_DEVICES remapping they may not, so they are reported side by side, as recorded.
+        // Peaks per GPU, by NVML index: the in-process sampler reports the allocator's numbers under the NVML
+        // index of the device (matched by UUID), so CUDA_VISIBLE_DEVICES renumbering does not split a GPU.
         let mut devices: Vec<u32> = p.torch.iter().map(|s| s.device).chain(p.gpu.iter().map(|s| s.device)).collect();
         devices.sort_unstable();
         devices.dedup();

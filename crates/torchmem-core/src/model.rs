@@ -57,7 +57,8 @@ pub struct GpuSample {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TorchSample {
     pub t_ns: u64,
-    /// CUDA device index as torch numbers it.
+    /// The GPU's NVML index, as in `GpuSample`: the in-process sampler maps torch's device index (which
+    /// CUDA_VISIBLE_DEVICES renumbers) through the device's UUID; torch's own index where NVML cannot say.
     pub device: u32,
     pub allocated_bytes: u64,
     pub reserved_bytes: u64,

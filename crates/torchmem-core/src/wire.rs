@@ -12,6 +12,7 @@ pub enum ChildMessage {
     /// The allocator's counters for one CUDA device.
     Torch {
         t_ns: u64,
+        /// The device's NVML index (see `model::TorchSample::device`).
         device: u32,
         allocated: u64,
         reserved: u64,

@@ -178,9 +178,10 @@ fn counters_from_nested(d: &Bound<'_, PyAny>) -> AllocatorCounters {
     }
 }
 
-/// One sampler tick: wire lines for every device whose allocator has been used, or nothing when torch is
-/// not imported or CUDA not initialised (never initialises CUDA: that would cost ~500 MB of GPU memory).
-fn sample_lines(py: Python<'_>, cache: &mut Option<TorchFns>) -> Vec<String> {
+/// One sampler tick: the counters of every device whose allocator has been used, by torch's device index,
+/// or nothing when torch is not imported or CUDA not initialised (never initialises CUDA: that would cost
+/// ~500 MB of GPU memory).
+fn sample_devices(py: Python<'_>, cache: &mut Option<TorchFns>) -> Vec<(u32, AllocatorCounters)> {
     if cache.is_none() {
         *cache = lookup_torch(py);
     }
@@ -192,17 +193,66 @@ fn sample_lines(py: Python<'_>, cache: &mut Option<TorchFns>) -> Vec<String> {
         return Vec::new();
     }
     let count: u32 = fns.device_count.bind(py).call0().and_then(|v| v.extract()).unwrap_or(0);
-    let mut lines = Vec::new();
+    let mut out = Vec::new();
     for dev in 0..count {
         let Ok(d) = fns.memory_stats.bind(py).call1((dev,)) else {
             continue;
         };
         let c = counters_from_nested(&d);
         if !c.never_used() {
-            lines.push(c.wire_line(torchmem_core::clock::monotonic_ns(), dev));
+            out.push((dev, c));
         }
     }
-    lines
+    out
+}
+
+/// torch's UUID of CUDA device `dev` (`torch.cuda.get_device_properties(dev).uuid`), without NVML's prefix.
+fn torch_device_uuid(py: Python<'_>, dev: u32) -> Option<String> {
+    let torch = py.import("sys").ok()?.getattr("modules").ok()?.get_item("torch").ok()?;
+    let props = torch.getattr("cuda").ok()?.call_method1("get_device_properties", (dev,)).ok()?;
+    props.getattr("uuid").ok()?.str().ok().map(|s| s.to_string())
+}
+
+/// The NVML index of the device with torch's `uuid` ("GPU-" or "MIG-" prefixed for NVML), found without
+/// the interpreter; None without NVML or for a UUID it does not know.
+fn nvml_index_of_torch_uuid(uuid: &str) -> Option<u32> {
+    let nvml = nvml().ok()?;
+    let nvml = nvml.lock().expect("NVML lock");
+    if uuid.starts_with("GPU-") || uuid.starts_with("MIG-") {
+        return nvml.index_of_uuid(uuid);
+    }
+    ["GPU-", "MIG-", ""].iter().find_map(|prefix| nvml.index_of_uuid(&format!("{prefix}{uuid}")))
+}
+
+/// Torch device index → NVML device index, learned once per device: the profile keys GPU rows by NVML index,
+/// so the allocator's numbers land on the GPU they belong to even when CUDA_VISIBLE_DEVICES renumbers
+/// devices for the program (torch's cuda:0 can be NVML's GPU 3). Where NVML cannot say, torch's index.
+#[derive(Default)]
+struct DeviceMap {
+    nvml_of: std::collections::HashMap<u32, u32>,
+}
+
+impl DeviceMap {
+    /// UUIDs of devices not mapped yet (read with the interpreter attached).
+    fn unknown_uuids(&self, py: Python<'_>, devices: &[(u32, AllocatorCounters)]) -> Vec<(u32, Option<String>)> {
+        devices
+            .iter()
+            .filter(|(dev, _)| !self.nvml_of.contains_key(dev))
+            .map(|(dev, _)| (*dev, torch_device_uuid(py, *dev)))
+            .collect()
+    }
+
+    /// Maps them through NVML (without the interpreter: opening NVML can take milliseconds).
+    fn learn(&mut self, uuids: Vec<(u32, Option<String>)>) {
+        for (dev, uuid) in uuids {
+            let index = uuid.as_deref().and_then(nvml_index_of_torch_uuid).unwrap_or(dev);
+            self.nvml_of.insert(dev, index);
+        }
+    }
+
+    fn nvml_index(&self, dev: u32) -> u32 {
+        self.nvml_of.get(&dev).copied().unwrap_or(dev)
+    }
 }
 
 /// The counters of one device as the sampler reads them: `(allocated, reserved, peak_allocated,
@@ -222,10 +272,15 @@ fn allocator_counters(nested: &Bound<'_, PyAny>) -> (u64, u64, u64, u64, u64, u6
     )
 }
 
-/// One sampler read, returned instead of sent (to time it and to test it).
+/// One sampler read, returned instead of sent (to time it and to test it): wire lines keyed by NVML index.
 #[pyfunction]
 fn read_allocator_once(py: Python<'_>) -> Vec<String> {
-    sample_lines(py, &mut None)
+    let devices = sample_devices(py, &mut None);
+    let mut map = DeviceMap::default();
+    let unknown = map.unknown_uuids(py, &devices);
+    py.detach(|| map.learn(unknown));
+    let t_ns = torchmem_core::clock::monotonic_ns();
+    devices.iter().map(|(dev, c)| c.wire_line(t_ns, map.nvml_index(*dev))).collect()
 }
 
 struct Sampler {
@@ -247,6 +302,7 @@ const IDLE_TICKS_PER_READ: u32 = 10;
 
 fn sampler_loop(stop: Arc<AtomicBool>, fd: i32, interval: Duration) {
     let mut cache: Option<TorchFns> = None;
+    let mut map = DeviceMap::default();
     let mut cuda_seen = false;
     let mut tick: u32 = 0;
     loop {
@@ -260,23 +316,23 @@ fn sampler_loop(stop: Arc<AtomicBool>, fd: i32, interval: Duration) {
             continue;
         }
         // try_attach returns None once the interpreter is finalizing: the thread then just ends.
-        let Some(lines) =
-            Python::try_attach(
-                |py| {
-                    if stop.load(Ordering::Acquire) {
-                        None
-                    } else {
-                        Some(sample_lines(py, &mut cache))
-                    }
-                },
-            )
-        else {
+        let Some(sampled) = Python::try_attach(|py| {
+            if stop.load(Ordering::Acquire) {
+                None
+            } else {
+                let devices = sample_devices(py, &mut cache);
+                let t_ns = torchmem_core::clock::monotonic_ns();
+                let unknown = map.unknown_uuids(py, &devices);
+                Some((devices, t_ns, unknown))
+            }
+        }) else {
             break;
         };
-        let Some(lines) = lines else { break };
-        cuda_seen |= !lines.is_empty();
+        let Some((devices, t_ns, unknown)) = sampled else { break };
+        cuda_seen |= !devices.is_empty();
+        map.learn(unknown);
         // Each line is one write (< PIPE_BUF), so it never interleaves with the Python side's events.
-        if !lines.iter().all(|l| write_all(fd, l.as_bytes())) {
+        if !devices.iter().all(|(dev, c)| write_all(fd, c.wire_line(t_ns, map.nvml_index(*dev)).as_bytes())) {
             break;
         }
         // The Python API's buffered events go out on the same tick, without the interpreter.
