@@ -185,6 +185,42 @@ def test_threads_attributed_per_thread(tmp_path: Path, gate: str) -> None:
 
 
 @pytest.mark.parametrize("gate", GATES)
+def test_thread_started_before_profiling(tmp_path: Path, gate: str) -> None:
+    """A worker thread that was already running when profiling began (a pool started at import time) calls
+    the profiled function later: its lines are measured too (3.12: sys.monitoring covers every thread;
+    <= 3.11: the trace function is installed on the existing threads)."""
+    d = run_script(
+        tmp_path,
+        """
+        go, done = threading.Event(), threading.Event()
+        box = {}
+        def pool_worker():
+            go.wait()
+            box["r"] = box["fn"](64)
+            done.set()
+        t = threading.Thread(target=pool_worker)
+        t.start()  # running before anything is profiled
+
+        def late(n):
+            x = torch.ones(n * MIB, dtype=torch.uint8)
+            y = int(x.sum())
+            del x
+            return y
+        box["fn"] = torchmem.profile(late)
+        go.set()
+        done.wait(60)
+        t.join()
+        """,
+        gate,
+    )
+    f = func(d, "late")
+    assert f["calls"] == 1 and f["threads"] == 1, f
+    alloc = line(f, "x = torch.ones")
+    assert alloc["hits"] == 1 and near(alloc["cpu_delta_bytes"], 64 * MIB), alloc
+    assert near(line(f, "del x")["cpu_delta_bytes"], -64 * MIB)
+
+
+@pytest.mark.parametrize("gate", GATES)
 def test_recursion(tmp_path: Path, gate: str) -> None:
     d = run_script(
         tmp_path,

@@ -103,6 +103,10 @@ def line_monitoring_callbacks() -> dict[str, Any]:
     """Raw METH_FASTCALL builtins for sys.monitoring: keys "line", "start", "resume", "exit"."""
 def line_trace_install(on: bool) -> bool:
     """Install/remove the C trace function (PyEval_SetTrace via dlsym) on this thread; False if unavailable."""
+def line_trace_install_all() -> int | None:
+    """Python <= 3.11: install the C trace function on every existing thread (the calling one included), as
+    3.12's PyEval_SetTraceAllThreads does. How many threads got it; None where _PyEval_SetTrace is missing."""
+
 def line_thread_installer(_frame: Any, _event: Any, _arg: Any) -> None:
     """For `threading.settrace`: installs the C trace function in each new thread."""
 def line_snapshot() -> dict[str, Any]:

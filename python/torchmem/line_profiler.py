@@ -129,6 +129,15 @@ def _start_settrace() -> None:
         )
     if not _native.line_trace_install(True):
         raise RuntimeError("PyEval_SetTrace is not exported by this interpreter")
+    # Threads already running (a worker pool started before profiling): they get the trace function too, so
+    # a profiled function they call later is measured. New threads get it from threading.settrace.
+    if _native.line_trace_install_all() is None:
+        warnings.warn(
+            "torchmem: threads started before profiling began are not traced (this interpreter does not export "
+            "_PyEval_SetTrace); start profiling before starting threads",
+            RuntimeWarning,
+            stacklevel=4,
+        )
     threading.settrace(_native.line_thread_installer)
 
 

@@ -112,6 +112,13 @@ fn line_trace_install(on: bool) -> bool {
     hooks::trace_install(on)
 }
 
+/// Python ≤ 3.11: install the C trace function on every existing thread (the calling one included).
+/// Returns how many threads got it, or None where the interpreter does not export what this needs.
+#[pyfunction]
+fn line_trace_install_all() -> Option<usize> {
+    hooks::trace_install_all_threads()
+}
+
 /// For `threading.settrace`: installs the C trace function in each new thread, then steps aside.
 #[pyfunction]
 fn line_thread_installer(_frame: &Bound<'_, PyAny>, _event: &Bound<'_, PyAny>, _arg: &Bound<'_, PyAny>) {
@@ -184,6 +191,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(line_set_disable, m)?)?;
     m.add_function(wrap_pyfunction!(line_monitoring_callbacks, m)?)?;
     m.add_function(wrap_pyfunction!(line_trace_install, m)?)?;
+    m.add_function(wrap_pyfunction!(line_trace_install_all, m)?)?;
     m.add_function(wrap_pyfunction!(line_thread_installer, m)?)?;
     m.add_function(wrap_pyfunction!(line_snapshot, m)?)?;
     m.add_function(wrap_pyfunction!(line_render_text, m)?)?;

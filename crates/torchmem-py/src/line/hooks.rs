@@ -245,6 +245,74 @@ unsafe extern "C" fn trace_cb(
     0
 }
 
+type SetTraceForFn = unsafe extern "C" fn(*mut c_void, Option<TraceFn>, *mut ffi::PyObject) -> c_int;
+type InterpGetFn = unsafe extern "C" fn() -> *mut c_void;
+type ThreadHeadFn = unsafe extern "C" fn(*mut c_void) -> *mut c_void;
+type ThreadNextFn = unsafe extern "C" fn(*mut c_void) -> *mut c_void;
+
+/// CPython ≤ 3.11's exported `_PyEval_SetTrace(tstate, func, arg)` and the public thread-state iterator.
+struct AllThreadsSyms {
+    set_trace_for: SetTraceForFn,
+    interp_get: InterpGetFn,
+    thread_head: ThreadHeadFn,
+    thread_next: ThreadNextFn,
+}
+
+fn all_threads_syms() -> Option<&'static AllThreadsSyms> {
+    static SYMS: OnceLock<Option<AllThreadsSyms>> = OnceLock::new();
+    SYMS.get_or_init(|| {
+        // SAFETY: dlsym lookups by NUL-terminated name; the signatures are CPython 3.9–3.11's
+        // `int _PyEval_SetTrace(PyThreadState*, Py_tracefunc, PyObject*)`, `PyInterpreterState_Get(void)`,
+        // `PyInterpreterState_ThreadHead(PyInterpreterState*)` and `PyThreadState_Next(PyThreadState*)`.
+        unsafe {
+            let names = [
+                c"_PyEval_SetTrace",
+                c"PyInterpreterState_Get",
+                c"PyInterpreterState_ThreadHead",
+                c"PyThreadState_Next",
+            ];
+            let ptrs: Vec<*mut c_void> = names.iter().map(|n| libc::dlsym(libc::RTLD_DEFAULT, n.as_ptr())).collect();
+            if ptrs.iter().any(|p| p.is_null()) {
+                return None;
+            }
+            Some(AllThreadsSyms {
+                set_trace_for: std::mem::transmute::<*mut c_void, SetTraceForFn>(ptrs[0]),
+                interp_get: std::mem::transmute::<*mut c_void, InterpGetFn>(ptrs[1]),
+                thread_head: std::mem::transmute::<*mut c_void, ThreadHeadFn>(ptrs[2]),
+                thread_next: std::mem::transmute::<*mut c_void, ThreadNextFn>(ptrs[3]),
+            })
+        }
+    })
+    .as_ref()
+}
+
+/// Install the C trace function on every thread of the interpreter, the ones already running included (what
+/// 3.12's `PyEval_SetTraceAllThreads` does): a profiled function called later from a thread that started
+/// before profiling is traced too. Must be called with the GIL held (no thread state can come or go then).
+/// Returns how many threads got it, or None when the symbols are missing.
+pub fn trace_install_all_threads() -> Option<usize> {
+    let syms = all_threads_syms()?;
+    let mut installed = 0;
+    // SAFETY: the GIL is held, so the thread-state list is stable while we walk it; `_PyEval_SetTrace` is
+    // documented to be called with the GIL held for any thread state of the current interpreter.
+    unsafe {
+        let interp = (syms.interp_get)();
+        if interp.is_null() {
+            return None;
+        }
+        let mut ts = (syms.thread_head)(interp);
+        while !ts.is_null() {
+            if (syms.set_trace_for)(ts, Some(trace_cb), std::ptr::null_mut()) == 0 {
+                installed += 1;
+            } else {
+                ffi::PyErr_Clear();
+            }
+            ts = (syms.thread_next)(ts);
+        }
+    }
+    Some(installed)
+}
+
 /// Install the C trace function on the calling thread. False when the symbols are missing.
 pub fn trace_install(on: bool) -> bool {
     let Some(syms) = trace_syms() else { return false };
