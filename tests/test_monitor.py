@@ -110,6 +110,59 @@ def test_hooks_record_forward_backward_optimizer_in_order(kind):
     assert kinds[:2] == ["epoch", "step"] and kinds[-2:] == ["step", "epoch"]
 
 
+def test_long_runs_keep_first_markers_and_exact_aggregates():
+    """A Monitor over many steps keeps the markers of the first `keep_markers` occurrences only, and its
+    summary (phase rows, step count, journey peak) equals the one computed from every marker."""
+    torch.manual_seed(0)
+    model = MODELS["mlp"]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    full = torchmem.Monitor(model, opt, verbose=False, warn=False, keep_markers=None)
+    few = torchmem.Monitor(verbose=False, warn=False, keep_markers=2)  # sees the same markers (no own hooks)
+    train(full, model, opt, epochs=2, steps=12)
+    full.close()
+    few.close()
+    phase_markers = [m for m in few.markers if m["kind"] == "phase"]
+    assert len(phase_markers) == 3 * 2 * 2, "2 occurrences of forward, backward and optimizer step, start+end"
+    assert len([m for m in few.markers if m["kind"] == "step"]) == 2 * 2
+    assert len([m for m in few.markers if m["kind"] == "epoch"]) == 4, "epochs are always kept"
+    assert len(full.markers) > 4 * len(few.markers)
+    a, b = full.to_dict(), few.to_dict()
+    assert b["steps"] == a["steps"] == 24
+    assert b["phases"] == a["phases"], (a["phases"], b["phases"])
+    assert all(p["count"] == 24 for p in b["phases"])
+    assert b["epochs"] == a["epochs"]
+    peak = lambda d: [s for s in d["journey"] if s["name"] == "Peak"]  # noqa: E731
+    assert peak(a) == peak(b)
+    assert few.summary() == full.summary()
+
+
+def test_monitor_memory_stays_flat_over_many_steps():
+    """The Monitor itself must not look like the leak it warns about: 3 epochs of 2,000 steps, no growth."""
+    import tracemalloc
+
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torchmem.MemoryGrowthWarning)
+        mon = torchmem.Monitor(model, opt, verbose=False)
+        tracemalloc.start()
+        sizes = []
+        for _ in range(3):
+            with mon.epoch():
+                for _ in range(2000):
+                    with mon.step():
+                        model(x).sum().backward()
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+            sizes.append(tracemalloc.get_traced_memory()[0])
+        tracemalloc.stop()
+    mon.close()
+    # Python objects the Monitor holds after epoch 1 vs after epoch 3: flat, not +8 markers per step.
+    assert sizes[2] - sizes[0] < 256 * 1024, sizes
+    assert mon.to_dict()["steps"] == 6000
+
+
 def test_closed_monitor_records_nothing_more():
     model = MODELS["mlp"]()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -28,6 +28,7 @@ _EXPORTS = {
     "stats": "api",
     "track": "api",
     "Monitor": "monitor",
+    "MemoryGrowthWarning": "monitor",
     "print_profile": "line_profiler",
     "profile": "line_profiler",
     "capture": "snapshot",
@@ -35,6 +36,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "MemoryGrowthWarning",
     "Monitor",
     "ProfileError",
     "SnapshotError",
@@ -57,7 +59,7 @@ if TYPE_CHECKING:
     from ._native import ProfileError, SnapshotError, TorchmemError
     from .api import Stats, device_info, empty_cache, peak, reset_peak, stats, track
     from .line_profiler import print_profile, profile
-    from .monitor import Monitor
+    from .monitor import MemoryGrowthWarning, Monitor
     from .snapshot import capture, on_oom
 
 

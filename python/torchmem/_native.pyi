@@ -47,17 +47,25 @@ def device_info_json() -> str:
     """JSON of the host (total/available RAM) and every NVML device (name, uuid, total/used/free, this
     process's and other processes' bytes, driver and CUDA driver versions, or `nvml_error`). No CUDA context."""
 
-def summary_json(markers_json: str, capacity_bytes: int | None = None) -> str:
+def summary_json(markers_json: str, capacity_bytes: int | None = None, aggregates_json: str | None = None) -> str:
     """analysis::Summary (epochs, steps, phases, growth, journey) as JSON, from a JSON list of markers in
-    model::Marker form ({"t_ns", "kind", "edge", "name", "index", "memory": MarkerMemory})."""
+    model::Marker form ({"t_ns", "kind", "edge", "name", "index", "memory": MarkerMemory}). `aggregates_json`
+    (analysis::MarkerAggregates: {"steps", "phases": [PhaseRow], "peak_allocated_bytes", "peak_reserved_bytes",
+    "peak_rss_bytes"}) replaces the step count and phase rows, and raises the journey's peak: what a Monitor
+    that kept only its first markers passes. ValueError (TorchmemError) for malformed JSON."""
 
-def summary_text(markers_json: str, capacity_bytes: int | None = None) -> str:
-    """The per-epoch and per-phase tables and growth warnings as text, from markers."""
+def summary_text(markers_json: str, capacity_bytes: int | None = None, aggregates_json: str | None = None) -> str:
+    """The per-epoch and per-phase tables and growth warnings as text, from markers (and aggregates)."""
 
 def journey(
-    markers_json: str, capacity_bytes: int | None = None, format: str = "text", title: str = "torchmem memory journey"
+    markers_json: str,
+    capacity_bytes: int | None = None,
+    format: str = "text",
+    title: str = "torchmem memory journey",
+    aggregates_json: str | None = None,
 ) -> str:
-    """The memory journey from markers, as "text" or "mermaid" (ValueError on any other format)."""
+    """The memory journey from markers (and aggregates), as "text" or "mermaid" (ValueError on any other
+    format)."""
 
 def epoch_report_json(markers_json: str) -> str:
     """{"line", "row", "growth", "growth_per_epoch_bytes"} for the last finished epoch, from epoch markers."""

@@ -45,7 +45,9 @@ class Monitor:
     ```
 
     `device`: the CUDA device to read (default: the model's, else the current one). `verbose`: print a line
-    per epoch (to stderr). `warn`: a `MemoryGrowthWarning` when memory grows every epoch.
+    per epoch (to stderr). `warn`: a `MemoryGrowthWarning` when memory grows every epoch. `keep_markers`: how
+    many occurrences of each step and phase keep their markers in `mon.markers` (None: all); the tables,
+    counts and peaks always cover every occurrence, so a million-step run does not grow the Monitor.
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class Monitor:
         verbose: bool = True,
         warn: bool = True,
         title: str = "torchmem memory journey",
+        keep_markers: int | None = 100,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -75,12 +78,21 @@ class Monitor:
         self._phase: dict[str, _api._Span] = {}
         self._forward_depth = 0
         self._warned = False
+        # A training run can take millions of steps: markers of steps and phases are kept for the first
+        # `keep_markers` occurrences of each name only; the aggregates below cover every occurrence, so the
+        # tables stay exact while the Monitor's memory stays flat.
+        self.keep_markers = keep_markers
+        self._open: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        self._seen: dict[tuple[str, str], int] = {}
+        self._phase_agg: dict[str, list[Any]] = {}
+        self._steps_done = 0
+        self._peak_seen: list[int | None] = [None, None, None]  # allocated, reserved, RSS
         ref = weakref.ref(self)
 
         def sink(marker: dict[str, Any]) -> None:
             mon = ref()
             if mon is not None:
-                mon.markers.append(marker)
+                mon._take(marker)
 
         self._sink = sink
         _api._sinks.append(sink)
@@ -93,6 +105,93 @@ class Monitor:
             self._hook_model(model)
         if optimizer is not None:
             self._hook_optimizer(optimizer)
+
+    # --- markers and aggregates ---------------------------------------------------------------------------
+
+    def _take(self, marker: dict[str, Any]) -> None:
+        mem = marker["memory"]
+        seen = self._peak_seen
+        for i, (peak_key, now_key) in enumerate(_PEAK_KEYS):
+            v = mem.get(peak_key)
+            if v is None:
+                v = mem.get(now_key)
+            if v is not None and (seen[i] is None or v > seen[i]):
+                seen[i] = v
+        kind = marker["kind"]
+        if kind != "step" and kind != "phase":
+            self.markers.append(marker)
+            return
+        key = (kind, marker["name"])
+        done = self._seen.get(key, 0)
+        if marker["edge"] == "start":
+            self._open.setdefault(key, []).append(marker)
+            if kind == "phase" and marker["name"] not in self._phase_agg:
+                self._phase_agg[marker["name"]] = _new_phase_row()  # rows in order of first start
+        elif marker["edge"] == "end":
+            self._seen[key] = done + 1
+            stack = self._open.get(key)
+            start = stack.pop() if stack else None
+            if kind == "step":
+                self._steps_done += 1
+            elif start is not None:
+                self._aggregate_phase(marker["name"], start, marker)
+        if self.keep_markers is None or done < self.keep_markers:
+            self.markers.append(marker)
+
+    def _aggregate_phase(self, name: str, start: dict[str, Any], end: dict[str, Any]) -> None:
+        """Folds one finished phase into its row, as `analysis::phase_rows` computes it from all markers."""
+        row = self._phase_agg.get(name)
+        if row is None:
+            row = self._phase_agg[name] = _new_phase_row()
+        entry, exit_ = start["memory"], end["memory"]
+        row[0] += 1
+        row[1] += max(0, end["t_ns"] - start["t_ns"])
+        a0, a1 = entry.get("allocated_bytes"), exit_.get("allocated_bytes")
+        if a0 is not None and a1 is not None:
+            row[2] += a1 - a0
+            row[3] += 1
+        r0, r1 = entry.get("rss_bytes"), exit_.get("rss_bytes")
+        if r0 is not None and r1 is not None:
+            row[6] += r1 - r0
+            row[7] += 1
+        for slot, peak_key, now_key in ((4, "peak_allocated_bytes", "allocated_bytes"),
+                                        (5, "peak_reserved_bytes", "reserved_bytes"),
+                                        (8, "peak_rss_bytes", "rss_bytes")):  # fmt: skip
+            v = _max_opt(exit_.get(peak_key), _max_opt(exit_.get(now_key), entry.get(now_key)))
+            row[slot] = _max_opt(row[slot], v)
+
+    def _aggregates_json(self) -> str:
+        phases = []
+        for name, done in self._phase_agg.items():
+            r = list(done)
+            for start in self._open.get(("phase", name), []):  # still open: counted, entry values only
+                r[0] += 1
+                entry = start["memory"]
+                r[4] = _max_opt(r[4], entry.get("allocated_bytes"))
+                r[5] = _max_opt(r[5], entry.get("reserved_bytes"))
+                r[8] = _max_opt(r[8], entry.get("rss_bytes"))
+            phases.append(
+                {
+                    "name": name,
+                    "count": r[0],
+                    "total_ns": r[1],
+                    "mean_delta_allocated_bytes": _mean_toward_zero(r[2], r[3]),
+                    "max_peak_allocated_bytes": r[4],
+                    "max_peak_reserved_bytes": r[5],
+                    "mean_delta_rss_bytes": _mean_toward_zero(r[6], r[7]),
+                    "max_peak_rss_bytes": r[8],
+                }
+            )
+        a, r, c = self._peak_seen
+        return json.dumps(
+            {
+                "steps": self._steps_done + len(self._open.get(("step", "step"), [])),
+                "phases": phases,
+                "peak_allocated_bytes": a,
+                "peak_reserved_bytes": r,
+                "peak_rss_bytes": c,
+            }
+        )
 
     # --- device ---------------------------------------------------------------------------------------
 
@@ -247,11 +346,13 @@ class Monitor:
 
     def summary(self) -> str:
         """The per-epoch and per-phase tables and any growth warning, as text."""
-        return _native.summary_text(self._markers_json(), self._capacity_bytes())
+        return _native.summary_text(self._markers_json(), self._capacity_bytes(), self._aggregates_json())
 
     def to_dict(self) -> dict[str, Any]:
         """The summary as data (epochs, phases, growth, journey) plus the raw markers."""
-        data = json.loads(_native.summary_json(self._journey_markers(), self._capacity_bytes()))
+        data = json.loads(
+            _native.summary_json(self._journey_markers(), self._capacity_bytes(), self._aggregates_json())
+        )
         data["epoch_lines"] = list(self.epoch_lines)
         data["markers"] = list(self.markers)
         return data
@@ -260,7 +361,9 @@ class Monitor:
         """The run's memory journey (device checked, model initialised, forward, backward, optimizer step,
         peak, cache emptied): `format="text"` or `"mermaid"` (a Mermaid `journey` diagram whose 1–5 scores
         fall as memory pressure rises)."""
-        return _native.journey(self._journey_markers(), self._capacity_bytes(), format, self.title)
+        return _native.journey(
+            self._journey_markers(), self._capacity_bytes(), format, self.title, self._aggregates_json()
+        )
 
     def close(self) -> None:
         """Removes the hooks; the recorded data stays."""
@@ -282,6 +385,34 @@ class Monitor:
                 _api._sinks.remove(self._sink)
         except Exception:
             pass
+
+
+_PEAK_KEYS = (
+    ("peak_allocated_bytes", "allocated_bytes"),
+    ("peak_reserved_bytes", "reserved_bytes"),
+    ("peak_rss_bytes", "rss_bytes"),
+)
+
+
+def _new_phase_row() -> list[Any]:
+    # count, total_ns, Σ Δallocated, n, max peak allocated, max peak reserved, Σ ΔRSS, n, max peak RSS
+    return [0, 0, 0, 0, None, None, 0, 0, None]
+
+
+def _max_opt(a: int | None, b: int | None) -> int | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a if a > b else b
+
+
+def _mean_toward_zero(total: int, n: int) -> int | None:
+    """Σ/n rounded toward zero, as Rust's integer division does (Python's // rounds down)."""
+    if n == 0:
+        return None
+    q = abs(total) // n
+    return q if total >= 0 else -q
 
 
 def _tensors(output: Any, torch: Any, depth: int = 0) -> list[Any]:

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::journey::JourneyStage;
 use crate::model::*;
@@ -128,7 +128,7 @@ pub struct EpochRow {
 }
 
 /// Per-phase aggregate over all its occurrences (e.g. every "forward").
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PhaseRow {
     pub name: String,
     pub count: u64,
@@ -542,6 +542,34 @@ impl Summary {
         s.journey = journey(markers, capacity_bytes, &[], &[]);
         s
     }
+
+    /// The Monitor's summary when it kept only some step and phase markers: `agg` covers every occurrence
+    /// (phase rows, step count, the highest values seen), the kept markers give epochs, marks and the
+    /// journey's first phases.
+    pub fn from_markers_aggregated(markers: &[Marker], capacity_bytes: Option<u64>, agg: &MarkerAggregates) -> Summary {
+        let mut s = Summary::from_markers(markers, capacity_bytes);
+        s.steps = agg.steps;
+        s.phases = agg.phases.clone();
+        if let Some(peak) = s.journey.iter_mut().find(|st| st.name == "Peak") {
+            peak.allocated_bytes = opt_max(peak.allocated_bytes, agg.peak_allocated_bytes);
+            peak.reserved_bytes = opt_max(peak.reserved_bytes, agg.peak_reserved_bytes);
+            peak.rss_bytes = opt_max(peak.rss_bytes, agg.peak_rss_bytes);
+        }
+        s
+    }
+}
+
+/// What a long-running Monitor keeps instead of every step and phase marker (it keeps the markers of the
+/// first occurrences only, so its memory does not grow with the number of steps): computed as
+/// `phase_rows` and `Summary::steps` would compute them from all markers.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct MarkerAggregates {
+    pub steps: usize,
+    pub phases: Vec<PhaseRow>,
+    /// The highest peak (else current) value of any marker, kept or not.
+    pub peak_allocated_bytes: Option<u64>,
+    pub peak_reserved_bytes: Option<u64>,
+    pub peak_rss_bytes: Option<u64>,
 }
 
 #[cfg(test)]
@@ -601,6 +629,25 @@ mod tests {
         assert_eq!(sp[0].end_t_ns, Some(5));
         assert_eq!(sp[1].delta_allocated(), Some(50 * MIB as i64));
         assert!(sp[3].end_t_ns.is_none());
+    }
+
+    #[test]
+    fn aggregates_stand_in_for_markers_a_monitor_did_not_keep() {
+        let all = leaky_run(4, 0);
+        let full = Summary::from_markers(&all, None);
+        // The Monitor kept the epochs only, and aggregated the phases itself.
+        let epochs_only: Vec<Marker> = all.iter().filter(|m| m.kind == MarkerKind::Epoch).cloned().collect();
+        let agg = MarkerAggregates {
+            steps: 0,
+            phases: full.phases.clone(),
+            peak_allocated_bytes: Some(500 * MIB),
+            ..Default::default()
+        };
+        let s = Summary::from_markers_aggregated(&epochs_only, None, &agg);
+        assert_eq!(s.phases, full.phases);
+        assert_eq!(s.epochs, full.epochs);
+        let peak = s.journey.iter().find(|st| st.name == "Peak").expect("a peak stage");
+        assert_eq!(peak.allocated_bytes, Some(500 * MIB), "the aggregate's peak counts though its marker is gone");
     }
 
     #[test]

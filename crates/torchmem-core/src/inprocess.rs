@@ -10,7 +10,7 @@ use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::Nvml;
 use serde::{Deserialize, Serialize};
 
-use crate::analysis::{EpochRow, Summary};
+use crate::analysis::{EpochRow, MarkerAggregates, Summary};
 use crate::error::{CoreError, Result};
 use crate::journey;
 use crate::model::Marker;
@@ -242,13 +242,25 @@ pub fn parse_markers(markers_json: &str) -> Result<Vec<Marker>> {
 }
 
 /// The Monitor's summary (epochs, phases, growth, journey) as JSON, from its markers alone.
-pub fn summary_json(markers: &[Marker], capacity_bytes: Option<u64>) -> Result<String> {
-    Ok(serde_json::to_string(&Summary::from_markers(markers, capacity_bytes))?)
+pub fn summary_json(markers: &[Marker], capacity_bytes: Option<u64>, agg: Option<&MarkerAggregates>) -> Result<String> {
+    Ok(serde_json::to_string(&monitor_summary(markers, capacity_bytes, agg))?)
+}
+
+fn monitor_summary(markers: &[Marker], capacity_bytes: Option<u64>, agg: Option<&MarkerAggregates>) -> Summary {
+    match agg {
+        Some(a) => Summary::from_markers_aggregated(markers, capacity_bytes, a),
+        None => Summary::from_markers(markers, capacity_bytes),
+    }
+}
+
+/// The Monitor's aggregates (`MarkerAggregates`) from JSON.
+pub fn parse_aggregates(json: &str) -> Result<MarkerAggregates> {
+    serde_json::from_str(json).map_err(|e| CoreError::Invalid(format!("bad Monitor aggregates JSON: {e}")))
 }
 
 /// The Monitor's `summary()` text: the per-epoch table, the per-phase table, growth warnings.
-pub fn summary_text(markers: &[Marker], capacity_bytes: Option<u64>) -> String {
-    let s = Summary::from_markers(markers, capacity_bytes);
+pub fn summary_text(markers: &[Marker], capacity_bytes: Option<u64>, agg: Option<&MarkerAggregates>) -> String {
+    let s = monitor_summary(markers, capacity_bytes, agg);
     let mut out = String::new();
     if !s.epochs.is_empty() {
         out.push_str(&table::render_epochs(&s.epochs));
@@ -267,8 +279,14 @@ pub fn summary_text(markers: &[Marker], capacity_bytes: Option<u64>) -> String {
 }
 
 /// The journey as text or as a Mermaid `journey` diagram.
-pub fn journey_render(markers: &[Marker], capacity_bytes: Option<u64>, mermaid: bool, title: &str) -> String {
-    let stages = crate::analysis::journey(markers, capacity_bytes, &[], &[]);
+pub fn journey_render(
+    markers: &[Marker],
+    capacity_bytes: Option<u64>,
+    agg: Option<&MarkerAggregates>,
+    mermaid: bool,
+    title: &str,
+) -> String {
+    let stages = monitor_summary(markers, capacity_bytes, agg).journey;
     if mermaid {
         journey::render_mermaid(&stages, title)
     } else {
@@ -448,11 +466,11 @@ mod tests {
                        {"t_ns":3,"kind":"phase","edge":"end","name":"forward","index":null,"memory":{"rss_bytes":20,"peak_rss_bytes":30}}]"#;
         let m = parse_markers(json).unwrap();
         assert_eq!(m.len(), 3);
-        let text = journey_render(&m, Some(1000), false, "run");
+        let text = journey_render(&m, Some(1000), None, false, "run");
         assert!(text.contains("Device checked") && text.contains("forward"), "{text}");
-        let mermaid = journey_render(&m, Some(1000), true, "run");
+        let mermaid = journey_render(&m, Some(1000), None, true, "run");
         assert!(mermaid.starts_with("journey\n"));
-        assert!(summary_json(&m, None).unwrap().contains("\"phases\""));
+        assert!(summary_json(&m, None, None).unwrap().contains("\"phases\""));
         assert!(parse_markers("[{}]").is_err());
     }
 

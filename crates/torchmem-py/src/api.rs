@@ -96,33 +96,57 @@ fn device_info_json(py: Python<'_>) -> PyResult<String> {
 
 // --- Monitor summaries -----------------------------------------------------------------------------------
 
-/// The Monitor's summary (epochs, phases, growth, journey) as JSON, from markers in `model::Marker` form.
+fn aggregates(json: Option<&str>) -> PyResult<Option<torchmem_core::analysis::MarkerAggregates>> {
+    json.map(|j| inprocess::parse_aggregates(j).map_err(to_py)).transpose()
+}
+
+/// The Monitor's summary (epochs, phases, growth, journey) as JSON, from markers in `model::Marker` form and,
+/// for a Monitor that kept only the first occurrences' markers, its aggregates over all of them.
 #[pyfunction]
-#[pyo3(signature = (markers_json, capacity_bytes=None))]
-fn summary_json(py: Python<'_>, markers_json: &str, capacity_bytes: Option<u64>) -> PyResult<String> {
+#[pyo3(signature = (markers_json, capacity_bytes=None, aggregates_json=None))]
+fn summary_json(
+    py: Python<'_>,
+    markers_json: &str,
+    capacity_bytes: Option<u64>,
+    aggregates_json: Option<&str>,
+) -> PyResult<String> {
     let markers = inprocess::parse_markers(markers_json).map_err(to_py)?;
-    py.detach(|| inprocess::summary_json(&markers, capacity_bytes)).map_err(to_py)
+    let agg = aggregates(aggregates_json)?;
+    py.detach(|| inprocess::summary_json(&markers, capacity_bytes, agg.as_ref())).map_err(to_py)
 }
 
 /// The per-epoch and per-phase tables and growth warnings as text.
 #[pyfunction]
-#[pyo3(signature = (markers_json, capacity_bytes=None))]
-fn summary_text(py: Python<'_>, markers_json: &str, capacity_bytes: Option<u64>) -> PyResult<String> {
+#[pyo3(signature = (markers_json, capacity_bytes=None, aggregates_json=None))]
+fn summary_text(
+    py: Python<'_>,
+    markers_json: &str,
+    capacity_bytes: Option<u64>,
+    aggregates_json: Option<&str>,
+) -> PyResult<String> {
     let markers = inprocess::parse_markers(markers_json).map_err(to_py)?;
-    Ok(py.detach(|| inprocess::summary_text(&markers, capacity_bytes)))
+    let agg = aggregates(aggregates_json)?;
+    Ok(py.detach(|| inprocess::summary_text(&markers, capacity_bytes, agg.as_ref())))
 }
 
 /// The journey as "text" or "mermaid".
 #[pyfunction]
-#[pyo3(signature = (markers_json, capacity_bytes=None, format="text", title="torchmem memory journey"))]
-fn journey(markers_json: &str, capacity_bytes: Option<u64>, format: &str, title: &str) -> PyResult<String> {
+#[pyo3(signature = (markers_json, capacity_bytes=None, format="text", title="torchmem memory journey", aggregates_json=None))]
+fn journey(
+    markers_json: &str,
+    capacity_bytes: Option<u64>,
+    format: &str,
+    title: &str,
+    aggregates_json: Option<&str>,
+) -> PyResult<String> {
     let mermaid = match format {
         "text" => false,
         "mermaid" => true,
         other => return Err(PyValueError::new_err(format!("journey format {other:?}: use \"text\" or \"mermaid\""))),
     };
     let markers = inprocess::parse_markers(markers_json).map_err(to_py)?;
-    Ok(inprocess::journey_render(&markers, capacity_bytes, mermaid, title))
+    let agg = aggregates(aggregates_json)?;
+    Ok(inprocess::journey_render(&markers, capacity_bytes, agg.as_ref(), mermaid, title))
 }
 
 /// `{"line", "row", "growth", "growth_per_epoch_bytes"}` for the last finished epoch, from epoch markers.
