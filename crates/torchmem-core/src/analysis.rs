@@ -52,54 +52,55 @@ pub struct Peaks {
     pub gpus: Vec<GpuPeak>,
 }
 
-/// One epoch, step or phase: a matched start and end marker.
+/// One epoch, step or phase: a matched start and end marker, borrowed from the markers (a million-step run has
+/// millions of spans: they must not copy what the markers hold).
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Span {
+pub struct Span<'a> {
     pub kind: MarkerKind,
-    pub name: String,
+    pub name: &'a str,
     pub index: Option<i64>,
     pub start_t_ns: u64,
     /// None when the run ended inside the span (crash, kill).
     pub end_t_ns: Option<u64>,
-    pub entry: MarkerMemory,
-    pub exit: Option<MarkerMemory>,
+    pub entry: &'a MarkerMemory,
+    pub exit: Option<&'a MarkerMemory>,
 }
 
-impl Span {
+impl Span<'_> {
     pub fn duration_ns(&self) -> Option<u64> {
         self.end_t_ns.map(|e| e.saturating_sub(self.start_t_ns))
     }
     pub fn delta_allocated(&self) -> Option<i64> {
-        Some(self.exit.as_ref()?.allocated_bytes? as i64 - self.entry.allocated_bytes? as i64)
+        Some(self.exit?.allocated_bytes? as i64 - self.entry.allocated_bytes? as i64)
     }
     pub fn delta_rss(&self) -> Option<i64> {
-        Some(self.exit.as_ref()?.rss_bytes? as i64 - self.entry.rss_bytes? as i64)
+        Some(self.exit?.rss_bytes? as i64 - self.entry.rss_bytes? as i64)
     }
 }
 
 /// Pairs start and end markers into spans (nesting allowed; a start without end stays open).
-pub fn spans(markers: &[Marker]) -> Vec<Span> {
-    let mut out: Vec<Span> = Vec::new();
+pub fn spans(markers: &[Marker]) -> Vec<Span<'_>> {
+    let mut out: Vec<Span<'_>> = Vec::new();
     let mut open: Vec<usize> = Vec::new();
     for m in markers {
         match m.edge {
             Edge::Start => {
                 out.push(Span {
                     kind: m.kind,
-                    name: m.name.clone(),
+                    name: &m.name,
                     index: m.index,
                     start_t_ns: m.t_ns,
                     end_t_ns: None,
-                    entry: m.memory.clone(),
+                    entry: &m.memory,
                     exit: None,
                 });
                 open.push(out.len() - 1);
             }
             Edge::End => {
-                if let Some(pos) = open.iter().rposition(|&i| out[i].kind == m.kind && out[i].name == m.name) {
+                if let Some(pos) = open.iter().rposition(|&i| out[i].kind == m.kind && out[i].name == m.name.as_str()) {
                     let i = open.remove(pos);
                     out[i].end_t_ns = Some(m.t_ns);
-                    out[i].exit = Some(m.memory.clone());
+                    out[i].exit = Some(&m.memory);
                     if out[i].index.is_none() {
                         out[i].index = m.index;
                     }
@@ -193,7 +194,7 @@ fn opt_max(a: Option<u64>, b: Option<u64>) -> Option<u64> {
 /// Highest allocated/reserved/RSS inside a span: the exit marker's exact peak where the API measured it,
 /// otherwise the highest sample inside the span's time range.
 fn span_peaks(span: &Span, torch: &[TorchSample], cpu: &[CpuSample]) -> (Option<u64>, Option<u64>, Option<u64>) {
-    let exit = span.exit.clone().unwrap_or_default();
+    let exit = span.exit.cloned().unwrap_or_default();
     let end = span.end_t_ns.unwrap_or(u64::MAX);
     let inside = |t: u64| t >= span.start_t_ns && t <= end;
     let mut alloc = opt_max(exit.peak_allocated_bytes, opt_max(exit.allocated_bytes, span.entry.allocated_bytes));
@@ -239,7 +240,7 @@ pub fn epoch_rows(spans: &[Span], kind: MarkerKind, torch: &[TorchSample], cpu: 
     let mut rows: Vec<EpochRow> = Vec::new();
     for (n, s) in spans.iter().filter(|s| s.kind == kind).enumerate() {
         let (pa, pr, prss) = span_peaks(s, torch, cpu);
-        let exit = s.exit.clone();
+        let exit = s.exit.cloned();
         let allocated = exit.as_ref().and_then(|e| e.allocated_bytes);
         let rss = exit.as_ref().and_then(|e| e.rss_bytes);
         let prev = rows.last();
@@ -269,17 +270,17 @@ pub fn epoch_rows(spans: &[Span], kind: MarkerKind, torch: &[TorchSample], cpu: 
 
 pub fn phase_rows(spans: &[Span], torch: &[TorchSample], cpu: &[CpuSample]) -> Vec<PhaseRow> {
     let mut order: Vec<String> = Vec::new();
-    let mut groups: BTreeMap<String, Vec<&Span>> = BTreeMap::new();
+    let mut groups: BTreeMap<&str, Vec<&Span>> = BTreeMap::new();
     for s in spans.iter().filter(|s| s.kind == MarkerKind::Phase) {
-        if !groups.contains_key(&s.name) {
-            order.push(s.name.clone());
+        if !groups.contains_key(s.name) {
+            order.push(s.name.to_string());
         }
-        groups.entry(s.name.clone()).or_default().push(s);
+        groups.entry(s.name).or_default().push(s);
     }
     order
         .into_iter()
         .map(|name| {
-            let list = &groups[&name];
+            let list = &groups[name.as_str()];
             let mean = |f: &dyn Fn(&Span) -> Option<i64>| {
                 let v: Vec<i64> = list.iter().filter_map(|s| f(s)).collect();
                 (!v.is_empty()).then(|| v.iter().sum::<i64>() / v.len() as i64)
@@ -362,6 +363,17 @@ pub fn journey(
     torch: &[TorchSample],
     cpu: &[CpuSample],
 ) -> Vec<JourneyStage> {
+    journey_of_spans(markers, &spans(markers), capacity_bytes, torch, cpu)
+}
+
+/// `journey` with the markers' spans already paired (a long run's spans are worth computing once).
+pub fn journey_of_spans(
+    markers: &[Marker],
+    all_spans: &[Span],
+    capacity_bytes: Option<u64>,
+    torch: &[TorchSample],
+    cpu: &[CpuSample],
+) -> Vec<JourneyStage> {
     let mut stages = Vec::new();
     let section_of = |name: &str| -> &'static str {
         let n = name.to_ascii_lowercase();
@@ -382,8 +394,7 @@ pub fn journey(
         capacity_bytes,
         measure: String::new(),
     };
-    let all_spans = spans(markers);
-    let mut phases_done: Vec<String> = Vec::new();
+    let mut phases_done: Vec<&str> = Vec::new();
     let mut peak_inserted = false;
     let mut items: Vec<(u64, JourneyStage)> = Vec::new();
     // A journey is a path, not a log: a mark repeated every epoch (e.g. "Cache emptied") appears once, first time.
@@ -399,13 +410,13 @@ pub fn journey(
         if phases_done.contains(&s.name) || s.exit.is_none() {
             continue;
         }
-        phases_done.push(s.name.clone());
-        let mut exit = s.exit.clone().unwrap_or_default();
+        phases_done.push(s.name);
+        let mut exit = s.exit.cloned().unwrap_or_default();
         let (a, r, c) = span_peaks(s, torch, cpu);
         exit.peak_allocated_bytes = a;
         exit.peak_reserved_bytes = r;
         exit.peak_rss_bytes = c;
-        let mut st = stage(s.name.clone(), &exit, true);
+        let mut st = stage(s.name.to_string(), &exit, true);
         st.section = "Training".into();
         items.push((s.start_t_ns, st));
     }
@@ -507,7 +518,7 @@ impl Summary {
             .first()
             .and_then(|g| if g.allocated_bytes.is_some() { g.total_bytes } else { None })
             .or(p.meta.host_total_bytes);
-        let journey = journey(&p.markers, capacity, &p.torch, &p.cpu);
+        let journey = journey_of_spans(&p.markers, &sp, capacity, &p.torch, &p.cpu);
         Summary {
             command: p.meta.command.clone(),
             exit_code: p.meta.exit_code,
@@ -673,7 +684,8 @@ mod tests {
             index: None,
             memory: MarkerMemory::default(),
         };
-        let sp = &spans(&[bare(100, Edge::Start), bare(200, Edge::End)])[0];
+        let markers = [bare(100, Edge::Start), bare(200, Edge::End)];
+        let sp = &spans(&markers)[0];
         let cpu: Vec<CpuSample> = [(50, 9000), (100, 10), (150, 30), (200, 20), (250, 8000)]
             .iter()
             .map(|&(t, rss)| CpuSample { t_ns: t, rss_bytes: rss, pss_bytes: None, uss_bytes: None, process_count: 1 })

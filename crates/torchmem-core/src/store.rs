@@ -337,27 +337,32 @@ impl Profile {
             let mut st = conn.prepare(
                 "SELECT t_ns, kind, edge, name, idx, rss_bytes, allocated_bytes, reserved_bytes, peak_allocated_bytes, peak_reserved_bytes, peak_rss_bytes FROM markers ORDER BY t_ns, rowid",
             )?;
-            p.markers = st
-                .query_map([], |r| {
-                    let kind: String = r.get(1)?;
-                    let edge: String = r.get(2)?;
-                    Ok(Marker {
-                        t_ns: get_u64(r, 0)?,
-                        kind: MarkerKind::parse(&kind).unwrap_or(MarkerKind::Mark),
-                        edge: Edge::parse(&edge).unwrap_or(Edge::Point),
-                        name: r.get(3)?,
-                        index: r.get(4)?,
-                        memory: MarkerMemory {
-                            rss_bytes: get_opt(r, 5)?,
-                            allocated_bytes: get_opt(r, 6)?,
-                            reserved_bytes: get_opt(r, 7)?,
-                            peak_allocated_bytes: get_opt(r, 8)?,
-                            peak_reserved_bytes: get_opt(r, 9)?,
-                            peak_rss_bytes: get_opt(r, 10)?,
-                        },
-                    })
-                })?
-                .collect::<rusqlite::Result<_>>()?;
+            // Sized up front: a million-step run has millions of markers, and a growing Vec would briefly
+            // hold two copies of them.
+            let count: i64 = conn.query_row("SELECT count(*) FROM markers", [], |r| r.get(0))?;
+            p.markers = Vec::with_capacity(count.max(0) as usize);
+            let rows = st.query_map([], |r| {
+                let kind: String = r.get(1)?;
+                let edge: String = r.get(2)?;
+                Ok(Marker {
+                    t_ns: get_u64(r, 0)?,
+                    kind: MarkerKind::parse(&kind).unwrap_or(MarkerKind::Mark),
+                    edge: Edge::parse(&edge).unwrap_or(Edge::Point),
+                    name: r.get(3)?,
+                    index: r.get(4)?,
+                    memory: MarkerMemory {
+                        rss_bytes: get_opt(r, 5)?,
+                        allocated_bytes: get_opt(r, 6)?,
+                        reserved_bytes: get_opt(r, 7)?,
+                        peak_allocated_bytes: get_opt(r, 8)?,
+                        peak_reserved_bytes: get_opt(r, 9)?,
+                        peak_rss_bytes: get_opt(r, 10)?,
+                    },
+                })
+            })?;
+            for row in rows {
+                p.markers.push(row?);
+            }
             let mut st = conn.prepare("SELECT data FROM line_profiles ORDER BY t_ns, rowid")?;
             let texts: Vec<String> = st.query_map([], |r| r.get(0))?.collect::<rusqlite::Result<_>>()?;
             p.line_profiles = texts.iter().filter_map(|t| serde_json::from_str(t).ok()).collect();

@@ -264,8 +264,8 @@ impl Timeline {
         let phases: Vec<&Span> = all.iter().filter(|s| s.kind == MarkerKind::Phase).collect();
         let mut phase_names: Vec<String> = Vec::new();
         for p in &phases {
-            if !phase_names.contains(&p.name) {
-                phase_names.push(p.name.clone());
+            if !phase_names.iter().any(|n| n == p.name) {
+                phase_names.push(p.name.to_string());
             }
         }
         let epoch_label = |i: usize| match epochs[i].index {
@@ -277,7 +277,7 @@ impl Timeline {
             n,
             series,
             epochs: lane(&epochs, t_end, n, |i| i.to_string(), epoch_label),
-            phases: lane(&phases, t_end, n, |i| phases[i].name.clone(), |i| phases[i].name.clone()),
+            phases: lane(&phases, t_end, n, |i| phases[i].name.to_string(), |i| phases[i].name.to_string()),
             phase_names,
         }
     }
