@@ -53,9 +53,27 @@ pub fn format_secs(ns: u64) -> String {
     format!("{:.3} s", ns as f64 / 1e9)
 }
 
+/// A duration as `format_secs` writes it (`0.012 s`), or in microseconds below a millisecond (`84.2 µs`): a
+/// phase of a fast step takes microseconds, which `format_secs` would show as `0.000 s`.
+pub fn format_duration(ns: u64) -> String {
+    if ns >= 1_000_000 {
+        format_secs(ns)
+    } else {
+        format!("{:.1} µs", ns as f64 / 1e3)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn durations_pick_their_unit() {
+        assert_eq!(format_duration(84_200), "84.2 µs");
+        assert_eq!(format_duration(12_345_678), "0.012 s");
+        assert_eq!(format_duration(1_234_000_000), "1.234 s");
+        assert_eq!(format_duration(0), "0.0 µs");
+    }
 
     #[test]
     fn formats_binary_units() {

@@ -7,7 +7,7 @@
 use crate::analysis::{EpochRow, PhaseRow, ProcessRow, Summary};
 use crate::journey::JourneyStage;
 use crate::store::Profile;
-use crate::units::{format_bytes, format_delta, format_opt_bytes, format_secs};
+use crate::units::{format_bytes, format_delta, format_duration, format_opt_bytes, format_secs};
 
 /// Shown under a table whose GPU columns were left out.
 pub const NO_CUDA_NOTE: &str = "GPU: no CUDA device in this run, so there are no GPU columns (not zeros).";
@@ -221,7 +221,7 @@ pub fn phases_table(rows: &[PhaseRow]) -> Table {
     c.text("phase", |r| r.name.clone());
     c.num("count", |r| r.count.to_string());
     c.num("total time", |r| format_secs(r.total_ns));
-    c.num("mean time", |r| format_secs(r.total_ns.checked_div(r.count).unwrap_or(0)));
+    c.num("mean time", |r| format_duration(r.total_ns.checked_div(r.count).unwrap_or(0)));
     if gpu {
         c.num("mean Δ allocated", |r| opt_delta(r.mean_delta_allocated_bytes));
         c.num("max peak allocated", |r| format_opt_bytes(r.max_peak_allocated_bytes));
