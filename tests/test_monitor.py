@@ -119,6 +119,14 @@ def test_long_runs_keep_first_markers_and_exact_aggregates():
     full = torchmem.Monitor(model, opt, verbose=False, warn=False, keep_markers=None)
     few = torchmem.Monitor(verbose=False, warn=False, keep_markers=2)  # sees the same markers (no own hooks)
     train(full, model, opt, epochs=2, steps=12)
+    with full.step():  # asked in the middle of a step: the open step counts in both
+        model(torch.randn(4, 64)).sum()
+        mid_full, mid_few = full.to_dict(), few.to_dict()
+    assert mid_few["steps"] == mid_full["steps"] == 25
+    assert mid_few["phases"] == mid_full["phases"]
+    assert [j for j in mid_few["journey"] if j["name"] == "Peak"] == [
+        j for j in mid_full["journey"] if j["name"] == "Peak"
+    ]
     full.close()
     few.close()
     phase_markers = [m for m in few.markers if m["kind"] == "phase"]
@@ -127,9 +135,9 @@ def test_long_runs_keep_first_markers_and_exact_aggregates():
     assert len([m for m in few.markers if m["kind"] == "epoch"]) == 4, "epochs are always kept"
     assert len(full.markers) > 4 * len(few.markers)
     a, b = full.to_dict(), few.to_dict()
-    assert b["steps"] == a["steps"] == 24
+    assert b["steps"] == a["steps"] == 25
     assert b["phases"] == a["phases"], (a["phases"], b["phases"])
-    assert all(p["count"] == 24 for p in b["phases"])
+    assert [p["count"] for p in b["phases"]] == [25, 24, 24], "the last step ran forward only"
     assert b["epochs"] == a["epochs"]
     peak = lambda d: [s for s in d["journey"] if s["name"] == "Peak"]  # noqa: E731
     assert peak(a) == peak(b)

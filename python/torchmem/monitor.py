@@ -86,7 +86,7 @@ class Monitor:
         self._seen: dict[tuple[str, str], int] = {}
         self._phase_agg: dict[str, list[Any]] = {}
         self._steps_done = 0
-        self._peak_seen: list[int | None] = [None, None, None]  # allocated, reserved, RSS
+        self._peak_seen: list[int | None] = [None, None, None]  # steps' highest allocated, reserved, RSS
         ref = weakref.ref(self)
 
         def sink(marker: dict[str, Any]) -> None:
@@ -109,17 +109,9 @@ class Monitor:
     # --- markers and aggregates ---------------------------------------------------------------------------
 
     def _take(self, marker: dict[str, Any]) -> None:
-        mem = marker["memory"]
-        seen = self._peak_seen
-        for i, (peak_key, now_key) in enumerate(_PEAK_KEYS):
-            v = mem.get(peak_key)
-            if v is None:
-                v = mem.get(now_key)
-            if v is not None and (seen[i] is None or v > seen[i]):
-                seen[i] = v
         kind = marker["kind"]
         if kind != "step" and kind != "phase":
-            self.markers.append(marker)
+            self.markers.append(marker)  # epochs and marks: few, always kept
             return
         key = (kind, marker["name"])
         done = self._seen.get(key, 0)
@@ -133,10 +125,19 @@ class Monitor:
             start = stack.pop() if stack else None
             if kind == "step":
                 self._steps_done += 1
+                if start is not None:
+                    self._fold_step_peak(start["memory"], marker["memory"])
             elif start is not None:
                 self._aggregate_phase(marker["name"], start, marker)
         if self.keep_markers is None or done < self.keep_markers:
             self.markers.append(marker)
+
+    def _fold_step_peak(self, entry: dict[str, Any], exit_: dict[str, Any]) -> None:
+        """The highest values any step reached (phases keep theirs in their rows; epochs and marks are kept)."""
+        seen = self._peak_seen
+        for i, (peak_key, now_key) in enumerate(_PEAK_KEYS):
+            v = _max_opt(exit_.get(peak_key), _max_opt(exit_.get(now_key), entry.get(now_key)))
+            seen[i] = _max_opt(seen[i], v)
 
     def _aggregate_phase(self, name: str, start: dict[str, Any], end: dict[str, Any]) -> None:
         """Folds one finished phase into its row, as `analysis::phase_rows` computes it from all markers."""
@@ -183,6 +184,15 @@ class Monitor:
                 }
             )
         a, r, c = self._peak_seen
+        for start in self._open.get(("step", "step"), []):  # a step still running: its entry values count
+            entry = start["memory"]
+            a = _max_opt(a, entry.get("allocated_bytes"))
+            r = _max_opt(r, entry.get("reserved_bytes"))
+            c = _max_opt(c, entry.get("rss_bytes"))
+        for row in phases:
+            a = _max_opt(a, row["max_peak_allocated_bytes"])
+            r = _max_opt(r, row["max_peak_reserved_bytes"])
+            c = _max_opt(c, row["max_peak_rss_bytes"])
         return json.dumps(
             {
                 "steps": self._steps_done + len(self._open.get(("step", "step"), [])),
