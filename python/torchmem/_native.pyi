@@ -37,7 +37,8 @@ def nvml_error() -> str | None:
     """Why NVML cannot be used in this process, or None when it can (NVML is opened once)."""
 
 def nvml_index_of_uuid(uuid: str) -> int | None:
-    """NVML index of the device with this UUID ("GPU-..." or "MIG-..."). Raises TorchmemError without NVML."""
+    """NVML index of the device with this UUID, as NVML writes it ("GPU-..."/"MIG-...") or as torch does (no
+    prefix). Raises TorchmemError without NVML."""
 
 def nvml_read(index: int, pid: int) -> tuple[int, int, int, int | None, int]:
     """NVML device `index`: (total_bytes, used_bytes, free_bytes, bytes charged to `pid` or None,

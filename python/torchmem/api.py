@@ -110,11 +110,7 @@ def _nvml_index(torch: Any, dev: int) -> int | None:
     index: int | None = None
     if _cuda_initialized(torch):
         try:
-            uuid = str(torch.cuda.get_device_properties(dev).uuid)
-            for prefix in ("GPU-", "MIG-", ""):
-                index = _native.nvml_index_of_uuid(prefix + uuid if not uuid.startswith(("GPU-", "MIG-")) else uuid)
-                if index is not None:
-                    break
+            index = _native.nvml_index_of_uuid(str(torch.cuda.get_device_properties(dev).uuid))
         except Exception:
             index = None
         if index is not None:

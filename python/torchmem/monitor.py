@@ -85,7 +85,6 @@ class Monitor:
         self._open: dict[tuple[str, str], list[dict[str, Any]]] = {}
         self._seen: dict[tuple[str, str], int] = {}
         self._phase_agg: dict[str, list[Any]] = {}
-        self._steps_done = 0
         self._peak_seen: list[int | None] = [None, None, None]  # steps' highest allocated, reserved, RSS
         ref = weakref.ref(self)
 
@@ -123,21 +122,14 @@ class Monitor:
             self._seen[key] = done + 1
             stack = self._open.get(key)
             start = stack.pop() if stack else None
-            if kind == "step":
-                self._steps_done += 1
-                if start is not None:
-                    self._fold_step_peak(start["memory"], marker["memory"])
+            if start is not None and kind == "step":
+                # The highest values any step reached (phases keep theirs in their rows; epochs and marks
+                # are kept as markers).
+                _fold_span_peaks(self._peak_seen, 0, start["memory"], marker["memory"])
             elif start is not None:
                 self._aggregate_phase(marker["name"], start, marker)
         if self.keep_markers is None or done < self.keep_markers:
             self.markers.append(marker)
-
-    def _fold_step_peak(self, entry: dict[str, Any], exit_: dict[str, Any]) -> None:
-        """The highest values any step reached (phases keep theirs in their rows; epochs and marks are kept)."""
-        seen = self._peak_seen
-        for i, (peak_key, now_key) in enumerate(_PEAK_KEYS):
-            v = _max_opt(exit_.get(peak_key), _max_opt(exit_.get(now_key), entry.get(now_key)))
-            seen[i] = _max_opt(seen[i], v)
 
     def _aggregate_phase(self, name: str, start: dict[str, Any], end: dict[str, Any]) -> None:
         """Folds one finished phase into its row, as `analysis::phase_rows` computes it from all markers."""
@@ -147,59 +139,45 @@ class Monitor:
         entry, exit_ = start["memory"], end["memory"]
         row[0] += 1
         row[1] += max(0, end["t_ns"] - start["t_ns"])
-        a0, a1 = entry.get("allocated_bytes"), exit_.get("allocated_bytes")
-        if a0 is not None and a1 is not None:
-            row[2] += a1 - a0
-            row[3] += 1
-        r0, r1 = entry.get("rss_bytes"), exit_.get("rss_bytes")
-        if r0 is not None and r1 is not None:
-            row[6] += r1 - r0
-            row[7] += 1
-        for slot, peak_key, now_key in ((4, "peak_allocated_bytes", "allocated_bytes"),
-                                        (5, "peak_reserved_bytes", "reserved_bytes"),
-                                        (8, "peak_rss_bytes", "rss_bytes")):  # fmt: skip
-            v = _max_opt(exit_.get(peak_key), _max_opt(exit_.get(now_key), entry.get(now_key)))
-            row[slot] = _max_opt(row[slot], v)
+        for slot, key in ((2, "allocated_bytes"), (4, "rss_bytes")):
+            before, after = entry.get(key), exit_.get(key)
+            if before is not None and after is not None:
+                row[slot] += after - before
+                row[slot + 1] += 1
+        _fold_span_peaks(row, 6, entry, exit_)
 
     def _aggregates_json(self) -> str:
         phases = []
+        peaks = list(self._peak_seen)
+        for start in self._open.get(("step", "step"), []):  # a step still running: its entry values count
+            _fold_span_peaks(peaks, 0, start["memory"])
         for name, done in self._phase_agg.items():
             r = list(done)
             for start in self._open.get(("phase", name), []):  # still open: counted, entry values only
                 r[0] += 1
-                entry = start["memory"]
-                r[4] = _max_opt(r[4], entry.get("allocated_bytes"))
-                r[5] = _max_opt(r[5], entry.get("reserved_bytes"))
-                r[8] = _max_opt(r[8], entry.get("rss_bytes"))
+                _fold_span_peaks(r, 6, start["memory"])
+            for i in range(3):
+                peaks[i] = _max_opt(peaks[i], r[6 + i])
             phases.append(
                 {
                     "name": name,
                     "count": r[0],
                     "total_ns": r[1],
                     "mean_delta_allocated_bytes": _mean_toward_zero(r[2], r[3]),
-                    "max_peak_allocated_bytes": r[4],
-                    "max_peak_reserved_bytes": r[5],
-                    "mean_delta_rss_bytes": _mean_toward_zero(r[6], r[7]),
+                    "max_peak_allocated_bytes": r[6],
+                    "max_peak_reserved_bytes": r[7],
+                    "mean_delta_rss_bytes": _mean_toward_zero(r[4], r[5]),
                     "max_peak_rss_bytes": r[8],
                 }
             )
-        a, r, c = self._peak_seen
-        for start in self._open.get(("step", "step"), []):  # a step still running: its entry values count
-            entry = start["memory"]
-            a = _max_opt(a, entry.get("allocated_bytes"))
-            r = _max_opt(r, entry.get("reserved_bytes"))
-            c = _max_opt(c, entry.get("rss_bytes"))
-        for row in phases:
-            a = _max_opt(a, row["max_peak_allocated_bytes"])
-            r = _max_opt(r, row["max_peak_reserved_bytes"])
-            c = _max_opt(c, row["max_peak_rss_bytes"])
+        steps = self._seen.get(("step", "step"), 0) + len(self._open.get(("step", "step"), []))
         return json.dumps(
             {
-                "steps": self._steps_done + len(self._open.get(("step", "step"), [])),
+                "steps": steps,
                 "phases": phases,
-                "peak_allocated_bytes": a,
-                "peak_reserved_bytes": r,
-                "peak_rss_bytes": c,
+                "peak_allocated_bytes": peaks[0],
+                "peak_reserved_bytes": peaks[1],
+                "peak_rss_bytes": peaks[2],
             }
         )
 
@@ -405,8 +383,18 @@ _PEAK_KEYS = (
 
 
 def _new_phase_row() -> list[Any]:
-    # count, total_ns, Σ Δallocated, n, max peak allocated, max peak reserved, Σ ΔRSS, n, max peak RSS
-    return [0, 0, 0, 0, None, None, 0, 0, None]
+    # count, total_ns, Σ Δallocated, n, Σ ΔRSS, n, max peak allocated, max peak reserved, max peak RSS
+    return [0, 0, 0, 0, 0, 0, None, None, None]
+
+
+def _fold_span_peaks(into: list[Any], at: int, entry: dict[str, Any], exit_: dict[str, Any] | None = None) -> None:
+    """Raises `into[at:at + 3]` (allocated, reserved, RSS) to a span's highest values, as `analysis::span_peaks`
+    takes them from markers: the exit's peak, else its current value, and the entry's; entry only while open."""
+    for i, (peak_key, now_key) in enumerate(_PEAK_KEYS):
+        v = entry.get(now_key)
+        if exit_ is not None:
+            v = _max_opt(exit_.get(peak_key), _max_opt(exit_.get(now_key), v))
+        into[at + i] = _max_opt(into[at + i], v)
 
 
 def _max_opt(a: int | None, b: int | None) -> int | None:

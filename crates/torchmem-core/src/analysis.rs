@@ -549,9 +549,8 @@ impl Summary {
             meta: RunMeta { host_total_bytes: capacity_bytes, ..Default::default() },
             ..Default::default()
         };
-        let mut s = Summary::from_profile(&p);
-        s.journey = journey(markers, capacity_bytes, &[], &[]);
-        s
+        // Without samples the journey's yardstick is `host_total_bytes`, i.e. `capacity_bytes`.
+        Summary::from_profile(&p)
     }
 
     /// The Monitor's summary when it kept only some step and phase markers: `agg` covers every occurrence

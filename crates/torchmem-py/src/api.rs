@@ -69,11 +69,13 @@ fn nvml_error(py: Python<'_>) -> Option<String> {
     py.detach(|| nvml().err().map(|e| e.to_string()))
 }
 
-/// The NVML index of the device with this UUID ("GPU-…"/"MIG-…"), None when NVML does not know it.
+/// The NVML index of the device with this UUID, as NVML writes it ("GPU-…"/"MIG-…") or as torch does
+/// (without the prefix); None when NVML does not know it.
 #[pyfunction]
 fn nvml_index_of_uuid(py: Python<'_>, uuid: &str) -> PyResult<Option<u32>> {
+    nvml()?;
     let uuid = uuid.to_string();
-    py.detach(|| Ok(nvml()?.lock().expect("NVML lock").index_of_uuid(&uuid)))
+    Ok(py.detach(|| nvml_index_of_torch_uuid(&uuid)))
 }
 
 /// `(total_bytes, used_bytes, free_bytes, process_bytes or None, other_processes_bytes)` of NVML device
