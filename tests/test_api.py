@@ -20,6 +20,15 @@ MIB = 1 << 20
 CUDA = torch.cuda.is_available()
 
 
+@pytest.fixture(autouse=True)
+def _heap_returned_to_the_kernel():
+    """These tests run in one process after others (pytest's order, or `-k`): freed heap memory that glibc
+    kept resident would serve their allocations without a page fault, and RSS would not move. Each test
+    starts with that memory given back, so its allocations fault fresh pages."""
+    _native.malloc_trim()
+    yield
+
+
 def allocate_torch(n_bytes: int):
     return torch.ones(n_bytes // 4, dtype=torch.float32)
 
