@@ -429,19 +429,15 @@ fn stop_allocator_sampler(py: Python<'_>) -> bool {
     py.detach(move || s.thread.join().is_ok())
 }
 
-/// True when the sampler thread runs in this process (it flushes the event buffer every tick).
-pub fn sampler_running() -> bool {
-    allocator_sampler_running()
+/// True when the sampler thread runs in process `pid` (this one: it flushes the event buffer every tick).
+pub fn sampler_running_in(pid: u32) -> bool {
+    SAMPLER.lock().expect("sampler lock").as_ref().is_some_and(|s| s.pid == pid && !s.thread.is_finished())
 }
 
 /// True when the sampler thread runs in this process.
 #[pyfunction]
 fn allocator_sampler_running() -> bool {
-    SAMPLER
-        .lock()
-        .expect("sampler lock")
-        .as_ref()
-        .is_some_and(|s| s.pid == std::process::id() && !s.thread.is_finished())
+    sampler_running_in(std::process::id())
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -67,18 +67,18 @@ fn write_lines(fd: i32, data: &[u8]) -> bool {
     true
 }
 
-fn take_for_this_process(buf: &mut Buffer) -> Vec<u8> {
-    let me = std::process::id();
+/// The buffer's lines of process `me`: a forked child drops what it inherited (its parent's lines).
+fn lines_of(buf: &mut Buffer, me: u32) -> &mut Vec<u8> {
     if buf.pid != me {
         buf.pid = me;
         buf.bytes.clear();
     }
-    std::mem::take(&mut buf.bytes)
+    &mut buf.bytes
 }
 
 /// Writes everything buffered so far; returns false when there is no recorder (or it went away).
 pub fn flush() -> bool {
-    let data = take_for_this_process(&mut BUFFER.lock().expect("event buffer"));
+    let data = std::mem::take(lines_of(&mut BUFFER.lock().expect("event buffer"), std::process::id()));
     if data.is_empty() {
         return true;
     }
@@ -136,17 +136,14 @@ fn emit_marker(
 }
 
 fn queue_line(py: Python<'_>, line: &str) -> bool {
-    let sampler_runs = crate::api::sampler_running();
+    let me = std::process::id();
+    let sampler_runs = crate::api::sampler_running_in(me);
     let full = {
         let mut buf = BUFFER.lock().expect("event buffer");
-        let me = std::process::id();
-        if buf.pid != me {
-            buf.pid = me;
-            buf.bytes.clear();
-        }
-        buf.bytes.extend_from_slice(line.as_bytes());
-        buf.bytes.push(b'\n');
-        buf.bytes.len() >= FLUSH_AT_BYTES
+        let bytes = lines_of(&mut buf, me);
+        bytes.extend_from_slice(line.as_bytes());
+        bytes.push(b'\n');
+        bytes.len() >= FLUSH_AT_BYTES
     };
     if full || !sampler_runs {
         return py.detach(flush);
