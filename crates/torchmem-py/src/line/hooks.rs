@@ -196,17 +196,20 @@ struct TraceSyms {
     get_code: GetCodeFn,
 }
 
+/// The addresses of these interpreter symbols, or None when one is missing.
+fn lookup<const N: usize>(names: [&std::ffi::CStr; N]) -> Option<[*mut c_void; N]> {
+    // SAFETY: dlsym with RTLD_DEFAULT and NUL-terminated names only reads the symbol tables.
+    let ptrs = names.map(|n| unsafe { libc::dlsym(libc::RTLD_DEFAULT, n.as_ptr()) });
+    ptrs.iter().all(|p| !p.is_null()).then_some(ptrs)
+}
+
 fn trace_syms() -> Option<&'static TraceSyms> {
     static SYMS: OnceLock<Option<TraceSyms>> = OnceLock::new();
     SYMS.get_or_init(|| {
-        // SAFETY: dlsym with RTLD_DEFAULT and NUL-terminated names; the signatures are CPython's stable
-        // `PyEval_SetTrace(Py_tracefunc, PyObject*)` and `PyFrame_GetCode(PyFrameObject*)`.
+        let [st, gc] = lookup([c"PyEval_SetTrace", c"PyFrame_GetCode"])?;
+        // SAFETY: the signatures are CPython's stable `PyEval_SetTrace(Py_tracefunc, PyObject*)` and
+        // `PyFrame_GetCode(PyFrameObject*)`.
         unsafe {
-            let st = libc::dlsym(libc::RTLD_DEFAULT, c"PyEval_SetTrace".as_ptr());
-            let gc = libc::dlsym(libc::RTLD_DEFAULT, c"PyFrame_GetCode".as_ptr());
-            if st.is_null() || gc.is_null() {
-                return None;
-            }
             Some(TraceSyms {
                 set_trace: std::mem::transmute::<*mut c_void, SetTraceFn>(st),
                 get_code: std::mem::transmute::<*mut c_void, GetCodeFn>(gc),
@@ -261,25 +264,21 @@ struct AllThreadsSyms {
 fn all_threads_syms() -> Option<&'static AllThreadsSyms> {
     static SYMS: OnceLock<Option<AllThreadsSyms>> = OnceLock::new();
     SYMS.get_or_init(|| {
-        // SAFETY: dlsym lookups by NUL-terminated name; the signatures are CPython 3.9–3.11's
-        // `int _PyEval_SetTrace(PyThreadState*, Py_tracefunc, PyObject*)`, `PyInterpreterState_Get(void)`,
-        // `PyInterpreterState_ThreadHead(PyInterpreterState*)` and `PyThreadState_Next(PyThreadState*)`.
+        let [set, interp, head, next] = lookup([
+            c"_PyEval_SetTrace",
+            c"PyInterpreterState_Get",
+            c"PyInterpreterState_ThreadHead",
+            c"PyThreadState_Next",
+        ])?;
+        // SAFETY: the signatures are CPython 3.9–3.11's `int _PyEval_SetTrace(PyThreadState*, Py_tracefunc,
+        // PyObject*)`, `PyInterpreterState_Get(void)`, `PyInterpreterState_ThreadHead(PyInterpreterState*)` and
+        // `PyThreadState_Next(PyThreadState*)`.
         unsafe {
-            let names = [
-                c"_PyEval_SetTrace",
-                c"PyInterpreterState_Get",
-                c"PyInterpreterState_ThreadHead",
-                c"PyThreadState_Next",
-            ];
-            let ptrs: Vec<*mut c_void> = names.iter().map(|n| libc::dlsym(libc::RTLD_DEFAULT, n.as_ptr())).collect();
-            if ptrs.iter().any(|p| p.is_null()) {
-                return None;
-            }
             Some(AllThreadsSyms {
-                set_trace_for: std::mem::transmute::<*mut c_void, SetTraceForFn>(ptrs[0]),
-                interp_get: std::mem::transmute::<*mut c_void, InterpGetFn>(ptrs[1]),
-                thread_head: std::mem::transmute::<*mut c_void, ThreadHeadFn>(ptrs[2]),
-                thread_next: std::mem::transmute::<*mut c_void, ThreadNextFn>(ptrs[3]),
+                set_trace_for: std::mem::transmute::<*mut c_void, SetTraceForFn>(set),
+                interp_get: std::mem::transmute::<*mut c_void, InterpGetFn>(interp),
+                thread_head: std::mem::transmute::<*mut c_void, ThreadHeadFn>(head),
+                thread_next: std::mem::transmute::<*mut c_void, ThreadNextFn>(next),
             })
         }
     })
