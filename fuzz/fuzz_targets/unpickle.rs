@@ -8,6 +8,6 @@ fuzz_target!(|data: &[u8]| {
     let _ = torchmem_snapshot::pickle::unpickle_bytes(data);
     if let Ok(snap) = torchmem_snapshot::read_bytes(data, "fuzz") {
         let s = torchmem_snapshot::summary::summarize(&snap);
-        let _ = torchmem_snapshot::sites::top_sites(&snap, &s, 5, None);
+        let _ = torchmem_snapshot::sites::top_sites(&snap, &s.peaks(), 5, None);
     }
 });

@@ -59,7 +59,7 @@ pub fn run(args: SnapshotArgs) -> anyhow::Result<i32> {
     let sum = summary::summarize(&snap);
     let name = path.display().to_string();
     let top_n = args.top.unwrap_or(10);
-    let tops = sites::top_sites(&snap, &sum, top_n, args.at);
+    let tops = sites::top_sites(&snap, &sum.peaks(), top_n, args.at);
     if let Some(out) = &args.html {
         let page = html::render(&snap, &sum, &name);
         std::fs::write(out, page).with_context(|| format!("cannot write {}", out.display()))?;

@@ -14,7 +14,7 @@ fn load(path: &str) -> PyResult<Snapshot> {
 
 fn summary_json(snap: &Snapshot, name: &str, top: usize, at_time_us: Option<i64>) -> PyResult<String> {
     let sum = summary::summarize(snap);
-    let tops = sites::top_sites(snap, &sum, top, at_time_us);
+    let tops = sites::top_sites(snap, &sum.peaks(), top, at_time_us);
     let v = serde_json::json!({ "file": name, "summary": sum, "top": tops });
     serde_json::to_string(&v).map_err(|e| PyValueError::new_err(e.to_string()))
 }
@@ -41,7 +41,7 @@ fn snapshot_summary_bytes_json(data: &[u8], top: usize, at_time_us: Option<i64>)
 fn snapshot_text(py: Python<'_>, path: String, top: usize) -> PyResult<String> {
     let snap = py.detach(|| load(&path))?;
     let sum = summary::summarize(&snap);
-    let tops = sites::top_sites(&snap, &sum, top, None);
+    let tops = sites::top_sites(&snap, &sum.peaks(), top, None);
     Ok(format!("{}\n{}", summary::render_text(&sum, &path), sites::render_top_text(&tops)))
 }
 

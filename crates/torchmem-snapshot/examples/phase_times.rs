@@ -13,7 +13,7 @@ fn main() {
     let s = torchmem_snapshot::summary::summarize(&snap);
     eprintln!("summarize {:>8.2} s", t.elapsed().as_secs_f64());
     let t = Instant::now();
-    let top = torchmem_snapshot::sites::top_sites(&snap, &s, 10, None);
+    let top = torchmem_snapshot::sites::top_sites(&snap, &s.peaks(), 10, None);
     eprintln!("top       {:>8.2} s ({} devices)", t.elapsed().as_secs_f64(), top.len());
     let t = Instant::now();
     drop(snap);

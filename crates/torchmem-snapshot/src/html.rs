@@ -9,7 +9,8 @@ use serde_json::{json, Value as J};
 
 use crate::fmt::{bytes, html_escape};
 use crate::model::*;
-use crate::sites::{self, live_at, site_label};
+use crate::replay::{device_trace, live_at, Change, LiveBlock, LiveSet};
+use crate::sites::{self, site_label};
 use crate::summary::Summary;
 
 const MAX_SERIES: usize = 12;
@@ -19,8 +20,7 @@ const MAX_RUNS_PER_SEGMENT: usize = 200;
 
 /// Memory over time for one device, stacked by site: `series` names, `t_us` per bucket, `levels[s][b]`.
 fn timeline(snap: &Snapshot, device: usize, peak_index: Option<usize>) -> J {
-    let empty = Vec::new();
-    let idxs = snap.device_traces.get(device).unwrap_or(&empty);
+    let idxs = device_trace(snap, device);
     if idxs.is_empty() {
         return J::Null;
     }
@@ -39,11 +39,10 @@ fn timeline(snap: &Snapshot, device: usize, peak_index: Option<usize>) -> J {
     };
     // Initial levels: blocks alive before the first event.
     let mut level = vec![0i128; names.len()];
-    let mut live: HashMap<u64, (u64, usize)> = HashMap::new();
+    let mut live = LiveSet::new();
     for b in live_at(snap, device, None) {
-        let s = series_of(b.stack);
-        level[s] += b.size_bytes as i128;
-        live.insert(b.addr, (b.size_bytes, s));
+        level[series_of(b.stack)] += b.size_bytes as i128;
+        live.seed(b);
     }
     let n = idxs.len();
     let buckets = n.min(MAX_BUCKETS);
@@ -53,20 +52,16 @@ fn timeline(snap: &Snapshot, device: usize, peak_index: Option<usize>) -> J {
     let mut total: i128 = level.iter().sum();
     for (i, &ti) in idxs.iter().enumerate() {
         let e = &snap.traces[ti as usize];
-        match e.action {
-            Action::Alloc => {
-                let s = series_of(e.stack);
-                level[s] += e.size_bytes as i128;
-                total += e.size_bytes as i128;
-                live.insert(e.addr, (e.size_bytes, s));
+        match live.apply(e) {
+            Change::Alloc { size_bytes, stack, .. } => {
+                level[series_of(stack)] += size_bytes as i128;
+                total += size_bytes as i128;
             }
-            Action::FreeCompleted => {
-                if let Some((sz, s)) = live.remove(&e.addr) {
-                    level[s] -= sz as i128;
-                    total -= sz as i128;
-                }
+            Change::Free { block } => {
+                level[series_of(block.stack)] -= block.size_bytes as i128;
+                total -= block.size_bytes as i128;
             }
-            _ => {}
+            Change::FreeWithoutAlloc { .. } | Change::None => {}
         }
         let b = i * buckets / n;
         if total > best_total[b] {
@@ -81,7 +76,7 @@ fn timeline(snap: &Snapshot, device: usize, peak_index: Option<usize>) -> J {
 }
 
 /// Icicle tree of Python frames (outermost first) of the blocks alive at the peak.
-fn icicle(snap: &Snapshot, blocks: &[sites::LiveBlock]) -> J {
+fn icicle(snap: &Snapshot, blocks: &[LiveBlock]) -> J {
     struct Node {
         name: String,
         bytes: u64,
@@ -119,7 +114,7 @@ fn icicle(snap: &Snapshot, blocks: &[sites::LiveBlock]) -> J {
     fn emit(nodes: &[Node], i: usize, total: u64) -> J {
         let mut kids: Vec<usize> =
             nodes[i].children.values().copied().filter(|&c| nodes[c].bytes * 500 >= total).collect();
-        kids.sort_by(|a, b| nodes[*b].bytes.cmp(&nodes[*a].bytes));
+        kids.sort_by(|a, b| nodes[*b].bytes.cmp(&nodes[*a].bytes).then_with(|| nodes[*a].name.cmp(&nodes[*b].name)));
         kids.truncate(40);
         json!({ "n": nodes[i].name, "v": nodes[i].bytes, "c": kids.iter().map(|&c| emit(nodes, c, total)).collect::<Vec<_>>() })
     }
@@ -173,19 +168,14 @@ pub fn render(snap: &Snapshot, summary: &Summary, name: &str) -> String {
     let dev = summary.devices.iter().find(|d| d.trace_entries > 0).or(summary.devices.first());
     let (device, peak_index) = dev.map(|d| (d.device, d.peak_index)).unwrap_or((0, None));
     let has_trace = dev.is_some_and(|d| d.trace_entries > 0);
-    let peak_blocks: Vec<sites::LiveBlock> = if has_trace {
+    let peak_blocks: Vec<LiveBlock> = if has_trace {
         live_at(snap, device, peak_index)
     } else {
         snap.segments
             .iter()
             .flat_map(|s| s.blocks.iter())
             .filter(|b| b.state != BlockState::Inactive)
-            .map(|b| sites::LiveBlock {
-                addr: b.address,
-                size_bytes: b.size_bytes,
-                stack: b.stack,
-                before_history: false,
-            })
+            .map(|b| LiveBlock { addr: b.address, size_bytes: b.size_bytes, stack: b.stack, before_history: false })
             .collect()
     };
     let data = json!({

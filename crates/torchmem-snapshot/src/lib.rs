@@ -1,9 +1,10 @@
 //! torchmem-snapshot: a safe streaming reader for PyTorch allocator snapshots and their analysis.
 //!
 //! One file per concern: `pickle` (the unpickler, never executes anything), `decode` (pickle →
-//! model), `json` (JSON form), `model`, `summary` (totals, fragmentation, actions, ring buffer),
-//! `sites` (top allocation sites at a moment), `diff`, `html` (offline report), `oom` (OOM message
-//! parsing and diagnosis), `fmt` (byte formatting).
+//! model), `json` (JSON form), `model`, `replay` (trace replay: live blocks and levels over time),
+//! `summary` (totals, fragmentation, actions, ring buffer), `sites` (top allocation sites at a moment),
+//! `diff`, `html` (offline report), `oom` (OOM message parsing and diagnosis), `fmt` (byte formatting).
+//! Layering: model ← replay ← {summary, sites} ← {diff, html}.
 
 pub mod decode;
 pub mod diff;
@@ -14,6 +15,7 @@ pub mod json;
 pub mod model;
 pub mod oom;
 pub mod pickle;
+pub mod replay;
 pub mod sites;
 pub mod summary;
 

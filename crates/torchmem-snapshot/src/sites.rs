@@ -1,174 +1,13 @@
-//! Replays a device's trace to find the traced peak and the blocks alive at any moment, and groups
-//! live blocks by allocation site (first user Python frame, else first Python frame, else first
-//! meaningful C++ frame). Levels are the requested bytes the trace records.
+//! Allocation sites: groups the blocks alive at a moment (from `replay`) by the frame that names their
+//! site (first user Python frame, else first Python frame, else first meaningful C++ frame), and the
+//! `--top` rows and text. Levels are the requested bytes the trace records.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use serde::Serialize;
 
 use crate::model::*;
-use crate::summary::Summary;
-
-/// A block alive at some moment of the replay.
-#[derive(Debug, Clone, Copy)]
-pub struct LiveBlock {
-    pub addr: u64,
-    pub size_bytes: u64,
-    pub stack: StackId,
-    /// True when the block was allocated before the recorded history (its stack may be the free's).
-    pub before_history: bool,
-}
-
-/// The outcome of replaying one device's trace.
-#[derive(Debug, Clone, Default)]
-pub struct Replay {
-    /// Requested bytes alive before the first recorded event (blocks allocated before history).
-    pub base_bytes: u64,
-    /// Requested bytes alive at the traced peak, and where it happened.
-    pub peak_bytes: u64,
-    /// Position in the device trace after which the peak holds (`None`: before any event).
-    pub peak_index: Option<usize>,
-    pub peak_time_us: Option<i64>,
-    pub end_bytes: u64,
-    /// Frees (free_completed) of blocks whose alloc is not in the trace.
-    pub frees_without_alloc: u64,
-    pub frees_without_alloc_bytes: u64,
-    /// Blocks alive at the end whose alloc is not in the trace.
-    pub live_without_alloc: u64,
-    pub live_without_alloc_bytes: u64,
-}
-
-fn end_blocks(snap: &Snapshot, device: usize) -> impl Iterator<Item = &Block> {
-    snap.segments
-        .iter()
-        .filter(move |s| s.device == device as i64)
-        .flat_map(|s| s.blocks.iter())
-        .filter(|b| b.state != BlockState::Inactive)
-}
-
-/// Replays device `device`'s trace once.
-pub fn replay(snap: &Snapshot, device: usize) -> Replay {
-    let empty = Vec::new();
-    let idxs = snap.device_traces.get(device).unwrap_or(&empty);
-    let mut live: HashMap<u64, u64> = HashMap::new();
-    let mut r = Replay::default();
-    let mut cur: i128 = 0;
-    let mut max_cur: i128 = 0;
-    let mut max_at: Option<usize> = None;
-    for (i, &ti) in idxs.iter().enumerate() {
-        let e = &snap.traces[ti as usize];
-        match e.action {
-            Action::Alloc => {
-                live.insert(e.addr, e.size_bytes);
-                cur += e.size_bytes as i128;
-            }
-            Action::FreeCompleted => match live.remove(&e.addr) {
-                Some(sz) => cur -= sz as i128,
-                None => {
-                    r.frees_without_alloc += 1;
-                    r.frees_without_alloc_bytes += e.size_bytes;
-                    cur -= e.size_bytes as i128;
-                }
-            },
-            _ => continue,
-        }
-        if cur > max_cur || max_at.is_none() && cur >= max_cur {
-            max_cur = cur;
-            max_at = Some(i);
-        }
-    }
-    for b in end_blocks(snap, device) {
-        if !live.contains_key(&b.address) {
-            r.live_without_alloc += 1;
-            r.live_without_alloc_bytes += b.requested_bytes;
-        }
-    }
-    r.base_bytes = r.frees_without_alloc_bytes + r.live_without_alloc_bytes;
-    // The lowest point of `cur` may be below zero if frees of pre-history blocks come first.
-    let base = r.base_bytes as i128;
-    r.end_bytes = (base + cur).max(0) as u64;
-    if max_cur <= 0 {
-        r.peak_bytes = r.base_bytes;
-        r.peak_index = None;
-    } else {
-        r.peak_bytes = (base + max_cur) as u64;
-        r.peak_index = max_at;
-        r.peak_time_us = max_at.map(|i| snap.traces[idxs[i] as usize].time_us);
-    }
-    r
-}
-
-/// Blocks alive right after position `upto` of the device trace (`None`: before any event).
-pub fn live_at(snap: &Snapshot, device: usize, upto: Option<usize>) -> Vec<LiveBlock> {
-    let empty = Vec::new();
-    let idxs = snap.device_traces.get(device).unwrap_or(&empty);
-    // Which addresses get allocated inside the trace (to tell pre-history blocks apart).
-    let mut live: HashMap<u64, LiveBlock> = HashMap::new();
-    let mut seen_alloc: HashSet<u64> = HashSet::new();
-    // Alive at the end of the trace: end-state blocks not among these predate the history (as in `replay`).
-    let mut live_end: HashSet<u64> = HashSet::new();
-    let mut ghosts: Vec<LiveBlock> = Vec::new();
-    for (i, &ti) in idxs.iter().enumerate() {
-        let e = &snap.traces[ti as usize];
-        let before = upto.is_some_and(|u| i <= u);
-        match e.action {
-            Action::Alloc => {
-                seen_alloc.insert(e.addr);
-                live_end.insert(e.addr);
-                if before {
-                    live.insert(
-                        e.addr,
-                        LiveBlock { addr: e.addr, size_bytes: e.size_bytes, stack: e.stack, before_history: false },
-                    );
-                }
-            }
-            Action::FreeCompleted => {
-                let had_alloc = seen_alloc.contains(&e.addr);
-                live_end.remove(&e.addr);
-                if before {
-                    live.remove(&e.addr);
-                } else if !had_alloc {
-                    // allocated before the recorded history and still alive at `upto`.
-                    ghosts.push(LiveBlock {
-                        addr: e.addr,
-                        size_bytes: e.size_bytes,
-                        stack: e.stack,
-                        before_history: true,
-                    });
-                }
-                seen_alloc.insert(e.addr);
-            }
-            _ => {}
-        }
-    }
-    for b in end_blocks(snap, device) {
-        if !live_end.contains(&b.address) {
-            ghosts.push(LiveBlock {
-                addr: b.address,
-                size_bytes: b.requested_bytes,
-                stack: b.stack,
-                before_history: true,
-            });
-        }
-    }
-    let mut out: Vec<LiveBlock> = live.into_values().collect();
-    out.extend(ghosts);
-    out
-}
-
-/// Position of the last event at or before `time_us` in a device trace.
-pub fn index_at_time(snap: &Snapshot, device: usize, time_us: i64) -> Option<usize> {
-    let idxs = snap.device_traces.get(device)?;
-    let mut found = None;
-    for (i, &ti) in idxs.iter().enumerate() {
-        if snap.traces[ti as usize].time_us <= time_us {
-            found = Some(i);
-        } else {
-            break;
-        }
-    }
-    found
-}
+use crate::replay::{end_blocks, index_at_time, live_at, DevicePeak, LiveBlock};
 
 fn is_library(path: &str) -> bool {
     path.contains("/site-packages/")
@@ -312,15 +151,16 @@ pub struct TopSites {
     pub rows: Vec<SiteRow>,
 }
 
-/// Top `n` sites for every device with a trace, at the traced peak or at `at_time_us`.
-pub fn top_sites(snap: &Snapshot, summary: &Summary, n: usize, at_time_us: Option<i64>) -> Vec<TopSites> {
+/// Top `n` sites for every device in `peaks` (`Summary::peaks`), at its traced peak or at `at_time_us`
+/// (devices without a trace: the end state from the segments).
+pub fn top_sites(snap: &Snapshot, peaks: &[DevicePeak], n: usize, at_time_us: Option<i64>) -> Vec<TopSites> {
     let mut out = Vec::new();
-    for d in &summary.devices {
+    for d in peaks {
         let device = d.device;
         let has_trace = snap.device_traces.get(device).is_some_and(|t| !t.is_empty());
         let (upto, moment, time_us) = match (at_time_us, has_trace) {
             (Some(t), true) => (index_at_time(snap, device, t), "time", Some(t)),
-            (None, true) => (d.peak_index, "peak", d.peak_time_us),
+            (None, true) => (d.index, "peak", d.time_us),
             (_, false) => {
                 // No trace: the end state from the segments.
                 let blocks: Vec<LiveBlock> = end_blocks(snap, device)

@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use crate::fmt::{bytes, pct};
 use crate::model::*;
-use crate::sites::replay;
+use crate::replay::{replay, DevicePeak};
 
 /// Fragmentation of one segment.
 #[derive(Debug, Clone, Serialize)]
@@ -252,6 +252,16 @@ pub fn summarize(snap: &Snapshot) -> Summary {
         trace_entries: snap.traces.len(),
         allocator_settings: snap.allocator_settings.clone(),
         annotations: snap.annotations.len(),
+    }
+}
+
+impl Summary {
+    /// Each device's traced peak (what `sites::top_sites` and the page look at).
+    pub fn peaks(&self) -> Vec<DevicePeak> {
+        self.devices
+            .iter()
+            .map(|d| DevicePeak { device: d.device, index: d.peak_index, time_us: d.peak_time_us })
+            .collect()
     }
 }
 
