@@ -243,7 +243,7 @@ def test_cli_summary_top_json_and_diff(tmp_path: Path) -> None:
     assert d["reserved_after_bytes"] == sum(s["total_size"] for s in rb["segments"])
     assert sum(row["delta_bytes"] for row in d["rows"]) == d["allocated_after_bytes"] - d["allocated_before_bytes"]
     r = torchmem_cli("snapshot", "diff", a)
-    assert r.returncode == 1 and "usage: torchmem snapshot diff" in r.stderr
+    assert r.returncode == 2 and "usage: torchmem snapshot diff" in r.stderr
 
 
 def test_explain_oom_parses_the_real_message() -> None:

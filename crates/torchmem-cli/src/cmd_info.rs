@@ -112,7 +112,7 @@ pub fn run(args: InfoArgs) -> anyhow::Result<i32> {
                 info.gpu_unavailable = Some("NVML found no GPU".into());
             }
         }
-        Err(e) => info.gpu_unavailable = Some(format!("no CUDA device: {e}")),
+        Err(e) => info.gpu_unavailable = Some(nvml_unavailable(&e.to_string())),
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&info)?);
@@ -175,4 +175,29 @@ pub fn run(args: InfoArgs) -> anyhow::Result<i32> {
     }
     print!("{out}");
     Ok(0)
+}
+
+/// One short line for why NVML could not be used; the raw libloading text ("a libloading error
+/// occurred: libnvidia-ml.so.1: cannot open shared object file …") only means there is no driver.
+fn nvml_unavailable(err: &str) -> String {
+    if err.contains("libloading") || err.contains("cannot open shared object") || err.contains("LibloadingError") {
+        "NVML not available (libnvidia-ml.so.1 not found): no NVIDIA driver on this machine".into()
+    } else if err.contains("DriverNotLoaded") || err.contains("driver is not loaded") {
+        "NVML not available: the NVIDIA driver is not loaded (no GPU, or the kernel module is missing)".into()
+    } else {
+        format!("NVML not available: {err}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn nvml_errors_are_one_short_line() {
+        let raw = "NVML error: a libloading error occurred: libnvidia-ml.so.1: cannot open shared object file: No such file or directory (no NVIDIA driver / libnvidia-ml.so.1 on this machine?)";
+        assert_eq!(
+            super::nvml_unavailable(raw),
+            "NVML not available (libnvidia-ml.so.1 not found): no NVIDIA driver on this machine"
+        );
+        assert!(super::nvml_unavailable("NVML error: Unknown").starts_with("NVML not available: "));
+    }
 }

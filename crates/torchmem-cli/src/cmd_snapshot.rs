@@ -27,9 +27,11 @@ pub struct SnapshotArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct ExplainOomArgs {
-    /// The out-of-memory message, as printed by PyTorch (use - to read it from stdin).
-    pub message: String,
-    /// Print the parsed numbers and the diagnosis as JSON.
+    /// The out-of-memory message as printed by PyTorch, a log file's path, or - to read stdin.
+    /// Every OOM message in the input is explained (e.g. one per DDP rank).
+    pub message: std::ffi::OsString,
+    /// Print the parsed numbers and the diagnosis as JSON: one object for one message, a list of
+    /// objects (with message_index, line, rank) when the input holds several.
     #[arg(long)]
     pub json: bool,
 }
@@ -44,15 +46,18 @@ pub fn run(args: SnapshotArgs) -> anyhow::Result<i32> {
         && !(args.files.len() == 1 && args.files[0].exists());
     if first_is_diff {
         if args.files.len() != 3 {
-            anyhow::bail!("usage: torchmem snapshot diff BEFORE AFTER (got {} file(s))", args.files.len() - 1);
+            return usage_error(format!(
+                "usage: torchmem snapshot diff BEFORE AFTER (got {} file(s))",
+                args.files.len() - 1
+            ));
         }
         return run_diff(&args.files[1], &args.files[2], args.json, args.top.unwrap_or(20));
     }
     if args.files.len() != 1 {
-        anyhow::bail!("give one snapshot file (or `diff BEFORE AFTER`); got {} paths", args.files.len());
+        return usage_error(format!("give one snapshot file (or `diff BEFORE AFTER`); got {} paths", args.files.len()));
     }
     if args.at.is_some() && args.top.is_none() && !args.json {
-        anyhow::bail!("--at needs --top N (the sites alive at that moment)");
+        return usage_error("--at needs --top N (the sites alive at that moment)".into());
     }
     let path = &args.files[0];
     let snap = load(path)?;
@@ -62,9 +67,9 @@ pub fn run(args: SnapshotArgs) -> anyhow::Result<i32> {
     let tops = sites::top_sites(&snap, &sum.peaks(), top_n, args.at);
     if let Some(out) = &args.html {
         let page = html::render(&snap, &sum, &name);
-        std::fs::write(out, page).with_context(|| format!("cannot write {}", out.display()))?;
+        std::fs::write(out, &page).with_context(|| format!("cannot write {}", out.display()))?;
         if !args.json {
-            eprintln!("wrote {}", out.display());
+            eprintln!("torchmem: wrote {} ({})", out.display(), bytes(page.len() as u64));
         }
     }
     if args.json {
@@ -81,6 +86,12 @@ pub fn run(args: SnapshotArgs) -> anyhow::Result<i32> {
         print!("{}", summary::render_text(&sum, &name));
     }
     Ok(0)
+}
+
+/// A wrong combination of arguments: said on stderr like clap's own usage errors, exit status 2.
+fn usage_error(msg: String) -> anyhow::Result<i32> {
+    eprintln!("torchmem: error: {msg}");
+    Ok(2)
 }
 
 fn run_diff(a: &Path, b: &Path, json: bool, n: usize) -> anyhow::Result<i32> {
@@ -129,20 +140,67 @@ fn run_diff(a: &Path, b: &Path, json: bool, n: usize) -> anyhow::Result<i32> {
     Ok(0)
 }
 
-pub fn explain_oom(args: ExplainOomArgs) -> anyhow::Result<i32> {
-    let msg = if args.message == "-" {
-        let mut s = String::new();
-        std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)?;
-        s
+/// Reads the explain-oom input as bytes: stdin for `-`, the file when the argument names one, else the
+/// argument itself. Decoded lossily: a stray Latin-1 byte in a log must not hide the message.
+fn read_oom_input(arg: &std::ffi::OsStr) -> anyhow::Result<String> {
+    use std::os::unix::ffi::OsStrExt;
+    let raw: Vec<u8> = if arg == "-" {
+        let mut v = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::stdin(), &mut v).context("cannot read stdin")?;
+        v
     } else {
-        args.message
+        let path = Path::new(arg);
+        if path.is_file() {
+            std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?
+        } else if path.is_dir() {
+            anyhow::bail!(
+                "{} is a directory. Give a log file, `-` for stdin, or the message in quotes",
+                path.display()
+            );
+        } else {
+            let b = arg.as_bytes();
+            let looks_like_path = !b.iter().any(|c| c.is_ascii_whitespace())
+                && (b.contains(&b'/') || [".log", ".txt", ".out", ".err"].iter().any(|e| b.ends_with(e.as_bytes())));
+            if looks_like_path {
+                anyhow::bail!(
+                    "{}: no such file. Give an existing log file, `-` to read stdin, or the message itself in quotes",
+                    path.display()
+                );
+            }
+            b.to_vec()
+        }
     };
-    let numbers = oom::parse_message(&msg).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let d = oom::diagnose(&numbers);
+    Ok(String::from_utf8_lossy(&raw).into_owned())
+}
+
+pub fn explain_oom(args: ExplainOomArgs) -> anyhow::Result<i32> {
+    let text = read_oom_input(&args.message)?;
+    let all = oom::explain_all(&text);
+    if all.is_empty() {
+        anyhow::bail!("{}", oom::not_found_error(&text));
+    }
+    let readable = all.iter().filter(|e| matches!(e.result, oom::ExplainedResult::Diagnosis(_))).count();
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&d)?);
+        let v = if let [one] = all.as_slice() {
+            match &one.result {
+                oom::ExplainedResult::Diagnosis(d) => serde_json::to_value(d)?,
+                oom::ExplainedResult::Error { error } => anyhow::bail!("{error}"),
+            }
+        } else {
+            serde_json::to_value(&all)?
+        };
+        println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
-        print!("{}", oom::render_text(&d));
+        if let [one] = all.as_slice() {
+            if let oom::ExplainedResult::Error { error } = &one.result {
+                anyhow::bail!("{error}");
+            }
+        }
+        print!("{}", oom::render_all_text(&all));
+    }
+    if readable == 0 {
+        eprintln!("torchmem: error: none of the {} out-of-memory messages could be read", all.len());
+        return Ok(1);
     }
     Ok(0)
 }

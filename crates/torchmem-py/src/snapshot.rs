@@ -80,10 +80,9 @@ fn oom_diagnosis_json(
         total_bytes,
         free_bytes,
         process_bytes,
-        allocated_bytes,
-        reserved_unallocated_bytes: reserved_bytes.saturating_sub(allocated_bytes),
-        other_processes: Vec::new(),
-        largest_free_block_bytes: None,
+        allocated_bytes: Some(allocated_bytes),
+        reserved_unallocated_bytes: Some(reserved_bytes.saturating_sub(allocated_bytes)),
+        ..Default::default()
     };
     diagnosis_json(&oom::diagnose(&n))
 }
