@@ -13,6 +13,7 @@ pub mod cmd_info;
 pub mod cmd_plot;
 pub mod cmd_report;
 pub mod cmd_run;
+pub mod cmd_simulate;
 pub mod cmd_snapshot;
 pub mod recorder;
 
@@ -37,6 +38,9 @@ pub enum Command {
     Snapshot(cmd_snapshot::SnapshotArgs),
     /// Diagnose a PyTorch out-of-memory message pasted from a log.
     ExplainOom(cmd_snapshot::ExplainOomArgs),
+    /// Replay a snapshot's trace through a model of the caching allocator: check it, or ask what-ifs
+    /// (other PYTORCH_CUDA_ALLOC_CONF, a memory cap, a smaller GPU, the minimum memory).
+    Simulate(cmd_simulate::SimulateArgs),
 }
 
 /// Parses `argv` (program name first) and runs the subcommand; returns the process exit code.
@@ -56,6 +60,7 @@ pub fn run(argv: Vec<OsString>) -> i32 {
         Command::Plot(a) => cmd_plot::run(a),
         Command::Snapshot(a) => cmd_snapshot::run(a),
         Command::ExplainOom(a) => cmd_snapshot::explain_oom(a),
+        Command::Simulate(a) => cmd_simulate::run(a),
     };
     match result {
         Ok(code) => code,

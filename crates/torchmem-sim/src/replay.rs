@@ -482,11 +482,7 @@ impl<'a> Prepared<'a> {
         recorded: bool,
         detailed: bool,
     ) -> OomReport {
-        let frames: Vec<String> = if detailed {
-            self.snap.stack(e.stack).iter().map(|&fr| self.snap.frame_text(fr)).collect()
-        } else {
-            Vec::new()
-        };
+        let frames: Vec<String> = if detailed { self.user_frames(e.stack) } else { Vec::new() };
         let mut live = if detailed { a.live_blocks() } else { Vec::new() };
         let live_count = live.len();
         live.sort_by(|x, y| y.1.cmp(&x.1).then(x.0.cmp(&y.0)));
@@ -495,10 +491,7 @@ impl<'a> Prepared<'a> {
             .take(5)
             .map(|&(addr, size, req, entry)| {
                 let entry = (entry != u32::MAX).then_some(entry);
-                let frame = entry.and_then(|i| {
-                    let st = self.snap.stack(self.entries[i as usize].stack);
-                    st.first().map(|&fr| self.snap.frame_text(fr))
-                });
+                let frame = entry.and_then(|i| self.user_frames(self.entries[i as usize].stack).into_iter().next());
                 LiveBlock { addr, size_bytes: size, requested_bytes: req, entry, frame }
             })
             .collect();
@@ -516,6 +509,21 @@ impl<'a> Prepared<'a> {
             largest_live,
             recorded,
         }
+    }
+
+    /// The frames worth showing, innermost first: Python frames when the stack has them, else the C++ frames
+    /// above the allocator's own (unwinding, gathering, `malloc`, `empty_*`).
+    fn user_frames(&self, stack: StackId) -> Vec<String> {
+        let st = self.snap.stack(stack);
+        let file = |fr: u32| self.snap.frames.get(fr as usize).map(|f| self.snap.str(f.filename)).unwrap_or("");
+        let py: Vec<String> =
+            st.iter().filter(|&&fr| file(fr).ends_with(".py")).map(|&fr| self.snap.frame_text(fr)).collect();
+        if !py.is_empty() {
+            return py;
+        }
+        let internal = ["unwind", "CapturedTraceback", "gather", "CachingAllocator", "empty_generic", "empty_cuda"];
+        let skip = st.iter().rposition(|&fr| internal.iter().any(|k| self.snap.frame_text(fr).contains(k)));
+        st.iter().skip(skip.map(|i| i + 1).unwrap_or(0)).map(|&fr| self.snap.frame_text(fr)).collect()
     }
 
     /// Replayed vs recorded segment events and peak reserved.
