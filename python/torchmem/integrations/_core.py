@@ -1,0 +1,238 @@
+"""The one adapter layer under torchmem's framework callbacks (Lightning, Hugging Face): turns "a step began",
+"backward ended", "the optimizer is about to step" into torchmem's public API — a `torchmem.Monitor` for the
+epoch/step/phase tables, `torchmem.track` windows for the forward/backward/optimizer-step phases (their
+markers reach the Monitor and, under `torchmem run`, the profile), and a `torchmem.peak` window per step —
+and builds the scalars the callbacks log (bytes, keys `torchmem/...`) and the out-of-memory post-mortem.
+
+No collective is ever called: every rank measures itself; the callbacks decide who logs (rank 0).
+Nothing here keeps a reference to a batch, an output or a loss.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torchmem
+from torchmem import _native
+
+#: Phase names, as the Monitor's own hooks name them (so tables and profiles read the same).
+FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer step"
+_METRIC_NAME = {FORWARD: "forward", BACKWARD: "backward", OPTIMIZER: "optimizer_step"}
+
+_OOM_TEXT = ("out of memory", "DefaultCPUAllocator: can't allocate memory", "CUDNN_STATUS_NOT_SUPPORTED")
+
+
+def is_oom(exc: BaseException) -> bool:
+    """An out-of-memory error: torch's OutOfMemoryError by type, or the messages accelerate matches."""
+    torch = sys.modules.get("torch")
+    oom_type = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    if oom_type is not None and isinstance(exc, oom_type):
+        return True
+    return isinstance(exc, (RuntimeError, MemoryError)) and any(t in str(exc) for t in _OOM_TEXT)
+
+
+def cuda_index(device: Any) -> int | None:
+    """The CUDA index of a torch.device / str / int, None for the CPU and anything else."""
+    if device is None:
+        return None
+    kind = getattr(device, "type", None)
+    if kind is not None:
+        return (device.index or 0) if kind == "cuda" else None
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str) and device.startswith("cuda"):
+        return int(device.partition(":")[2] or 0)
+    return None
+
+
+class StepRecorder:
+    """Epochs, steps and phases of one training run on one rank, measured through torchmem's public API.
+
+    `device`: the model's device (a CUDA device gets allocated/reserved numbers; the CPU gets RSS only).
+    `prefix`: metric key prefix. `verbose`: the Monitor's per-epoch line on stderr."""
+
+    def __init__(self, device: Any = None, *, prefix: str = "torchmem/", verbose: bool = False) -> None:
+        self.dev = cuda_index(device)
+        self.device = f"cuda:{self.dev}" if self.dev is not None else "cpu"
+        self.prefix = prefix
+        self.monitor = torchmem.Monitor(device=self.device, verbose=verbose)
+        self._tracks: dict[str, Any] = {}
+        self._open_phases: list[str] = []
+        self._step_cm: Any = None
+        self._step_peak: Any = None
+        self._epoch_cm: Any = None
+        self.steps = 0
+        self.step_index: int | None = None
+        #: The last finished step: its peaks and the peak of each phase inside it, in bytes.
+        self.last_step: dict[str, int] = {}
+        self._phase_peaks: dict[str, int] = {}
+
+    # --- spans ---------------------------------------------------------------------------------------------
+
+    def begin_epoch(self, index: int | None = None) -> None:
+        self.end_epoch()
+        self._epoch_cm = self.monitor.epoch(index)
+        self._epoch_cm.__enter__()
+
+    def end_epoch(self) -> None:
+        cm, self._epoch_cm = self._epoch_cm, None
+        if cm is not None:
+            self.end_step()
+            cm.__exit__(None, None, None)
+
+    def begin_step(self, index: int | None = None) -> None:
+        self.end_step()
+        self.step_index = index
+        self._phase_peaks = {}
+        self._step_cm = self.monitor.step(index)
+        self._step_cm.__enter__()
+        self._step_peak = torchmem.peak(self.device)
+        self._step_peak.__enter__()
+
+    def end_step(self) -> dict[str, int] | None:
+        """Closes the open phases and the step; returns the step's peaks (None when no step was open)."""
+        self.end_phases()
+        if self._step_cm is None:
+            return None
+        peak, self._step_peak = self._step_peak, None
+        peak.__exit__(None, None, None)
+        cm, self._step_cm = self._step_cm, None
+        cm.__exit__(None, None, None)
+        self.steps += 1
+        step = {
+            "step_peak_allocated_bytes": peak.allocated_bytes,
+            "step_peak_reserved_bytes": peak.reserved_bytes,
+            "step_peak_rss_bytes": peak.rss_bytes,
+        }
+        step.update(self._phase_peaks)
+        self.last_step = {k: v for k, v in step.items() if v is not None}
+        return self.last_step
+
+    def begin_phase(self, name: str) -> None:
+        if name in self._open_phases:
+            return
+        t = self._tracks.get(name)
+        if t is None:
+            t = self._tracks[name] = torchmem.track(name, self.device)
+        t.__enter__()
+        self._open_phases.append(name)
+
+    def end_phase(self, name: str) -> None:
+        if name not in self._open_phases:
+            return
+        # Phases nest in opening order: close any opened after this one first.
+        while self._open_phases:
+            top = self._open_phases.pop()
+            t = self._tracks[top]
+            t.__exit__(None, None, None)
+            r = t.result
+            key = _METRIC_NAME.get(top, top.replace(" ", "_"))
+            for kind, value in (("allocated", r.peak_allocated_bytes), ("rss", r.peak_rss_bytes)):
+                if value is not None:
+                    k = f"{key}_peak_{kind}_bytes"
+                    self._phase_peaks[k] = max(self._phase_peaks.get(k, 0), value)
+            if top == name:
+                break
+
+    def end_phases(self) -> None:
+        if self._open_phases:
+            self.end_phase(self._open_phases[0])
+
+    @property
+    def open_phase(self) -> str | None:
+        return self._open_phases[-1] if self._open_phases else None
+
+    # --- numbers ---------------------------------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, int]:
+        """The scalars to log now: current allocated/reserved (CUDA) and RSS, the last step's peaks and its
+        phases' peaks. Bytes, keys with `prefix`; a number the device does not have is left out, never 0."""
+        s = torchmem.stats(self.device)
+        now = {"allocated_bytes": s.allocated_bytes, "reserved_bytes": s.reserved_bytes, "rss_bytes": s.rss_bytes}
+        if s.device is not None:
+            now["peak_allocated_bytes"] = s.peak_allocated_bytes
+            now["peak_reserved_bytes"] = s.peak_reserved_bytes
+        now.update(self.last_step)
+        return {self.prefix + k: int(v) for k, v in now.items() if v is not None}
+
+    def close(self) -> None:
+        self.end_epoch()
+        self.end_step()
+        self.monitor.close()
+
+
+# --- out-of-memory post-mortem ---------------------------------------------------------------------------
+
+
+def arm_oom(directory: str | os.PathLike[str], dev: int | None, record_history: bool) -> Any:
+    """`torchmem.on_oom(directory)` on a CUDA device (the allocator's observer writes a snapshot and a report
+    at the failing allocation); None on the CPU (the post-mortem is then built from the error)."""
+    if dev is None:
+        return None
+    return torchmem.on_oom(directory, record_history=record_history)
+
+
+def write_post_mortem(
+    exc: BaseException,
+    directory: str | os.PathLike[str],
+    recorder: StepRecorder | None,
+    handler: Any,
+    context: dict[str, Any],
+) -> Path:
+    """Writes `oom-<pid>-<time>-<framework>.txt` (and `.json`) to `directory`: where training was (framework,
+    step, batch, the phase that was open), the error, torchmem's diagnosis of it, the allocator report that
+    `on_oom` wrote at the failing allocation (CUDA), and the Monitor's tables of the steps before it.
+    Returns the text file's path."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    phase = recorder.open_phase if recorder is not None else None
+    if recorder is not None:
+        context = {**context, "phase": phase, "steps_done": recorder.steps, "last_step": recorder.last_step}
+    reports: list[str] = []
+    if handler is not None:
+        # The context-manager exit writes the report from the message when the observer did not run.
+        handler.__exit__(type(exc), exc, exc.__traceback__)
+        reports = [str(p) for p in handler.reports]
+    message = str(exc)
+    diagnosis: dict[str, Any] | None = None
+    try:
+        diagnosis = json.loads(_native.explain_oom_json(message))
+    except Exception:
+        diagnosis = None
+    framework = context.get("framework", "training")
+    stem = f"oom-{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S')}-{framework}"
+    txt, js = directory / f"{stem}.txt", directory / f"{stem}.json"
+    where = f"step {context.get('global_step')}" + (f", batch {context['batch_idx']}" if "batch_idx" in context else "")
+    lines = [
+        f"torchmem out-of-memory post-mortem ({framework}, pid {os.getpid()}, rank {context.get('rank', 0)})",
+        f"  at {where}, phase {phase or '-'} (after {context.get('steps_done', 0)} finished steps)",
+        f"  {type(exc).__name__}: {message.splitlines()[0] if message else ''}",
+        "",
+    ]
+    if context.get("last_step"):
+        lines.append("Last finished step (bytes):")
+        lines += [f"  {k:<36} {v:>16,d}  {_native.format_bytes(v)}" for k, v in context["last_step"].items()]
+        lines.append("")
+    if diagnosis is not None:
+        lines += [diagnosis["text"].rstrip(), ""]
+    if reports:
+        lines.append("Allocator report written at the failing allocation: " + ", ".join(reports))
+        lines.append("")
+    if recorder is not None:
+        lines += ["Memory of the run up to the failure:", recorder.monitor.summary().rstrip(), ""]
+    txt.write_text("\n".join(lines) + "\n")
+    data = {
+        "context": context,
+        "exception": {"type": type(exc).__name__, "message": message},
+        "diagnosis": {k: v for k, v in diagnosis.items() if k != "text"} if diagnosis else None,
+        "allocator_reports": reports,
+        "monitor": recorder.monitor.to_dict() if recorder is not None else None,
+    }
+    js.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    print(f"torchmem: out of memory at {where} (phase {phase or '-'}); post-mortem in {txt}", file=sys.stderr)
+    return txt
