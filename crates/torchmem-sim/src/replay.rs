@@ -162,6 +162,12 @@ pub struct Prepared<'a> {
     pub recorded_events: Vec<SegEvent>,
     /// Entries that begin an explicit `empty_cache()` (a run of segment frees no allocation caused).
     pub empty_cache_at: Vec<bool>,
+    /// Per entry, the allocation it allocates or frees, as a slot number (`NONE`: none); the start state's
+    /// live blocks take the first slots. Saves hashing addresses during every replay.
+    pub slot: Vec<u32>,
+    pub slots: usize,
+    /// Frees of addresses that no allocation (in the trace or before it) holds.
+    pub unknown_frees: usize,
 }
 
 /// Devices with a trace or segments, in order.
@@ -247,6 +253,34 @@ impl<'a> Prepared<'a> {
                 _ => {}
             }
         }
+        // Slots: the start's live blocks first (seed order), then one per allocation.
+        let mut live: HashMap<u64, u32, FxBuild> = HashMap::default();
+        let mut slots = 0u32;
+        for b in start.blocks.iter().flatten() {
+            live.insert(b.addr, slots);
+            slots += 1;
+        }
+        let mut slot = vec![NONE; n];
+        let mut unknown_frees = 0usize;
+        for (k, e) in entries.iter().enumerate() {
+            match e.action {
+                Action::Alloc => {
+                    live.insert(e.addr, slots);
+                    slot[k] = slots;
+                    slots += 1;
+                }
+                Action::FreeRequested => match live.get(&e.addr) {
+                    Some(&s) => slot[k] = s,
+                    None => unknown_frees += 1,
+                },
+                Action::FreeCompleted => {
+                    if let Some(s) = live.remove(&e.addr) {
+                        slot[k] = s;
+                    }
+                }
+                _ => {}
+            }
+        }
         let recorded_events = entries
             .iter()
             .enumerate()
@@ -269,6 +303,9 @@ impl<'a> Prepared<'a> {
             start,
             recorded_events,
             empty_cache_at,
+            slot,
+            slots: slots as usize,
+            unknown_frees,
         })
     }
 
@@ -296,39 +333,40 @@ impl<'a> Prepared<'a> {
             a.hints = self.recorded_events.clone();
             a.follow_hints = true;
         }
-        let mut addr_map: HashMap<u64, u32, FxBuild> = HashMap::default();
-        addr_map.reserve(self.entries.len() / 4 + 16);
-        self.seed(&mut a, &mut addr_map);
+        // Slot -> block id of the allocation (NONE once its free completed).
+        let mut block_of = vec![NONE; self.slots];
+        self.seed(&mut a, &mut block_of);
         let start_reserved = a.stats.reserved_bytes;
         let mut oom: Option<OomReport> = None;
         let mut avoided = Vec::new();
         let mut notes = Vec::new();
-        let mut unknown_frees = 0usize;
+        let unknown_frees = self.unknown_frees;
         for (k, e) in self.entries.iter().enumerate() {
             a.entry = k as u32;
             match e.action {
                 Action::Alloc => match a.malloc(e.size_bytes, self.rank(e.stream)) {
-                    Ok(id) => {
-                        addr_map.insert(e.addr, id);
-                    }
+                    Ok(id) => block_of[self.slot[k] as usize] = id,
                     Err(f) => {
                         oom = Some(self.oom_report(&a, k, e, f, false, opts.detailed));
                         break;
                     }
                 },
-                Action::FreeRequested => match addr_map.get(&e.addr) {
-                    Some(&id) => {
+                Action::FreeRequested => {
+                    let s = self.slot[k];
+                    if s != NONE && block_of[s as usize] != NONE {
+                        let id = block_of[s as usize];
                         a.free_requested(id);
                         if opts.frees_at_request {
                             a.free_completed(id);
-                            addr_map.remove(&e.addr);
+                            block_of[s as usize] = NONE;
                         }
                     }
-                    None => unknown_frees += 1,
-                },
+                }
                 Action::FreeCompleted => {
-                    if let Some(id) = addr_map.remove(&e.addr) {
-                        a.free_completed(id);
+                    let s = self.slot[k];
+                    if s != NONE && block_of[s as usize] != NONE {
+                        a.free_completed(block_of[s as usize]);
+                        block_of[s as usize] = NONE;
                     }
                 }
                 Action::SegmentFree | Action::SegmentUnmap if self.empty_cache_at[k] => a.release_cached_blocks(),
@@ -413,7 +451,8 @@ impl<'a> Prepared<'a> {
     }
 
     /// Puts the start state into the allocator.
-    fn seed(&self, a: &mut Allocator, addr_map: &mut HashMap<u64, u32, FxBuild>) {
+    fn seed(&self, a: &mut Allocator, block_of: &mut [u32]) {
+        let mut next_slot = 0usize;
         for (seg, live) in self.start.segments.iter().zip(&self.start.blocks) {
             let stream = self.rank(seg.stream);
             let first = a.seed_segment(seg.addr, seg.size_bytes, stream, seg.small);
@@ -449,8 +488,7 @@ impl<'a> Prepared<'a> {
                 p.next = ids.get(i + 1).copied().unwrap_or(NONE);
                 p.pool = pool;
                 p.stream = stream;
-                let (allocated, pending, size, req, addr) =
-                    (p.allocated, p.pending, p.size_bytes, p.requested_bytes, p.addr);
+                let (allocated, pending, size, req) = (p.allocated, p.pending, p.size_bytes, p.requested_bytes);
                 *a.arena.get_mut(id) = p;
                 if allocated || pending {
                     if allocated {
@@ -460,7 +498,8 @@ impl<'a> Prepared<'a> {
                     }
                     a.stats.active_bytes += size;
                     a.stats.requested_bytes += req;
-                    addr_map.insert(addr, id);
+                    block_of[next_slot] = id;
+                    next_slot += 1;
                 } else {
                     a.pools[pool as usize].insert_free(&mut a.arena, id);
                 }
