@@ -33,5 +33,5 @@ fn split(path: &str) {
     eprintln!("  build    {:>8.2} s", t.elapsed().as_secs_f64());
     let t = Instant::now();
     drop(doc);
-    eprintln!("  doc drop {:>8.2} s ({} traces)", t.elapsed().as_secs_f64(), snap.traces.len());
+    eprintln!("  doc drop {:>8.2} s ({} traces)", t.elapsed().as_secs_f64(), snap.trace_entries());
 }

@@ -10,22 +10,22 @@ use std::rc::Rc;
 use crate::model::*;
 use crate::pickle::{self, dict_get, Compactor, Value};
 
-const K_ACTION: u8 = 1;
-const K_ADDR: u8 = 2;
-const K_SIZE: u8 = 3;
-const K_STREAM: u8 = 4;
-const K_TIME_US: u8 = 5;
-const K_DEVICE_FREE: u8 = 6;
-const K_USER_METADATA: u8 = 7;
-const K_COMPILE_CONTEXT: u8 = 8;
-const K_FRAMES: u8 = 9;
-const K_STATE: u8 = 10;
-const K_ADDRESS: u8 = 11;
-const K_REQUESTED_SIZE: u8 = 12;
-const K_BLOCKS: u8 = 13;
-const K_FILENAME: u8 = 14;
-const K_LINE: u8 = 15;
-const K_NAME: u8 = 16;
+pub(crate) const K_ACTION: u8 = 1;
+pub(crate) const K_ADDR: u8 = 2;
+pub(crate) const K_SIZE: u8 = 3;
+pub(crate) const K_STREAM: u8 = 4;
+pub(crate) const K_TIME_US: u8 = 5;
+pub(crate) const K_DEVICE_FREE: u8 = 6;
+pub(crate) const K_USER_METADATA: u8 = 7;
+pub(crate) const K_COMPILE_CONTEXT: u8 = 8;
+pub(crate) const K_FRAMES: u8 = 9;
+pub(crate) const K_STATE: u8 = 10;
+pub(crate) const K_ADDRESS: u8 = 11;
+pub(crate) const K_REQUESTED_SIZE: u8 = 12;
+pub(crate) const K_BLOCKS: u8 = 13;
+pub(crate) const K_FILENAME: u8 = 14;
+pub(crate) const K_LINE: u8 = 15;
+pub(crate) const K_NAME: u8 = 16;
 
 const KIND_FRAME: u8 = 1;
 const KIND_STACK: u8 = 2;
@@ -46,7 +46,12 @@ pub struct SnapshotCompactor {
     value_ids: HashMap<usize, (u32, Action), FxBuild>,
 }
 
-fn key_of_str(s: &str) -> u8 {
+/// The error for a snapshot with more distinct entry infos than a [`TraceEntry`] can point to.
+pub(crate) fn too_many_infos() -> String {
+    format!("more than {MAX_INFO_ID} distinct (stream, device_free, user_metadata, compile_context) combinations in the trace")
+}
+
+pub(crate) fn key_of_str(s: &str) -> u8 {
     match s {
         "action" => K_ACTION,
         "addr" => K_ADDR,
@@ -231,17 +236,8 @@ impl SnapshotCompactor {
 
     fn trace(&mut self, items: &[(Value, Value)], replaced: &mut Vec<(Value, Value)>) -> Result<TraceEntry, String> {
         let what = "trace entry";
-        let mut t = TraceEntry {
-            action: Action::Other,
-            addr: 0,
-            size_bytes: 0,
-            stream: 0,
-            time_us: 0,
-            device_free_bytes: None,
-            stack: NO_STACK,
-            user_metadata: 0,
-            compile_context: 0,
-        };
+        let (mut action, mut addr, mut size_bytes, mut time_us) = (Action::Other, 0u64, 0u64, 0i64);
+        let mut info = EntryInfo::default();
         let mut action_seen = false;
         let mut frames: Option<&Value> = None;
         for (k, v) in items {
@@ -250,16 +246,16 @@ impl SnapshotCompactor {
                     if !matches!(v, Value::Str(_)) {
                         return Err(format!("{what}: 'action' should be a str, found {}", v.type_name()));
                     }
-                    t.action = self.str_value(v, "action", what)?.1;
+                    action = self.str_value(v, "action", what)?.1;
                     action_seen = true;
                 }
-                K_ADDR => t.addr = u64_of(v, "addr", what)?.unwrap_or(0),
-                K_SIZE => t.size_bytes = u64_of(v, "size", what)?.unwrap_or(0),
-                K_STREAM => t.stream = i64_of(v, "stream", what)?,
-                K_TIME_US => t.time_us = i64_of(v, "time_us", what)?,
-                K_DEVICE_FREE => t.device_free_bytes = u64_of(v, "device_free", what)?,
-                K_USER_METADATA => t.user_metadata = self.str_value(v, "user_metadata", what)?.0,
-                K_COMPILE_CONTEXT => t.compile_context = self.str_value(v, "compile_context", what)?.0,
+                K_ADDR => addr = u64_of(v, "addr", what)?.unwrap_or(0),
+                K_SIZE => size_bytes = u64_of(v, "size", what)?.unwrap_or(0),
+                K_STREAM => info.stream = i64_of(v, "stream", what)?,
+                K_TIME_US => time_us = i64_of(v, "time_us", what)?,
+                K_DEVICE_FREE => info.device_free_bytes = u64_of(v, "device_free", what)?,
+                K_USER_METADATA => info.user_metadata = self.str_value(v, "user_metadata", what)?.0,
+                K_COMPILE_CONTEXT => info.compile_context = self.str_value(v, "compile_context", what)?.0,
                 K_FRAMES => frames = Some(v),
                 _ => {}
             }
@@ -267,8 +263,9 @@ impl SnapshotCompactor {
         if !action_seen {
             return Err(format!("{what}: 'action' is missing"));
         }
-        t.stack = self.stack_of(frames, what, replaced)?;
-        Ok(t)
+        let stack = self.stack_of(frames, what, replaced)?;
+        let info = self.interner.info(info).ok_or_else(too_many_infos)?;
+        Ok(TraceEntry::new(action, addr, size_bytes, time_us, stack, info))
     }
 
     fn block(&mut self, items: &[(Value, Value)], replaced: &mut Vec<(Value, Value)>) -> Result<Block, String> {
@@ -463,28 +460,27 @@ pub fn build(root: &Value, mut c: SnapshotCompactor) -> Result<Snapshot, String>
     }
     if let Some(tv) = traces_v {
         for (d, dev) in list_items(&tv, "'device_traces'")?.iter().enumerate() {
-            let mut idxs = Vec::new();
             let entries = match dev {
                 Value::List(l) => l.items.borrow().clone(),
                 Value::None => Vec::new(),
                 other => return Err(format!("device_traces[{d}] should be a list, found {}", other.type_name())),
             };
+            let mut trace = Vec::with_capacity(entries.len());
             for (i, e) in entries.iter().enumerate() {
                 match e {
-                    Value::Opaque { kind: KIND_TRACE, id } => idxs.push(*id),
+                    Value::Opaque { kind: KIND_TRACE, id } => trace.push(c.traces[*id as usize]),
                     Value::Dict(dd) => {
                         let items = dd.items.borrow();
                         let mut scratch = Vec::new();
                         let t = c.trace(&items, &mut scratch).map_err(|m| format!("device_traces[{d}][{i}]: {m}"))?;
-                        idxs.push(c.traces.len() as u32);
-                        c.traces.push(t);
+                        trace.push(t);
                     }
                     other => {
                         return Err(format!("device_traces[{d}][{i}] should be a dict, found {}", other.type_name()))
                     }
                 }
             }
-            snap.device_traces.push(idxs);
+            snap.device_traces.push(trace);
         }
     }
     if let Some(Value::Dict(_)) = &settings_v {
@@ -507,7 +503,7 @@ pub fn build(root: &Value, mut c: SnapshotCompactor) -> Result<Snapshot, String>
             }
         }
     }
-    snap.traces = std::mem::take(&mut c.traces);
+    snap.entry_infos = std::mem::take(&mut c.interner.infos);
     snap.strings = std::mem::take(&mut c.interner.strings);
     snap.frames = std::mem::take(&mut c.interner.frames);
     snap.stacks = std::mem::take(&mut c.interner.stacks);

@@ -50,8 +50,7 @@ fn timeline(snap: &Snapshot, device: usize, peak_index: Option<usize>) -> J {
     let mut out_t = vec![0i64; buckets];
     let mut best_total: Vec<i128> = vec![i128::MIN; buckets];
     let mut total: i128 = level.iter().sum();
-    for (i, &ti) in idxs.iter().enumerate() {
-        let e = &snap.traces[ti as usize];
+    for (i, e) in idxs.iter().enumerate() {
         match live.apply(e) {
             Change::Alloc { size_bytes, stack, .. } => {
                 level[series_of(stack)] += size_bytes as i128;

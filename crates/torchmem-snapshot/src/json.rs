@@ -149,23 +149,19 @@ pub fn read_json<R: Read>(reader: R) -> Result<Snapshot, String> {
         });
     }
     for dev in j.device_traces {
-        let mut idxs = Vec::new();
+        let mut entries = Vec::new();
         for t in dev.unwrap_or_default() {
-            idxs.push(snap.traces.len() as u32);
-            let entry = TraceEntry {
-                action: Action::parse(&t.action),
-                addr: t.addr,
-                size_bytes: t.size,
+            let stack = stack(&mut it, t.frames);
+            let info = EntryInfo {
                 stream: t.stream,
-                time_us: t.time_us,
                 device_free_bytes: t.device_free,
-                stack: stack(&mut it, t.frames),
                 user_metadata: it.string(&t.user_metadata),
                 compile_context: it.string(&t.compile_context),
             };
-            snap.traces.push(entry);
+            let info = it.info(info).ok_or("more distinct trace-entry streams and metadata than torchmem stores")?;
+            entries.push(TraceEntry::new(Action::parse(&t.action), t.addr, t.size, t.time_us, stack, info));
         }
-        snap.device_traces.push(idxs);
+        snap.device_traces.push(entries);
     }
     snap.allocator_settings = j.allocator_settings;
     snap.annotations = j
@@ -176,5 +172,6 @@ pub fn read_json<R: Read>(reader: R) -> Result<Snapshot, String> {
     snap.strings = it.strings;
     snap.frames = it.frames;
     snap.stacks = it.stacks;
+    snap.entry_infos = it.infos;
     Ok(snap)
 }

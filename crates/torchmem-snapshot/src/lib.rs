@@ -8,6 +8,7 @@
 
 pub mod decode;
 pub mod diff;
+pub mod direct;
 pub mod error;
 pub mod fmt;
 pub mod html;
@@ -28,36 +29,60 @@ pub use model::Snapshot;
 
 /// Reads a snapshot from bytes: pickle (starts with the PROTO opcode 0x80) or JSON (starts with `{`/`[`).
 pub fn read_bytes(data: &[u8], name: &str) -> Result<Snapshot, SnapshotError> {
-    read_from(data, name)
+    match first_byte(data.first().copied(), name)? {
+        Form::Json => read_json(data, name),
+        Form::Pickle => direct::read(data).or_else(|_| read_pickle_generic(data, name)),
+    }
 }
 
-/// Reads a snapshot file (pickle or JSON, detected from the first byte).
+/// Reads a snapshot file (pickle or JSON, detected from the first byte). Pickles go through the fast
+/// decoder ([`direct`]); when it gives up (an unusual shape, or a damaged or hostile file), the file is
+/// read again by the generic decoder, which gives the result or the precise error.
 pub fn read_path(path: &Path) -> Result<Snapshot, SnapshotError> {
     let name = path.display().to_string();
-    let f = File::open(path).map_err(|e| SnapshotError::Io { path: name.clone(), msg: format!("cannot open: {e}") })?;
-    read_from(BufReader::with_capacity(1 << 20, f), &name)
-}
-
-fn read_from<R: Read>(mut reader: R, name: &str) -> Result<Snapshot, SnapshotError> {
+    let open =
+        || File::open(path).map_err(|e| SnapshotError::Io { path: name.clone(), msg: format!("cannot open: {e}") });
+    let mut f = open()?;
     let mut first = [0u8; 1];
     let n = loop {
-        match reader.read(&mut first) {
+        match f.read(&mut first) {
             Ok(n) => break n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(SnapshotError::Io { path: name.into(), msg: e.to_string() }),
+            Err(e) => return Err(SnapshotError::Io { path: name.clone(), msg: e.to_string() }),
         }
     };
-    if n == 0 {
-        return Err(SnapshotError::Schema { path: name.into(), msg: "the file is empty".into() });
+    let form = first_byte((n > 0).then_some(first[0]), &name)?;
+    let whole = || -> Result<BufReader<File>, SnapshotError> { Ok(BufReader::with_capacity(1 << 20, open()?)) };
+    match form {
+        Form::Json => read_json(whole()?, &name),
+        Form::Pickle => match direct::read(open()?) {
+            Ok(s) => Ok(s),
+            Err(direct::Bail) => read_pickle_generic(whole()?, &name),
+        },
     }
-    let chained = std::io::Cursor::new(first).take(1).chain(reader);
-    match first[0] {
-        b'{' | b'[' | b' ' | b'\n' | b'\r' | b'\t' => {
-            json::read_json(chained).map_err(|msg| SnapshotError::Json { path: name.into(), msg })
-        }
-        _ => decode::read_pickle(chained).map_err(|e| match e {
-            error::PickleOrSchema::Pickle(error) => SnapshotError::Pickle { path: name.into(), error },
-            error::PickleOrSchema::Schema(msg) => SnapshotError::Schema { path: name.into(), msg },
-        }),
+}
+
+enum Form {
+    Json,
+    Pickle,
+}
+
+fn first_byte(b: Option<u8>, name: &str) -> Result<Form, SnapshotError> {
+    match b {
+        None => Err(SnapshotError::Schema { path: name.into(), msg: "the file is empty".into() }),
+        Some(b'{' | b'[' | b' ' | b'\n' | b'\r' | b'\t') => Ok(Form::Json),
+        Some(_) => Ok(Form::Pickle),
     }
+}
+
+fn read_json<R: Read>(reader: R, name: &str) -> Result<Snapshot, SnapshotError> {
+    json::read_json(reader).map_err(|msg| SnapshotError::Json { path: name.into(), msg })
+}
+
+/// Reads a pickle with the generic decoder (`pickle` + `decode`), the reference the fast one follows.
+pub fn read_pickle_generic<R: Read>(reader: R, name: &str) -> Result<Snapshot, SnapshotError> {
+    decode::read_pickle(reader).map_err(|e| match e {
+        error::PickleOrSchema::Pickle(error) => SnapshotError::Pickle { path: name.into(), error },
+        error::PickleOrSchema::Schema(msg) => SnapshotError::Schema { path: name.into(), msg },
+    })
 }

@@ -30,7 +30,9 @@ impl Hasher for FxHasher {
         self.write_u64(i as u64);
     }
     fn finish(&self) -> u64 {
-        self.hash
+        // The product's low bits are poor for keys with zero low bits (block addresses are multiples of
+        // 512), and the table indexes by the low bits: move the well-mixed high bits down.
+        self.hash.rotate_left(26)
     }
 }
 
@@ -50,6 +52,7 @@ pub struct Frame {
 
 /// What a trace entry records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u8)]
 pub enum Action {
     Alloc,
     FreeRequested,
@@ -112,20 +115,57 @@ impl Action {
     ];
 }
 
-/// One allocator event (`device_traces[d][i]`).
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// Index into `Snapshot::entry_infos`.
+pub type InfoId = u32;
+
+/// Largest [`InfoId`]: distinct (stream, metadata, compile context, device_free) combinations a snapshot
+/// may hold (real ones have a handful).
+pub const MAX_INFO_ID: InfoId = (1 << 28) - 1;
+
+/// One allocator event (`device_traces[d][i]`), 32 bytes: the fields every replay reads, plus the id of
+/// its rarely varying rest ([`EntryInfo`], interned in `Snapshot::entry_infos`), so that a 10-million-entry
+/// trace fits in a few hundred MB.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TraceEntry {
-    pub action: Action,
+    /// Block address (0 when the entry has none, e.g. `oom`).
     pub addr: u64,
     /// Requested bytes for alloc/free, segment bytes for segment_*, failed request for oom.
     pub size_bytes: u64,
-    pub stream: i64,
+    /// The entry's `time_us` (wall clock, Unix epoch microseconds).
     pub time_us: i64,
+    pub stack: StackId,
+    /// The action in the top 4 bits, the [`InfoId`] in the low 28.
+    packed: u32,
+}
+
+impl TraceEntry {
+    pub fn new(action: Action, addr: u64, size_bytes: u64, time_us: i64, stack: StackId, info: InfoId) -> Self {
+        debug_assert!(info <= MAX_INFO_ID);
+        TraceEntry { addr, size_bytes, time_us, stack, packed: (action as u32) << 28 | (info & MAX_INFO_ID) }
+    }
+
+    /// What the entry records.
+    pub fn action(&self) -> Action {
+        Action::ALL[((self.packed >> 28) as usize).min(Action::ALL.len() - 1)]
+    }
+
+    /// Id of the entry's [`EntryInfo`] (`Snapshot::info`).
+    pub fn info(&self) -> InfoId {
+        self.packed & MAX_INFO_ID
+    }
+}
+
+/// The fields of a trace entry that take few distinct values: stream, `device_free`, `user_metadata` and
+/// `compile_context`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct EntryInfo {
+    /// The CUDA stream (`cudaStream_t` as an integer; 0 is the default stream).
+    pub stream: i64,
     /// Free device bytes reported by an `oom` entry.
     pub device_free_bytes: Option<u64>,
-    pub stack: StackId,
     /// `user_metadata` string id (`_set_memory_metadata`); 0 is "".
     pub user_metadata: u32,
+    /// `compile_context` string id; 0 is "".
     pub compile_context: u32,
 }
 
@@ -137,6 +177,7 @@ pub enum BlockState {
     Inactive,
 }
 
+/// A block of a segment, as the dump saw it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Block {
     pub address: u64,
@@ -146,6 +187,7 @@ pub struct Block {
     pub stack: StackId,
 }
 
+/// A segment (one `cudaMalloc`, or an expandable segment) with its blocks in address order.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Segment {
     pub device: i64,
@@ -171,17 +213,17 @@ pub struct Annotation {
 }
 
 /// A whole snapshot.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, PartialEq)]
 pub struct Snapshot {
     pub strings: Vec<String>,
     pub frames: Vec<Frame>,
     /// Frame ids, innermost first.
     pub stacks: Vec<Vec<u32>>,
     pub segments: Vec<Segment>,
-    /// Trace entries of all devices, in file order.
-    pub traces: Vec<TraceEntry>,
-    /// For each device ordinal, indices into `traces`.
-    pub device_traces: Vec<Vec<u32>>,
+    /// For each device ordinal, its trace entries in order.
+    pub device_traces: Vec<Vec<TraceEntry>>,
+    /// The interned [`EntryInfo`]s that trace entries point to (`TraceEntry::info`).
+    pub entry_infos: Vec<EntryInfo>,
     /// `allocator_settings` as plain JSON.
     pub allocator_settings: serde_json::Map<String, serde_json::Value>,
     pub annotations: Vec<Annotation>,
@@ -205,6 +247,16 @@ impl Snapshot {
             None => "?".into(),
         }
     }
+
+    /// The stream, `device_free`, metadata and compile context of a trace entry.
+    pub fn info(&self, e: &TraceEntry) -> EntryInfo {
+        self.entry_infos.get(e.info() as usize).copied().unwrap_or_default()
+    }
+
+    /// Number of trace entries over all devices.
+    pub fn trace_entries(&self) -> usize {
+        self.device_traces.iter().map(Vec::len).sum()
+    }
 }
 
 /// Interns strings, frames and stacks while a snapshot is decoded.
@@ -216,6 +268,9 @@ pub struct Interner {
     frame_ids: HashMap<Frame, u32, FxBuild>,
     pub stacks: Vec<Vec<u32>>,
     stack_ids: HashMap<Vec<u32>, u32, FxBuild>,
+    pub infos: Vec<EntryInfo>,
+    info_ids: HashMap<EntryInfo, InfoId, FxBuild>,
+    last_info: Option<(EntryInfo, InfoId)>,
 }
 
 impl Interner {
@@ -254,6 +309,29 @@ impl Interner {
             return id;
         }
         self.stack(frames.to_vec())
+    }
+
+    /// Interns an entry's [`EntryInfo`]; `None` past [`MAX_INFO_ID`] distinct ones.
+    pub fn info(&mut self, info: EntryInfo) -> Option<InfoId> {
+        if let Some((last, id)) = self.last_info {
+            if last == info {
+                return Some(id);
+            }
+        }
+        let id = match self.info_ids.get(&info) {
+            Some(&id) => id,
+            None => {
+                let id = self.infos.len() as InfoId;
+                if id > MAX_INFO_ID {
+                    return None;
+                }
+                self.infos.push(info);
+                self.info_ids.insert(info, id);
+                id
+            }
+        };
+        self.last_info = Some((info, id));
+        Some(id)
     }
 
     pub fn stack(&mut self, frames: Vec<u32>) -> StackId {

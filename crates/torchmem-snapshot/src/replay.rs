@@ -53,7 +53,7 @@ impl LiveSet {
 
     /// Applies one trace entry.
     pub fn apply(&mut self, e: &TraceEntry) -> Change {
-        match e.action {
+        match e.action() {
             Action::Alloc => {
                 self.live.insert(e.addr, (e.size_bytes, e.stack));
                 self.current_bytes += e.size_bytes as i128;
@@ -134,14 +134,14 @@ pub struct Replay {
     pub live_without_alloc_bytes: u64,
 }
 
-/// Indices into `snap.traces` of device `device`'s trace, in order (empty when it has none).
-pub fn device_trace(snap: &Snapshot, device: usize) -> &[u32] {
+/// Device `device`'s trace entries, in order (empty when it has none).
+pub fn device_trace(snap: &Snapshot, device: usize) -> &[TraceEntry] {
     snap.device_traces.get(device).map(Vec::as_slice).unwrap_or(&[])
 }
 
 /// Device `device`'s trace entries, in order.
 pub fn device_entries(snap: &Snapshot, device: usize) -> impl Iterator<Item = &TraceEntry> + '_ {
-    device_trace(snap, device).iter().map(move |&i| &snap.traces[i as usize])
+    device_trace(snap, device).iter()
 }
 
 /// The blocks that are not free at the end (the dump's segments) on one device.
@@ -190,7 +190,7 @@ pub fn replay(snap: &Snapshot, device: usize) -> Replay {
     } else {
         r.peak_bytes = (base + max_cur) as u64;
         r.peak_index = max_at;
-        r.peak_time_us = max_at.map(|i| snap.traces[device_trace(snap, device)[i] as usize].time_us);
+        r.peak_time_us = max_at.map(|i| device_trace(snap, device)[i].time_us);
     }
     r
 }
@@ -207,7 +207,7 @@ pub fn live_at(snap: &Snapshot, device: usize, upto: Option<usize>) -> Vec<LiveB
     let mut ghosts: Vec<LiveBlock> = Vec::new();
     for (i, e) in device_entries(snap, device).enumerate() {
         let before = upto.is_some_and(|u| i <= u);
-        match e.action {
+        match e.action() {
             Action::Alloc => {
                 seen_alloc.insert(e.addr);
                 live_end.insert(e.addr);
@@ -266,7 +266,7 @@ pub fn index_at_time(snap: &Snapshot, device: usize, time_us: i64) -> Option<usi
 /// First and last `time_us` of a device's trace (`None` when it has no entries).
 pub fn time_range_us(snap: &Snapshot, device: usize) -> Option<(i64, i64)> {
     let t = device_trace(snap, device);
-    Some((snap.traces[*t.first()? as usize].time_us, snap.traces[*t.last()? as usize].time_us))
+    Some((t.first()?.time_us, t.last()?.time_us))
 }
 
 #[cfg(test)]
@@ -274,24 +274,13 @@ mod tests {
     use super::*;
 
     fn entry(action: Action, addr: u64, size_bytes: u64, time_us: i64) -> TraceEntry {
-        TraceEntry {
-            action,
-            addr,
-            size_bytes,
-            stream: 0,
-            time_us,
-            device_free_bytes: None,
-            stack: NO_STACK,
-            user_metadata: 0,
-            compile_context: 0,
-        }
+        TraceEntry::new(action, addr, size_bytes, time_us, NO_STACK, 0)
     }
 
     fn snap_of(entries: Vec<TraceEntry>, end_blocks: Vec<Block>) -> Snapshot {
-        let n = entries.len() as u32;
         Snapshot {
-            traces: entries,
-            device_traces: vec![(0..n).collect()],
+            device_traces: vec![entries],
+            entry_infos: vec![EntryInfo::default()],
             segments: vec![Segment {
                 device: 0,
                 address: 0,

@@ -153,8 +153,8 @@ pub fn summarize(snap: &Snapshot) -> Summary {
     let max_seg_dev = snap.segments.iter().map(|s| s.device.max(0) as usize + 1).max().unwrap_or(0);
     let n_dev = max_seg_dev.max(snap.device_traces.len());
     let mut action_counts = BTreeMap::new();
-    for t in &snap.traces {
-        *action_counts.entry(t.action.name().to_string()).or_insert(0u64) += 1;
+    for t in snap.device_traces.iter().flatten() {
+        *action_counts.entry(t.action().name().to_string()).or_insert(0u64) += 1;
     }
     let overflowed = snap.allocator_settings.get("trace_alloc_overflowed").and_then(|v| v.as_bool());
     let max_entries = snap.allocator_settings.get("trace_alloc_max_entries").and_then(|v| v.as_u64());
@@ -207,9 +207,12 @@ pub fn summarize(snap: &Snapshot) -> Summary {
         };
         let ooms = trace
             .iter()
-            .map(|&i| &snap.traces[i as usize])
-            .filter(|t| t.action == Action::Oom)
-            .map(|t| OomEvent { size_bytes: t.size_bytes, device_free_bytes: t.device_free_bytes, time_us: t.time_us })
+            .filter(|t| t.action() == Action::Oom)
+            .map(|t| OomEvent {
+                size_bytes: t.size_bytes,
+                device_free_bytes: snap.info(t).device_free_bytes,
+                time_us: t.time_us,
+            })
             .collect();
         devices.push(DeviceSummary {
             device: d,
@@ -225,8 +228,8 @@ pub fn summarize(snap: &Snapshot) -> Summary {
             blocks_pending_free: blocks.1,
             blocks_inactive: blocks.2,
             trace_entries: trace.len(),
-            first_time_us: trace.first().map(|&i| snap.traces[i as usize].time_us),
-            last_time_us: trace.last().map(|&i| snap.traces[i as usize].time_us),
+            first_time_us: trace.first().map(|t| t.time_us),
+            last_time_us: trace.last().map(|t| t.time_us),
             peak_requested_bytes: r.peak_bytes,
             peak_time_us: r.peak_time_us,
             peak_index: r.peak_index,
@@ -249,7 +252,7 @@ pub fn summarize(snap: &Snapshot) -> Summary {
         segments,
         unique_frames: snap.frames.len(),
         unique_stacks: snap.stacks.len(),
-        trace_entries: snap.traces.len(),
+        trace_entries: snap.trace_entries(),
         allocator_settings: snap.allocator_settings.clone(),
         annotations: snap.annotations.len(),
     }

@@ -80,7 +80,7 @@ fn outputs_match_the_golden_files() {
         check(&format!("{name}.json"), &serde_json::to_string_pretty(&v).unwrap());
         // A moment in the middle of device 0's trace.
         let trace = &snap.device_traces[0];
-        let mid_us = snap.traces[trace[trace.len() / 2] as usize].time_us;
+        let mid_us = trace[trace.len() / 2].time_us;
         let tops_mid = sites::top_sites(&snap, &sum.peaks(), 5, Some(mid_us));
         check(&format!("{name}.top_mid.txt"), &sites::render_top_text(&tops_mid));
         check(&format!("{name}.page.txt"), &page_content(&html::render(&snap, &sum, name)));

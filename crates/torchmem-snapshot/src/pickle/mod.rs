@@ -16,6 +16,9 @@ use std::rc::Rc;
 
 use crate::error::PickleError;
 
+pub mod opcodes;
+use opcodes::forbidden_name;
+
 /// Highest pickle protocol understood.
 pub const HIGHEST_PROTOCOL: u8 = 5;
 
@@ -318,28 +321,6 @@ impl<R: Read> Input<R> {
 
 fn io_err(e: std::io::Error, offset: u64) -> PickleError {
     PickleError::Io { offset, msg: e.to_string() }
-}
-
-/// Name of an opcode that executes code or needs outside objects; `None` for allowed opcodes.
-fn forbidden_name(op: u8) -> Option<&'static str> {
-    Some(match op {
-        b'c' => "GLOBAL",
-        0x93 => "STACK_GLOBAL",
-        b'R' => "REDUCE",
-        b'b' => "BUILD",
-        b'i' => "INST",
-        b'o' => "OBJ",
-        0x81 => "NEWOBJ",
-        0x92 => "NEWOBJ_EX",
-        0x82 => "EXT1",
-        0x83 => "EXT2",
-        0x84 => "EXT4",
-        b'P' => "PERSID",
-        b'Q' => "BINPERSID",
-        0x97 => "NEXT_BUFFER",
-        0x98 => "READONLY_BUFFER",
-        _ => return None,
-    })
 }
 
 /// An unpickled value with everything it may reference. Dropping it breaks reference cycles (a
