@@ -74,29 +74,104 @@ pub const BYTEARRAY8: u8 = 0x96;
 pub const NEXT_BUFFER: u8 = 0x97;
 pub const READONLY_BUFFER: u8 = 0x98;
 
+/// The `pickletools` name of an opcode (`"?"` for bytes that are not one).
+pub fn name(code: u8) -> &'static str {
+    match code {
+        MARK => "MARK",
+        STOP => "STOP",
+        POP => "POP",
+        POP_MARK => "POP_MARK",
+        DUP => "DUP",
+        FLOAT => "FLOAT",
+        INT => "INT",
+        BININT => "BININT",
+        BININT1 => "BININT1",
+        LONG => "LONG",
+        BININT2 => "BININT2",
+        NONE => "NONE",
+        PERSID => "PERSID",
+        BINPERSID => "BINPERSID",
+        REDUCE => "REDUCE",
+        STRING => "STRING",
+        BINSTRING => "BINSTRING",
+        SHORT_BINSTRING => "SHORT_BINSTRING",
+        UNICODE => "UNICODE",
+        BINUNICODE => "BINUNICODE",
+        APPEND => "APPEND",
+        BUILD => "BUILD",
+        GLOBAL => "GLOBAL",
+        DICT => "DICT",
+        EMPTY_DICT => "EMPTY_DICT",
+        APPENDS => "APPENDS",
+        GET => "GET",
+        BINGET => "BINGET",
+        INST => "INST",
+        LONG_BINGET => "LONG_BINGET",
+        LIST => "LIST",
+        EMPTY_LIST => "EMPTY_LIST",
+        OBJ => "OBJ",
+        PUT => "PUT",
+        BINPUT => "BINPUT",
+        LONG_BINPUT => "LONG_BINPUT",
+        SETITEM => "SETITEM",
+        TUPLE => "TUPLE",
+        EMPTY_TUPLE => "EMPTY_TUPLE",
+        SETITEMS => "SETITEMS",
+        BINFLOAT => "BINFLOAT",
+        PROTO => "PROTO",
+        NEWOBJ => "NEWOBJ",
+        EXT1 => "EXT1",
+        EXT2 => "EXT2",
+        EXT4 => "EXT4",
+        TUPLE1 => "TUPLE1",
+        TUPLE2 => "TUPLE2",
+        TUPLE3 => "TUPLE3",
+        NEWTRUE => "NEWTRUE",
+        NEWFALSE => "NEWFALSE",
+        LONG1 => "LONG1",
+        LONG4 => "LONG4",
+        BINBYTES => "BINBYTES",
+        SHORT_BINBYTES => "SHORT_BINBYTES",
+        SHORT_BINUNICODE => "SHORT_BINUNICODE",
+        BINUNICODE8 => "BINUNICODE8",
+        BINBYTES8 => "BINBYTES8",
+        EMPTY_SET => "EMPTY_SET",
+        ADDITEMS => "ADDITEMS",
+        FROZENSET => "FROZENSET",
+        NEWOBJ_EX => "NEWOBJ_EX",
+        STACK_GLOBAL => "STACK_GLOBAL",
+        MEMOIZE => "MEMOIZE",
+        FRAME => "FRAME",
+        BYTEARRAY8 => "BYTEARRAY8",
+        NEXT_BUFFER => "NEXT_BUFFER",
+        READONLY_BUFFER => "READONLY_BUFFER",
+        _ => "?",
+    }
+}
+
 /// The opcodes torchmem refuses, with their names: they import or call Python code (GLOBAL, REDUCE, …),
 /// need objects from outside the pickle (PERSID, EXT*) or out-of-band buffers.
-pub const FORBIDDEN: [(u8, &str); 15] = [
-    (GLOBAL, "GLOBAL"),
-    (STACK_GLOBAL, "STACK_GLOBAL"),
-    (REDUCE, "REDUCE"),
-    (BUILD, "BUILD"),
-    (INST, "INST"),
-    (OBJ, "OBJ"),
-    (NEWOBJ, "NEWOBJ"),
-    (NEWOBJ_EX, "NEWOBJ_EX"),
-    (EXT1, "EXT1"),
-    (EXT2, "EXT2"),
-    (EXT4, "EXT4"),
-    (PERSID, "PERSID"),
-    (BINPERSID, "BINPERSID"),
-    (NEXT_BUFFER, "NEXT_BUFFER"),
-    (READONLY_BUFFER, "READONLY_BUFFER"),
+pub const FORBIDDEN: [u8; 15] = [
+    GLOBAL,
+    STACK_GLOBAL,
+    REDUCE,
+    BUILD,
+    INST,
+    OBJ,
+    NEWOBJ,
+    NEWOBJ_EX,
+    EXT1,
+    EXT2,
+    EXT4,
+    PERSID,
+    BINPERSID,
+    NEXT_BUFFER,
+    READONLY_BUFFER,
 ];
 
 /// Name of an opcode that executes code or needs outside objects; `None` for allowed opcodes.
 pub fn forbidden_name(op: u8) -> Option<&'static str> {
-    FORBIDDEN.iter().find(|(b, _)| *b == op).map(|(_, name)| *name)
+    FORBIDDEN.contains(&op).then(|| name(op))
 }
 
 #[cfg(test)]
@@ -113,5 +188,7 @@ mod tests {
             assert_eq!(forbidden_name(ok), None, "0x{ok:02x}");
         }
         assert_eq!((0..=255u8).filter(|b| forbidden_name(*b).is_some()).count(), 15);
+        assert_eq!(name(SETITEMS), "SETITEMS");
+        assert_eq!(name(0xff), "?");
     }
 }
