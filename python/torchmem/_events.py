@@ -1,30 +1,37 @@
-"""The pipe to the recorder: when this process runs under `torchmem run`, `TORCHMEM_EVENT_FD` names a pipe and
-every event (markers, allocator samples, line profiles) goes there as one JSON line, in the format of
-`torchmem-core/src/wire.rs`. Outside `torchmem run` nothing is sent and `emit` costs one attribute check."""
+"""The line to the recorder: when this process runs under `torchmem run`, every event (markers, allocator
+samples, line profiles) goes to the recorder as one JSON line, in the format of `torchmem-core/src/wire.rs`.
+`TORCHMEM_EVENT_SOCKET` names the recorder's Unix socket, which every process of the run connects to by
+itself (so processes started by multiprocessing's `spawn`, which inherit no descriptor, are heard too); the
+extension (`events.rs`) does the connecting, buffering and writing, and says who is sending (pid, rank).
+`TORCHMEM_EVENT_FD` (an inherited pipe) is the older way, still read for tests. Outside `torchmem run` nothing
+is sent and `emit` costs one attribute check."""
 
 from __future__ import annotations
 
 import atexit
 import json
 import os
-import threading
 import time
+from typing import Any
 
-_fd: int | None = None
-_lock = threading.Lock()
-_native_mod = None  # torchmem._native, once loaded (a failed import leaves it None: plain writes then)
+_on = False  # a recorder is listening
+_native_mod = None  # torchmem._native, once loaded
+_nvml_of: dict[int, int] = {}  # torch's CUDA index -> NVML index, as the allocator samples are keyed
 
 
 def _init() -> None:
-    global _fd
+    global _on
+    if os.environ.get("TORCHMEM_EVENT_SOCKET"):
+        _on = True
+        return
     value = os.environ.get("TORCHMEM_EVENT_FD")
     if value is None:
         return
     try:
-        _fd = int(value)
-        os.fstat(_fd)
+        os.fstat(int(value))
+        _on = True
     except (ValueError, OSError):
-        _fd = None
+        _on = False
 
 
 _init()
@@ -32,7 +39,7 @@ _init()
 
 def enabled() -> bool:
     """True when a recorder is listening (this process runs under `torchmem run`)."""
-    return _fd is not None
+    return _on
 
 
 def now_ns() -> int:
@@ -42,27 +49,39 @@ def now_ns() -> int:
 
 def emit(message: dict) -> None:
     """Queue one message for the recorder; never raises. The Rust side buffers it and the allocator sampler
-    thread writes the buffer to the pipe every tick (10 ms), so the training loop pays no system call per
-    event; without a sampler it is written at once. A closed pipe (recorder gone) turns sending off."""
-    global _fd
-    if _fd is None:
-        return
-    line = json.dumps(message, separators=(",", ":"))
-    try:
-        _ext().emit_event(line)
-    except Exception:
-        _write_now(line)
-
-
-def emit_marker(t_ns: int, kind: str, edge: str, name: str, index: int | None, memory: dict) -> None:
-    """Queue one marker (the API's hot path: every phase, step and epoch edge); formatted in Rust."""
-    if _fd is None:
+    thread writes the buffer out every tick (10 ms), so the training loop pays no system call per event;
+    without a sampler it is written at once."""
+    if not _on:
         return
     try:
-        _ext().emit_marker(t_ns, kind, edge, name, index, memory)
+        _ext().emit_event(json.dumps(message, separators=(",", ":")))
     except Exception:
-        msg = {"type": "marker", "t_ns": t_ns, "kind": kind, "edge": edge, "name": name, "index": index}
-        _write_now(json.dumps({**msg, "memory": memory}, separators=(",", ":")))
+        pass
+
+
+def emit_marker(
+    t_ns: int, kind: str, edge: str, name: str, index: int | None, memory: dict, device: int | None = None
+) -> None:
+    """Queue one marker (the API's hot path: every phase, step and epoch edge); formatted in Rust. `device`:
+    the CUDA device (torch's index) whose allocator `memory` read, None for CPU only."""
+    if not _on:
+        return
+    try:
+        _ext().emit_marker(t_ns, kind, edge, name, index, memory, None if device is None else _nvml_index(device))
+    except Exception:
+        pass
+
+
+def _nvml_index(device: int) -> int:
+    """The NVML index of torch's CUDA device `device` (the GPU rows' key), torch's own where NVML cannot say."""
+    index = _nvml_of.get(device)
+    if index is None:
+        from . import api
+
+        torch: Any = api._torch()
+        found = api._nvml_index(torch, device) if torch is not None else None
+        index = _nvml_of[device] = device if found is None else found
+    return index
 
 
 def _ext():  # noqa: ANN202  (the extension module, loaded once)
@@ -74,20 +93,9 @@ def _ext():  # noqa: ANN202  (the extension module, loaded once)
     return _native_mod
 
 
-def _write_now(line: str) -> None:
-    global _fd
-    with _lock:
-        if _fd is None:
-            return
-        try:
-            os.write(_fd, (line + "\n").encode())
-        except OSError:
-            _fd = None
-
-
 def flush() -> None:
     """Write buffered messages now (at exit; the sampler does it every tick otherwise)."""
-    if _fd is None:
+    if not _on:
         return
     try:
         _ext().flush_events()

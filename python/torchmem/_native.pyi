@@ -75,6 +75,17 @@ def allocator_counters(nested: dict[str, Any]) -> tuple[int, int, int, int, int,
     """(allocated, reserved, peak_allocated, peak_reserved, active, inactive_split, num_alloc_retries, num_ooms)
     in bytes/counts from `torch._C._cuda_memoryStats(dev)`'s nested dict (missing keys read as 0)."""
 
+def program_peaks_fold(device: int, nested: dict[str, Any]) -> None:
+    """The peak ledger (python/torchmem/_ledger.py): folds every `peak` stat of `nested` (a
+    `_cuda_memoryStats(device)` dict read just before torchmem resets the counters) into the program's view."""
+
+def program_peaks_apply(device: int, nested: dict[str, Any]) -> dict[str, Any]:
+    """Raises, in place, every `peak` stat of `nested` to the program's view (what it would read had torchmem
+    never reset the counters) and returns it."""
+
+def program_peaks_clear(device: int) -> None:
+    """Forgets the program's view of device `device` (the program reset its peaks itself)."""
+
 def read_allocator_once() -> list[str]:
     """One allocator-sampler read: a wire line {"type":"torch",...} per CUDA device whose allocator was used;
     [] when torch is not imported or CUDA not initialised (never initialises CUDA)."""
@@ -96,8 +107,11 @@ def allocator_sampler_running() -> bool:
 def line_start(hook: str, gate_ns: float | None = None, gpu_probe: Any = None) -> dict[str, Any]:
     """Start the line profiler. `hook`: "settrace" (Python <= 3.11) or "monitoring" (>= 3.12). `gate_ns`
     overrides the calibrated gate (0 = read memory at every event). `gpu_probe()` returns None until CUDA is
-    initialised, then `(device, torch._C._cuda_memoryStats, torch._C._cuda_resetPeakMemoryStats)`.
-    Returns {"hook", "gate_ns", "min_page_fault_ns"}."""
+    initialised, then `(device, stats, reset)`: the allocator's own `_cuda_memoryStats` and the peak ledger's
+    reset for the line profiler. Returns {"hook", "gate_ns", "min_page_fault_ns"}."""
+def line_fold_gpu_peak(device: int, peak_bytes: int) -> None:
+    """The peak ledger's fold: another reader saw `peak_bytes` as device `device`'s allocated peak just before
+    resetting the counters; the line profiler's next read of that device counts it."""
 def line_stop() -> None:
     """Stop accounting (hooks still installed return at once)."""
 def line_clear() -> None:
@@ -166,11 +180,19 @@ def emit_event(line: str) -> bool:
     """Queue one JSON message (no newline) for `torchmem run`'s recorder; written by the sampler thread every
     tick, or at once when no sampler runs. False when there is no recorder."""
 
-def emit_marker(t_ns: int, kind: str, edge: str, name: str, index: int | None, memory: dict[str, int]) -> bool:
+def emit_marker(
+    t_ns: int,
+    kind: str,
+    edge: str,
+    name: str,
+    index: int | None,
+    memory: dict[str, int],
+    device: int | None = None,
+) -> bool:
     """Queue one marker message (the `marker` wire format of `torchmem-core/src/wire.rs`), formatted in Rust.
     `kind`: epoch|step|phase|mark; `edge`: start|end|point; `memory`: the `MarkerMemory` fields read
-    (`rss_bytes`, `allocated_bytes`, `reserved_bytes`, `peak_*_bytes`). ValueError for an unknown kind or
-    edge. False when there is no recorder."""
+    (`rss_bytes`, `allocated_bytes`, `reserved_bytes`, `peak_*_bytes`); `device`: the GPU `memory` read, by
+    NVML index (None: CPU only). ValueError for an unknown kind or edge. False when there is no recorder."""
 
 def flush_events() -> bool:
     """Write the queued messages now. False when there is no recorder."""

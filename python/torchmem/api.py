@@ -4,11 +4,12 @@ cache really frees (`empty_cache`), and named phases (`track`). Numbers come fro
 (read through `torch._C._cuda_memoryStats`, ~13 µs, instead of the ~100 µs `memory_allocated()`), from
 /proc and from NVML through the Rust extension. Nothing here imports torch or creates a CUDA context.
 
-Peaks are exact even when peak windows nest: opening a window (`with peak()`, `track`, a Monitor phase)
-folds the peak counters reached so far into every open window and into a process-wide accumulator, then
-resets PyTorch's peak counters (and the kernel's peak RSS). So `torchmem.peak()` and every enclosing window
-stay exact, but PyTorch's own `torch.cuda.max_memory_allocated()` then means "since the innermost window
-opened": use `torchmem.peak()` instead while torchmem windows are in use.
+Peaks are exact even when peak windows nest, and torchmem stays invisible to the program's own readings:
+opening a window (`with peak()`, `track`, a Monitor phase) resets PyTorch's peak counters (and the kernel's
+peak RSS) through the peak ledger (`_ledger.py`), which first folds the peaks reached so far into every
+reader, the program included. `torch.cuda.max_memory_allocated()`, `memory_stats()`'s `*.peak` keys and
+`resource.getrusage(RUSAGE_SELF).ru_maxrss` read as without torchmem; what cannot be kept is listed in
+docs/python-api.md ("What torchmem changes in your process").
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ import functools
 import json
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from . import _events, _native
+from . import _events, _ledger, _native
 
 # --- reading torch without importing it ----------------------------------------------------------------
 
@@ -51,11 +51,7 @@ def _cuda_available_now(torch: Any) -> bool:
     return _cuda_available
 
 
-def _cuda_initialized(torch: Any) -> bool:
-    try:
-        return bool(torch.cuda.is_initialized())
-    except Exception:
-        return False
+_cuda_initialized = _ledger.cuda_initialized
 
 
 def _cuda_index(device: Any, torch: Any) -> int | None:
@@ -85,17 +81,9 @@ def _cuda_index(device: Any, torch: Any) -> int | None:
     return int(index)
 
 
-def _counters(torch: Any, dev: int) -> tuple[int, int, int, int, int, int, int, int] | None:
-    """(allocated, reserved, peak_allocated, peak_reserved, active, inactive_split, retries, ooms), or None
-    before CUDA is initialised (the allocator then holds nothing)."""
-    if not _cuda_initialized(torch):
-        return None
-    return _native.allocator_counters(torch._C._cuda_memoryStats(dev))
-
-
-def _reset_torch_peak(torch: Any, dev: int) -> None:
-    if _cuda_initialized(torch):
-        torch._C._cuda_resetPeakMemoryStats(dev)
+#: (allocated, reserved, peak_allocated, peak_reserved, active, inactive_split, retries, ooms) as the allocator
+#: holds them (its own binding, never the program's view), or None before CUDA is initialised.
+_counters = _ledger.counters
 
 
 _nvml_index_cache: dict[int, int] = {}
@@ -243,20 +231,6 @@ class Stats:
         return "\n".join(lines)
 
 
-def _fold_and_reset_gpu_peak(dev: int) -> None:
-    """Resets the allocator's peak counters of `dev` without losing what they held: the peak so far goes into
-    every open `peak()`/`track()` window and into `torchmem.peak()`'s accumulator first. Every torchmem part
-    that resets torch's peaks (windows, the line profiler) goes through here, so their peaks stay exact."""
-    with _PEAKS.lock:
-        torch = _torch()
-        if torch is None:
-            return
-        counters = _counters(torch, dev)
-        if counters is not None:
-            _PEAKS.fold_gpu(dev, counters)
-        _reset_torch_peak(torch, dev)
-
-
 def stats(device: Any = None, *, uss: bool = False) -> Stats:
     """This process's memory now: PyTorch's allocator counters for `device` (default: the current CUDA
     device), NVML's view of the process, and the CPU's RSS (and USS/PSS with `uss=True`). Cheap by default
@@ -283,7 +257,7 @@ def stats(device: Any = None, *, uss: bool = False) -> Stats:
     )
     if dev is not None:
         c = _counters(torch, dev) or (0, 0, 0, 0, 0, 0, 0, 0)
-        acc_alloc, acc_reserved = _PEAKS.gpu_acc.get(dev, (0, 0))
+        acc_alloc, acc_reserved = _ledger.gpu_acc.get(dev, (0, 0))
         gpu.update(
             allocated_bytes=c[0],
             reserved_bytes=c[1],
@@ -315,99 +289,13 @@ def stats(device: Any = None, *, uss: bool = False) -> Stats:
 # --- peaks ------------------------------------------------------------------------------------------------
 
 
-class _Window:
-    """The maxima folded into one open peak window (values read before a counter reset)."""
-
-    __slots__ = ("dev", "alloc", "reserved", "rss")
-
-    def __init__(self, dev: int | None) -> None:
-        self.dev = dev
-        self.alloc = 0
-        self.reserved = 0
-        self.rss = 0
-
-
-class _PeakState:
-    """Process-wide: open windows and the accumulator since the last `reset_peak()`."""
-
-    def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self.windows: list[_Window] = []
-        self.gpu_acc: dict[int, tuple[int, int]] = {}
-        self.rss_acc = 0
-        self.rss_reset_works = True
-
-    def fold_and_reset(self, torch: Any, dev: int | None) -> tuple[int | None, tuple | None]:
-        """Folds the current peaks into every open window and the accumulator, then resets the counters
-        (device `dev` and the peak RSS). Returns the (rss, counters) read before the reset."""
-        mem = _native.self_memory()
-        rss, rss_peak = (mem[0], mem[1]) if mem else (None, 0)
-        counters = _counters(torch, dev) if (torch is not None and dev is not None) else None
-        for w in self.windows:
-            w.rss = max(w.rss, rss_peak)
-        self.rss_acc = max(self.rss_acc, rss_peak)
-        if counters is not None:
-            self.fold_gpu(dev, counters)  # type: ignore[arg-type]
-            _reset_torch_peak(torch, dev)  # type: ignore[arg-type]
-        # Resetting VmHWM takes the process's mmap lock for writing (it waits for any reader, such as a
-        # recorder walking smaps): skip it when the peak is the current RSS, where it would change nothing.
-        if self.rss_reset_works and rss is not None and rss_peak > rss:
-            self.rss_reset_works = _native.reset_peak_rss()
-        return rss, counters
-
-    def fold_gpu(self, dev: int, counters: tuple) -> None:
-        """Folds the allocator's peaks read just before a reset into every open window and the accumulator."""
-        for w in self.windows:
-            if w.dev == dev:
-                w.alloc = max(w.alloc, counters[2])
-                w.reserved = max(w.reserved, counters[3])
-        a, r = self.gpu_acc.get(dev, (0, 0))
-        self.gpu_acc[dev] = (max(a, counters[2]), max(r, counters[3]))
-
-    def open(self, dev: int | None) -> tuple[_Window, int | None, tuple | None]:
-        with self.lock:
-            torch = _torch()
-            rss, counters = self.fold_and_reset(torch, dev)
-            w = _Window(dev)
-            if rss is not None:
-                w.rss = rss
-            if counters is not None:
-                w.alloc, w.reserved = counters[0], counters[1]
-            self.windows.append(w)
-            return w, rss, counters
-
-    def close(self, w: _Window) -> tuple[int | None, int | None, int | None, int | None, tuple | None]:
-        """Ends a window: (peak_rss, peak_allocated, peak_reserved, rss now, counters now)."""
-        with self.lock:
-            torch = _torch()
-            mem = _native.self_memory()
-            counters = _counters(torch, w.dev) if (torch is not None and w.dev is not None) else None
-            if w in self.windows:
-                self.windows.remove(w)
-            rss = mem[0] if mem else None
-            peak_rss = None
-            if mem:
-                # Without a working peak-RSS reset, VmHWM is the peak since start: use only what we saw.
-                peak_rss = max(w.rss, mem[1] if self.rss_reset_works else mem[0])
-            peak_alloc = max(w.alloc, counters[2]) if counters else (None if w.dev is None else w.alloc)
-            peak_reserved = max(w.reserved, counters[3]) if counters else (None if w.dev is None else w.reserved)
-            return peak_rss, peak_alloc, peak_reserved, rss, counters
-
-
-_PEAKS = _PeakState()
-
-
 def reset_peak(device: Any = None) -> None:
-    """Starts a new peak period for `torchmem.peak()`: PyTorch's peak counters of `device` and the peak RSS
-    are reset. Open `with peak()` / `track` windows keep their exact peaks (they are folded in first)."""
+    """Starts a new peak period for `torchmem.peak()` and `stats().peak_*` (device `device` and CPU RSS). Only
+    torchmem's own period: open `with peak()` / `track` windows keep their exact peaks, and what the program
+    reads (`torch.cuda.max_memory_allocated()`, `ru_maxrss`) does not change. To reset PyTorch's peak for the
+    program, call `torch.cuda.reset_peak_memory_stats()` as usual (torchmem's readers keep theirs)."""
     torch = _torch()
-    dev = _cuda_index(device, torch)
-    with _PEAKS.lock:
-        _PEAKS.fold_and_reset(torch, dev)
-        if dev is not None:
-            _PEAKS.gpu_acc.pop(dev, None)
-        mem = _native.self_memory()
-        _PEAKS.rss_acc = mem[0] if mem else 0
+    _ledger.reset_torchmem_peak(torch, _cuda_index(device, torch))
 
 
 @dataclasses.dataclass
@@ -421,7 +309,7 @@ class Peak:
     allocated_bytes: int | None
     reserved_bytes: int | None
     rss_bytes: int | None
-    _window: _Window | None = dataclasses.field(default=None, repr=False, compare=False)
+    _window: _ledger.Window | None = dataclasses.field(default=None, repr=False, compare=False)
 
     allocated = property(lambda self: self.allocated_bytes)
     reserved = property(lambda self: self.reserved_bytes)
@@ -439,12 +327,12 @@ class Peak:
         return f"peak: {gpu}CPU RSS {_fmt(self.rss_bytes)}"
 
     def __enter__(self) -> Peak:
-        self._window, _, _ = _PEAKS.open(self.device)
+        self._window, _, _ = _ledger.open_window(_torch(), self.device)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._window is not None:
-            rss, alloc, reserved, _, _ = _PEAKS.close(self._window)
+            rss, alloc, reserved, _, _ = _ledger.close_window(_torch(), self._window)
             self.rss_bytes, self.allocated_bytes, self.reserved_bytes = rss, alloc, reserved
             self._window = None
 
@@ -454,13 +342,13 @@ def peak(device: Any = None) -> Peak:
     `with torchmem.peak() as p:` gives the peak inside the block instead."""
     torch = _torch()
     dev = _cuda_index(device, torch)
-    with _PEAKS.lock:
+    with _ledger.lock:
         mem = _native.self_memory()
-        rss = max(_PEAKS.rss_acc, mem[1] if _PEAKS.rss_reset_works else 0) if mem else None
+        rss = max(_ledger.rss_acc, mem[1] if _ledger.rss_reset_works else 0) if mem else None
         alloc = reserved = None
         if dev is not None:
             c = _counters(torch, dev) or (0, 0, 0, 0, 0, 0, 0, 0)
-            a, r = _PEAKS.gpu_acc.get(dev, (0, 0))
+            a, r = _ledger.gpu_acc.get(dev, (0, 0))
             alloc, reserved = max(a, c[2]), max(r, c[3])
     return Peak(dev, alloc, reserved, rss)
 
@@ -564,8 +452,11 @@ def _memory_now(dev: int | None) -> dict[str, Any]:
     return mem
 
 
-def _record(kind: str, edge: str, name: str, index: int | None, memory: dict[str, Any]) -> dict[str, Any]:
-    """One marker in `model::Marker` form: sent to the recorder under `torchmem run` and to open Monitors."""
+def _record(
+    kind: str, edge: str, name: str, index: int | None, memory: dict[str, Any], dev: int | None = None
+) -> dict[str, Any]:
+    """One marker in `model::Marker` form: sent to the recorder under `torchmem run` (with `dev`, the CUDA device
+    `memory` read) and to open Monitors."""
     marker = {
         "t_ns": time.monotonic_ns(),
         "kind": kind,
@@ -574,8 +465,8 @@ def _record(kind: str, edge: str, name: str, index: int | None, memory: dict[str
         "index": index,
         "memory": memory,
     }
-    if _events._fd is not None:
-        _events.emit_marker(marker["t_ns"], kind, edge, name, index, memory)
+    if _events._on:
+        _events.emit_marker(marker["t_ns"], kind, edge, name, index, memory, dev)
     for sink in list(_sinks):
         sink(marker)
     return marker
@@ -586,7 +477,7 @@ def _mark(name: str, dev: int | None | str = "current") -> dict[str, Any]:
     if dev == "current":
         torch = _torch()
         dev = _cuda_index(None, torch) if torch is not None and _cuda_initialized(torch) else None
-    return _record("mark", "point", name, None, _memory_now(dev))  # type: ignore[arg-type]
+    return _record("mark", "point", name, None, _memory_now(dev), dev)  # type: ignore[arg-type]
 
 
 def mark(name: str, device: Any = None) -> dict[str, Any]:
@@ -606,22 +497,22 @@ class _Span:
 
     def __init__(self, kind: str, name: str, index: int | None, dev: int | None) -> None:
         self.kind, self.name, self.index, self.dev = kind, name, index, dev
-        self.window, rss, counters = _PEAKS.open(dev)
+        self.window, rss, counters = _ledger.open_window(_torch(), dev)
         self.entry: dict[str, Any] = {"rss_bytes": rss}
         if dev is not None:
             self.entry["allocated_bytes"], self.entry["reserved_bytes"] = (
                 (counters[0], counters[1]) if counters else (0, 0)
             )
-        self.start = _record(kind, "start", name, index, self.entry)
+        self.start = _record(kind, "start", name, index, self.entry, dev)
         self.t0_ns: int = self.start["t_ns"]
 
     def close(self) -> dict[str, Any]:
-        peak_rss, peak_alloc, peak_reserved, rss, counters = _PEAKS.close(self.window)
+        peak_rss, peak_alloc, peak_reserved, rss, counters = _ledger.close_window(_torch(), self.window)
         exit_mem: dict[str, Any] = {"rss_bytes": rss, "peak_rss_bytes": peak_rss}
         if self.dev is not None:
             exit_mem["allocated_bytes"], exit_mem["reserved_bytes"] = (counters[0], counters[1]) if counters else (0, 0)
             exit_mem["peak_allocated_bytes"], exit_mem["peak_reserved_bytes"] = peak_alloc, peak_reserved
-        return _record(self.kind, "end", self.name, self.index, exit_mem)
+        return _record(self.kind, "end", self.name, self.index, exit_mem, self.dev)
 
 
 def _span_device(device: Any) -> int | None:

@@ -3,35 +3,60 @@
 //!
 //! A Python program gets torchmem's in-process part with no change to its code: a `sitecustomize.py` placed
 //! first on `PYTHONPATH` imports `torchmem._bootstrap`, which samples PyTorch's allocator and sends the
-//! Python API's events through the pipe named by `TORCHMEM_EVENT_FD`.
+//! Python API's events to the recorder's Unix socket named by `TORCHMEM_EVENT_SOCKET` (every process of the
+//! run, spawned ones included, connects to it by itself).
+//!
+//! As a supervisor it is never worse than running the program bare: signals are passed on exactly once and
+//! ignored ones stay ignored (`signals`); the output path is checked before anything is created or removed,
+//! an existing profile is replaced only with `--force`, and a profile that another live run holds never
+//! (`output_path`, `store::ProfileWriter::create`); a failed start leaves no file behind; the summary is read
+//! through the run's own connection; a program killed by a signal is named, with the OOM killer's part
+//! (`oom_watch`). The live status line is opt-in (`--status`, `status_bar`): the program shares the
+//! terminal, and a repainted line would glue itself to its output.
 
-use std::io::IsTerminal;
-use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::ffi::OsString;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
-use torchmem_core::model::RunMeta;
+use anyhow::{anyhow, bail};
+use torchmem_core::model::{signal_name, RunMeta};
 use torchmem_core::sources::gpu::{GpuSource, NvmlSource};
 use torchmem_core::store::{Profile, ProfileWriter};
 use torchmem_core::units::format_bytes;
 
-use crate::recorder::{spawn_pipe_reader, Config, Recorder};
+use crate::oom_watch::OomWatch;
+use crate::output_path::{self, Existing};
+use crate::recorder::{Config, EventListener, Recorder};
+use crate::signals::Supervisor;
+use crate::status_bar::StatusBar;
 
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
-    /// Profile file to write [default: torchmem-<program>-<date>-<time>.sqlite in the current directory].
+    /// Profile file to write [default: torchmem-<program>-<date>-<time>-<pid>.sqlite in the current
+    /// directory]. An existing profile is replaced only with --force; any other existing file never.
     #[arg(short = 'o', long = "output", value_name = "PROFILE")]
     pub output: Option<PathBuf>,
+    /// Replace an existing profile at -o's path (never a file that is not a torchmem profile, nor a profile
+    /// that another run is recording).
+    #[arg(short = 'f', long)]
+    pub force: bool,
+    /// Run a Python module, as `python -m MODULE [ARGS…]` (the COMMAND words are its arguments).
+    #[arg(short = 'm', value_name = "MODULE")]
+    pub module: Option<String>,
     /// CPU RSS and GPU sampling interval in milliseconds.
     #[arg(long = "interval", value_name = "MS", default_value_t = 10.0)]
     pub interval_ms: f64,
     /// PSS/USS (smaps_rollup) interval in milliseconds; slower because it is costlier.
     #[arg(long = "pss-interval", value_name = "MS", default_value_t = 250.0)]
     pub pss_interval_ms: f64,
+    /// Markers kept per step or phase name and process: later occurrences are folded into exact per-epoch
+    /// totals, so a long, fast loop's profile stays small (0: fold all but epochs and marks).
+    #[arg(long = "keep-spans", value_name = "N", default_value_t = torchmem_core::fold::DEFAULT_KEEP_SPANS)]
+    pub keep_spans: u64,
     /// Line-by-line profile: `--line` profiles functions decorated with @profile; `--line=FILE_OR_MODULE:FUNCTION`
     /// (repeatable) picks functions by name.
     #[arg(long = "line", num_args = 0..=1, require_equals = true, default_missing_value = "", action = clap::ArgAction::Append, value_name = "FILE_OR_MODULE:FUNCTION")]
@@ -42,35 +67,17 @@ pub struct RunArgs {
     /// Do not load torchmem inside the profiled Python process (no allocator timeline, no API events).
     #[arg(long)]
     pub no_inject: bool,
-    /// No live status line and no summary at the end.
+    /// Show a live status line in the terminal's bottom row (reserved, so it never mixes with the
+    /// program's output). Off by default: only the summary at the end.
+    #[arg(long, conflicts_with = "quiet")]
+    pub status: bool,
+    /// No summary at the end (a program killed by a signal is still named).
     #[arg(short, long)]
     pub quiet: bool,
-    /// The program: `script.py [ARGS…]` runs under the current Python; anything else runs as given.
-    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "COMMAND")]
+    /// The program: `script.py [ARGS…]` (or a directory with `__main__.py`) runs under the current Python;
+    /// anything else runs as given.
+    #[arg(required_unless_present = "module", trailing_var_arg = true, allow_hyphen_values = true, value_name = "COMMAND")]
     pub command: Vec<String>,
-}
-
-static PENDING_SIGNAL: AtomicI32 = AtomicI32::new(0);
-static PENDING_FROM_TTY: AtomicI32 = AtomicI32::new(0);
-
-extern "C" fn on_signal(sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
-    // SAFETY: the kernel passes a valid siginfo for SA_SIGINFO handlers.
-    let code = unsafe { (*info).si_code };
-    PENDING_FROM_TTY.store((code == libc::SI_KERNEL) as i32, Ordering::SeqCst);
-    PENDING_SIGNAL.store(sig, Ordering::SeqCst);
-}
-
-fn install_signal_handlers() {
-    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
-        // SAFETY: a zeroed sigaction with our async-signal-safe handler (it only stores atomics).
-        unsafe {
-            let mut sa: libc::sigaction = std::mem::zeroed();
-            sa.sa_sigaction = on_signal as *const () as usize;
-            sa.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART;
-            libc::sigemptyset(&mut sa.sa_mask);
-            libc::sigaction(sig, &sa, std::ptr::null_mut());
-        }
-    }
 }
 
 /// The Python interpreter for bare scripts: `TORCHMEM_PYTHON` (set by the wheel's entry point to the
@@ -79,89 +86,172 @@ fn python_interpreter() -> String {
     std::env::var("TORCHMEM_PYTHON").ok().filter(|s| !s.is_empty()).unwrap_or_else(|| "python3".into())
 }
 
-fn find_on_path(program: &str) -> Option<PathBuf> {
-    if program.contains('/') {
-        let p = PathBuf::from(program);
-        return p.is_file().then_some(p);
-    }
-    std::env::var_os("PATH")
-        .and_then(|paths| std::env::split_paths(&paths).map(|d| d.join(program)).find(|p| p.is_file()))
+fn executable(p: &Path) -> bool {
+    let Ok(c) = std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(p.as_os_str())) else {
+        return false;
+    };
+    // SAFETY: access on a NUL-terminated path we own.
+    p.is_file() && unsafe { libc::access(c.as_ptr(), libc::X_OK) } == 0
 }
 
-/// Works out what to execute: a bare `*.py` runs under the current Python.
-pub fn resolve_command(command: &[String]) -> anyhow::Result<Vec<String>> {
-    let first = &command[0];
-    if first.ends_with(".py") {
-        if !Path::new(first).is_file() {
+/// The file to execute for `program`: a path as given, else the first executable match on PATH. Each way
+/// it can fail gets its own message.
+fn find_program(program: &str) -> anyhow::Result<PathBuf> {
+    if program.contains('/') {
+        let p = PathBuf::from(program);
+        if p.is_dir() {
+            bail!("cannot start `{program}`: it is a directory (a directory runs only when it has a __main__.py)");
+        }
+        if !p.exists() {
+            bail!("cannot start `{program}`: no such file. Check the path");
+        }
+        if !executable(&p) {
             bail!(
-                "script not found: {first}. Check the path (it is resolved from the current directory {})",
-                std::env::current_dir().map(|d| d.display().to_string()).unwrap_or_default()
+                "cannot start `{program}`: it is not executable. Make it so (`chmod +x {program}`), or name its interpreter (`torchmem run -- sh {program}`)"
             );
         }
-        let mut argv = vec![python_interpreter()];
+        return Ok(p);
+    }
+    std::env::var_os("PATH")
+        .and_then(|paths| std::env::split_paths(&paths).map(|d| d.join(program)).find(|p| executable(p)))
+        .ok_or_else(|| anyhow!("cannot start `{program}`: no such program on PATH. Check the command, or give a path"))
+}
+
+/// Works out what to execute: `-m MODULE` and a bare `*.py`, `*.pyz` or a directory with `__main__.py` run
+/// under the current Python; anything else runs as given.
+pub fn resolve_command(module: Option<&str>, command: &[String]) -> anyhow::Result<Vec<String>> {
+    if let Some(m) = module {
+        let mut argv = vec![python_interpreter(), "-m".into(), m.to_string()];
         argv.extend(command.iter().cloned());
         return Ok(argv);
+    }
+    let first = &command[0];
+    let path = Path::new(first);
+    let cwd = || std::env::current_dir().map(|d| d.display().to_string()).unwrap_or_default();
+    let python = |argv0: &str| {
+        let mut argv = vec![python_interpreter(), argv0.to_string()];
+        argv.extend(command[1..].iter().cloned());
+        argv
+    };
+    if path.is_dir() {
+        if path.join("__main__.py").is_file() {
+            return Ok(python(first));
+        }
+        bail!(
+            "{first} is a directory, not a program or a script (a directory runs only when it has a __main__.py; resolved from {})",
+            cwd()
+        );
+    }
+    if first.ends_with(".py") || first.ends_with(".pyz") {
+        if !path.is_file() {
+            bail!("script not found: {first}. Check the path (it is resolved from the current directory {})", cwd());
+        }
+        return Ok(python(first));
     }
     Ok(command.to_vec())
 }
 
-fn default_output(command: &[String]) -> PathBuf {
+/// The program's name for the default profile name: the module, the script, or the command.
+fn program_name(module: Option<&str>, command: &[String]) -> String {
+    if let Some(m) = module {
+        return m.replace('.', "_");
+    }
     let program = command.iter().find(|a| a.ends_with(".py")).unwrap_or(&command[0]);
-    let stem = Path::new(program)
-        .file_stem()
-        .and_then(|s| s.to_str())
-        .unwrap_or("run")
-        .replace(|c: char| !c.is_ascii_alphanumeric() && c != '-' && c != '_', "_");
-    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
-    let now = unsafe { libc::time(std::ptr::null_mut()) };
-    // SAFETY: localtime_r fills the tm we own.
-    unsafe { libc::localtime_r(&now, &mut tm) };
-    PathBuf::from(format!(
-        "torchmem-{stem}-{:04}{:02}{:02}-{:02}{:02}{:02}.sqlite",
-        tm.tm_year + 1900,
-        tm.tm_mon + 1,
-        tm.tm_mday,
-        tm.tm_hour,
-        tm.tm_min,
-        tm.tm_sec
-    ))
+    let p = Path::new(program);
+    if p.is_dir() {
+        // `torchmem run -- ./pkgdir`: the directory's name.
+        return std::fs::canonicalize(p)
+            .ok()
+            .and_then(|c| c.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "run".into());
+    }
+    program.clone()
 }
 
 const SITECUSTOMIZE: &str = include_str!("sitecustomize.py");
 
-/// A private folder holding our `sitecustomize.py`, removed when dropped.
-struct InjectDir(PathBuf);
+/// The directory for torchmem's private files: `TMPDIR` when it is an existing directory, else /tmp (with
+/// a warning: a missing `TMPDIR` is never created).
+fn temp_base() -> PathBuf {
+    match std::env::var_os("TMPDIR").filter(|t| !t.is_empty()) {
+        None => PathBuf::from("/tmp"),
+        Some(t) if Path::new(&t).is_dir() => PathBuf::from(t),
+        Some(t) => {
+            eprintln!(
+                "torchmem: warning: TMPDIR={} is not an existing directory; using /tmp for torchmem's files",
+                Path::new(&t).display()
+            );
+            PathBuf::from("/tmp")
+        }
+    }
+}
+
+/// Removes `torchmem-inject-*` and `torchmem-events-*` directories of runs that were killed (SIGKILL gives
+/// no chance to clean up): only ours (same uid), only when the owner pid in the name is gone, and for
+/// inject directories only when no live run holds its lock.
+fn sweep_dead_runs(base: &Path) {
+    let Ok(entries) = std::fs::read_dir(base) else { return };
+    // SAFETY: geteuid is always safe.
+    let uid = unsafe { libc::geteuid() };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(rest) = name.strip_prefix("torchmem-inject-").or_else(|| name.strip_prefix("torchmem-events-")) else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<i32>().ok()).filter(|p| *p > 0) else {
+            continue;
+        };
+        let path = e.path();
+        match std::fs::symlink_metadata(&path) {
+            Ok(m) if m.is_dir() && m.uid() == uid => {}
+            _ => continue,
+        }
+        // SAFETY: signal 0 only checks whether the pid exists.
+        let alive = unsafe { libc::kill(pid, 0) } == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+        if alive {
+            continue;
+        }
+        let Ok(dir) = std::fs::File::open(&path) else { continue };
+        // SAFETY: flock on a directory descriptor we own.
+        if unsafe { libc::flock(dir.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            let _ = std::fs::remove_dir_all(&path);
+        }
+    }
+}
+
+/// A private folder holding our `sitecustomize.py`, locked for the run (so a later run's sweep knows it is
+/// live) and removed when dropped (on every way out of `run`; a SIGKILLed run's is swept by the next).
+struct InjectDir {
+    path: PathBuf,
+    _lock: std::fs::File,
+}
 
 impl InjectDir {
-    fn create() -> anyhow::Result<Self> {
-        let dir = std::env::temp_dir().join(format!(
-            "torchmem-inject-{}-{}",
-            std::process::id(),
-            torchmem_core::clock::monotonic_ns()
-        ));
-        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        std::fs::write(dir.join("sitecustomize.py"), SITECUSTOMIZE)?;
-        Ok(InjectDir(dir))
+    fn create(base: &Path) -> anyhow::Result<Self> {
+        let dir = base.join(format!("torchmem-inject-{}-{}", std::process::id(), torchmem_core::clock::monotonic_ns()));
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .map_err(|e| anyhow!("cannot create torchmem's directory {}: {e}. Set TMPDIR to a writable directory", dir.display()))?;
+        let made = std::fs::write(dir.join("sitecustomize.py"), SITECUSTOMIZE).and_then(|_| std::fs::File::open(&dir));
+        match made {
+            Ok(lock) => {
+                // SAFETY: flock on a directory descriptor we own (released when it closes).
+                unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) };
+                Ok(InjectDir { path: dir, _lock: lock })
+            }
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                bail!("cannot write torchmem's sitecustomize.py into {}: {e}", dir.display())
+            }
+        }
     }
 }
 
 impl Drop for InjectDir {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        let _ = std::fs::remove_dir_all(&self.path);
     }
-}
-
-/// A pipe whose write end the child inherits (no CLOEXEC) and whose read end stays with us.
-fn event_pipe() -> anyhow::Result<(OwnedFd, RawFd)> {
-    let mut fds = [0 as RawFd; 2];
-    // SAFETY: pipe2 writes two fds into the array.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        bail!("cannot create the event pipe: {}", std::io::Error::last_os_error());
-    }
-    // SAFETY: clearing FD_CLOEXEC on the write end we own so the child inherits it.
-    unsafe { libc::fcntl(fds[1], libc::F_SETFD, 0) };
-    // SAFETY: fds[0] is a fresh fd we own.
-    Ok((unsafe { OwnedFd::from_raw_fd(fds[0]) }, fds[1]))
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<i32> {
@@ -173,120 +263,165 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
             args.pss_interval_ms
         );
     }
-    let argv = resolve_command(&args.command)?;
-    let program = find_on_path(&argv[0]).with_context(|| {
-        format!("cannot start `{}`: no such program on PATH. Check the command, or give a path", argv[0])
-    })?;
-    let output = args.output.clone().unwrap_or_else(|| default_output(&args.command));
+    let module = args.module.as_deref();
+    let argv = resolve_command(module, &args.command)?;
+    let program = find_program(&argv[0])?;
+    // Everything about the output is checked before anything is created or removed.
+    let (output, existing) = match &args.output {
+        Some(o) => (o.clone(), output_path::check_profile_output(o, args.force)?),
+        None => (output_path::default_output(&program_name(module, &args.command)), Existing::Nothing),
+    };
+
+    // Before any thread starts (NVML, the event listener) and before any file is open: the sentinel
+    // process forks here and must hold none of them.
+    let mut signals = Supervisor::install().map_err(|e| anyhow!("cannot set up signal handling: {e}"))?;
+    let mut oom = OomWatch::start();
+    let base = temp_base();
+    sweep_dead_runs(&base);
 
     let gpu: Option<Box<dyn GpuSource>> =
         if args.no_gpu { None } else { NvmlSource::open().ok().map(|s| Box::new(s) as Box<dyn GpuSource>) };
     let host = torchmem_core::sources::host::host_memory();
+    let mut command = args.command.clone();
+    if let Some(m) = module {
+        command.splice(0..0, ["-m".to_string(), m.to_string()]);
+    }
     let meta = RunMeta {
-        command: args.command.clone(),
+        command,
         started_unix_s: torchmem_core::clock::unix_time_s(),
         interval_ms: args.interval_ms,
         torchmem_version: env!("CARGO_PKG_VERSION").into(),
         hostname: std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|s| s.trim().to_string())
             .unwrap_or_default(),
-        exit_code: None,
-        duration_ns: None,
         gpu_total_bytes: gpu.as_ref().map(|g| g.devices().iter().map(|d| d.total_bytes).collect()).unwrap_or_default(),
         gpu_names: gpu.as_ref().map(|g| g.devices().iter().map(|d| d.name.clone()).collect()).unwrap_or_default(),
         host_total_bytes: host.map(|h| h.total_bytes),
-        start_monotonic_ns: None,
+        keep_spans: Some(args.keep_spans),
+        ..RunMeta::default()
     };
     let start_ns = torchmem_core::clock::monotonic_ns();
     let meta = RunMeta { start_monotonic_ns: Some(start_ns), ..meta };
-    let writer = ProfileWriter::create(&output, &meta)
-        .with_context(|| format!("cannot create the profile {}", output.display()))?;
+    let created = match existing {
+        Existing::Nothing => ProfileWriter::create(&output, &meta),
+        Existing::Empty | Existing::Profile => ProfileWriter::create_replacing(&output, &meta),
+    };
+    let writer = created.map_err(|e| anyhow!("cannot create the profile {}: {}", output.display(), e))?;
 
-    let (read_end, write_fd) = event_pipe()?;
-    let inject = if args.no_inject { None } else { Some(InjectDir::create()?) };
+    let (events, inject) = match EventListener::bind().and_then(|ev| {
+        let inject = if args.no_inject { None } else { Some(InjectDir::create(&base)?) };
+        Ok((ev, inject))
+    }) {
+        Ok(x) => x,
+        Err(e) => {
+            writer.discard();
+            return Err(e);
+        }
+    };
     let mut cmd = Command::new(&program);
     cmd.arg0(&argv[0]).args(&argv[1..]);
-    cmd.env("TORCHMEM_EVENT_FD", write_fd.to_string()).env("TORCHMEM_INTERVAL_MS", args.interval_ms.to_string());
+    cmd.env("TORCHMEM_EVENT_SOCKET", events.path()).env("TORCHMEM_INTERVAL_MS", args.interval_ms.to_string());
     if let Some(dir) = &inject {
-        let mut path = dir.0.display().to_string();
+        let mut path = OsString::from(&dir.path);
         if let Some(old) = std::env::var_os("PYTHONPATH").filter(|p| !p.is_empty()) {
-            path = format!("{path}:{}", old.to_string_lossy());
+            path.push(":");
+            path.push(old);
         }
         cmd.env("PYTHONPATH", path);
     }
     if !args.line.is_empty() {
         cmd.env("TORCHMEM_LINE", serde_json::to_string(&args.line)?);
     }
-    // SAFETY: prctl is async-signal-safe; if the recorder dies, the program gets SIGTERM instead of running on
-    // unobserved.
-    unsafe {
-        cmd.pre_exec(|| {
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
-            Ok(())
-        });
-    }
-    install_signal_handlers();
+    // SAFETY: the hook makes only async-signal-safe calls (see `Supervisor::child_setup`).
+    unsafe { cmd.pre_exec(signals.child_setup()) };
+    signals.about_to_spawn();
     let mut child = match cmd.spawn() {
         Ok(c) => c,
         Err(e) => {
-            // SAFETY: closing our copy of the write end.
-            unsafe { libc::close(write_fd) };
-            let _ = std::fs::remove_file(&output);
+            writer.discard();
             bail!("cannot start `{}`: {e}. Check that it is an executable program", argv[0]);
         }
     };
-    // SAFETY: the child has its copy; ours must go so the reader sees EOF when the program ends.
-    unsafe { libc::close(write_fd) };
-    let messages = spawn_pipe_reader(read_end);
-    let config = Config { interval_ms: args.interval_ms, pss_interval_ms: args.pss_interval_ms, ..Config::default() };
+    let child_pid = child.id() as libc::pid_t;
+    let config = Config {
+        interval_ms: args.interval_ms,
+        pss_interval_ms: args.pss_interval_ms,
+        keep_spans: args.keep_spans,
+        ..Config::default()
+    };
     let interval = Duration::from_secs_f64(args.interval_ms / 1000.0);
-    let mut rec = Recorder::new(config, writer, gpu, child.id(), start_ns, Some(messages));
-    let live = !args.quiet && std::io::stderr().is_terminal();
-    let mut last_status = Instant::now();
+    let mut rec = Recorder::new(config, writer, gpu, child.id(), start_ns, Some(events));
+    let mut bar = if args.status { StatusBar::start() } else { None };
+    let mut last_status: Option<Instant> = None;
     let mut next = Instant::now();
     let status = loop {
         if let Err(e) = rec.tick() {
             eprintln!("torchmem: warning: could not write a sample: {e}");
         }
-        let sig = PENDING_SIGNAL.swap(0, Ordering::SeqCst);
-        if sig != 0 {
-            let from_tty = PENDING_FROM_TTY.load(Ordering::SeqCst) == 1 && sig == libc::SIGINT;
-            if !from_tty {
-                // SAFETY: signalling our own child.
-                unsafe { libc::kill(child.id() as libc::pid_t, sig) };
+        for d in signals.decide() {
+            if d.forward {
+                // SAFETY: signalling our own child (not reaped yet: try_wait below has not seen it end).
+                unsafe { libc::kill(child_pid, d.signo) };
+            }
+            if d.signo == libc::SIGTSTP {
+                if let Some(b) = bar.as_mut() {
+                    b.end();
+                }
+                signals.stop_self();
+                if let Some(b) = bar.as_mut() {
+                    b.resume(true);
+                }
+            } else if d.signo == libc::SIGWINCH {
+                if let Some(b) = bar.as_mut() {
+                    b.resume(false);
+                }
             }
         }
         if let Some(status) = child.try_wait()? {
             break status;
         }
-        if live && last_status.elapsed() >= Duration::from_millis(250) {
-            eprint!("\r\x1b[2K{}", status_line(&rec, start_ns));
-            last_status = Instant::now();
+        if let Some(b) = bar.as_mut() {
+            if last_status.is_none_or(|t| t.elapsed() >= Duration::from_millis(250)) {
+                b.draw(&status_line(&rec, start_ns));
+                last_status = Some(Instant::now());
+            }
         }
         next += interval;
         let now = Instant::now();
         if next > now {
-            std::thread::sleep(next - now);
+            signals.wait(next - now);
         } else {
             next = now;
         }
     };
-    if live {
-        eprint!("\r\x1b[2K");
-    }
+    drop(bar);
     rec.tick().ok();
     rec.drain_until_closed(Duration::from_millis(500));
-    let exit_code = status.code().or_else(|| status.signal().map(|s| 128 + s)).unwrap_or(1);
+    let signal = status.signal();
+    let exit_code = status.code().or_else(|| signal.map(|s| 128 + s)).unwrap_or(1);
+    let finding = oom.finish(child.id());
     let bad = rec.bad_messages;
-    rec.finish(Some(exit_code)).with_context(|| format!("finishing the profile {}", output.display()))?;
+    let oom_note = finding.describe(signal);
+    let profile = rec
+        .finish(|m| {
+            m.exit_code = Some(exit_code);
+            m.signal = signal;
+            m.oom = Some(finding);
+        })
+        .map_err(|e| anyhow!("finishing the profile {}: {}", output.display(), e))?;
+    drop(inject);
+    drop(signals);
     if bad > 0 {
         eprintln!("torchmem: warning: {bad} malformed messages from the program were ignored");
     }
+    if let Some(sig) = signal {
+        let why = oom_note.as_deref().map(|n| format!(": {n}")).unwrap_or_default();
+        eprintln!("torchmem: the program was killed by {} (exit code {exit_code}){why}", signal_name(sig));
+    } else if let Some(n) = &oom_note {
+        eprintln!("torchmem: warning: {n}");
+    }
     if !args.quiet {
-        match Profile::open(&output) {
-            Ok(profile) => eprint!("{}", end_summary(&profile)),
-            Err(e) => eprintln!("torchmem: warning: cannot read back the profile: {e}"),
-        }
+        eprint!("{}", end_summary(&profile));
         eprintln!(
             "torchmem: profile written to {} (see `torchmem report {0}` and `torchmem plot {0}`)",
             output.display()
@@ -318,8 +453,9 @@ pub fn end_summary(profile: &Profile) -> String {
     use torchmem_core::report::table;
     let s = Summary::from_profile(profile);
     let mut out = String::from("\n== torchmem summary ==\n");
+    let killed = profile.meta.signal.map(|sig| format!(" (killed by {})", signal_name(sig))).unwrap_or_default();
     out.push_str(&format!(
-        "duration {:.2} s, exit code {}, {} samples\n",
+        "duration {:.2} s, exit code {}{killed}, {} samples\n",
         s.duration_ns.unwrap_or(0) as f64 / 1e9,
         s.exit_code.map(|c| c.to_string()).unwrap_or_else(|| "-".into()),
         s.samples

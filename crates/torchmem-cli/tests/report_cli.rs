@@ -44,6 +44,8 @@ fn marker(
             rss_bytes: Some(rss),
             ..Default::default()
         },
+        origin: Default::default(),
+        device: None,
     })
 }
 
@@ -84,6 +86,7 @@ fn write_profile(path: &Path, gpu: bool, finish: bool) {
                 peak_reserved_bytes: 3 * GIB,
                 active_bytes: alloc,
                 inactive_split_bytes: 0,
+                origin: Default::default(),
             }));
             if i % 10 == 0 {
                 w.push(Record::Gpu(GpuSample {
@@ -370,6 +373,7 @@ fn line_profiles_in_the_profile_reach_every_report() {
     let mib = MIB as i64;
     w.push(Record::LineProfile {
         t_ns: 1,
+        origin: Default::default(),
         data: serde_json::json!({
             "schema": "torchmem.lines/1", "hook": "settrace", "gate_ns": 400.0, "gpu_device": null, "warnings": [],
             "functions": [{

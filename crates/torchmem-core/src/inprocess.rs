@@ -435,6 +435,8 @@ mod tests {
                 peak_rss_bytes: (edge == Edge::End).then_some(rss + MIB),
                 ..Default::default()
             },
+            origin: Default::default(),
+            device: None,
         }
     }
 

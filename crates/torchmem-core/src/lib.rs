@@ -3,11 +3,13 @@
 //! Data flows one way through the modules:
 //! `sources` (read /proc and NVML) → `model` (the narrow record types) → `store` (the SQLite profile
 //! file) → `analysis` (peaks, phases, epochs, leaks, journey) → `report` (text, JSON, CSV, Markdown,
-//! Mermaid, HTML). `wire` is the message format the profiled Python process sends to the recorder.
+//! Mermaid, HTML). `wire` is the message format the profiled Python process sends to the recorder; `fold` is
+//! the keep-or-fold rule that bounds a long run's markers (applied by the recorder and the loader).
 
 pub mod analysis;
 pub mod clock;
 pub mod error;
+pub mod fold;
 pub mod inprocess;
 pub mod journey;
 pub mod lines;

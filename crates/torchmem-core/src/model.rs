@@ -3,7 +3,31 @@
 //! Times are `t_ns`: nanoseconds since the run started, on CLOCK_MONOTONIC. Sizes are bytes. A value
 //! that could not be measured (no GPU, PSS not read this tick) is `None`, never a fake zero.
 
+use std::path::PathBuf;
+
 use serde::{Deserialize, Serialize};
+
+/// Who sent a record: the profiled process, and its place in a distributed job when the environment says
+/// (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`; else Slurm's `SLURM_PROCID`, `SLURM_LOCALID`, `SLURM_NTASKS`).
+/// All None in a schema-v1 profile (recorded before torchmem kept identity).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Origin {
+    #[serde(default)]
+    pub pid: Option<u32>,
+    #[serde(default)]
+    pub rank: Option<u32>,
+    #[serde(default)]
+    pub local_rank: Option<u32>,
+    #[serde(default)]
+    pub world_size: Option<u32>,
+}
+
+impl Origin {
+    /// The part of the identity that tells two span streams apart: spans pair, and fold, per (pid, rank).
+    pub fn stream(&self) -> (Option<u32>, Option<u32>) {
+        (self.pid, self.rank)
+    }
+}
 
 /// CPU memory of the whole profiled process tree at one moment.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -67,9 +91,12 @@ pub struct TorchSample {
     pub peak_reserved_bytes: u64,
     pub active_bytes: u64,
     pub inactive_split_bytes: u64,
+    /// The process whose allocator this is.
+    #[serde(default)]
+    pub origin: Origin,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum MarkerKind {
     Epoch,
@@ -146,6 +173,89 @@ pub struct Marker {
     /// Epoch or step number when the API knows it.
     pub index: Option<i64>,
     pub memory: MarkerMemory,
+    /// The process (and rank) that marked it: spans pair within one process only.
+    #[serde(default)]
+    pub origin: Origin,
+    /// The GPU whose allocator `memory` read, by NVML index as in `TorchSample::device`; None when the
+    /// marker read no GPU (CPU only). Its peaks count for that GPU alone.
+    #[serde(default)]
+    pub device: Option<u32>,
+}
+
+/// The spans (steps, phases) that were folded instead of kept as markers: every occurrence after the first
+/// `keep_spans` of one (pid, rank, kind, name), summed per epoch and device. Sums and counts, not means, so
+/// rows of the same key add up exactly (`merge`), and together with the kept markers give exactly the totals
+/// that all markers would.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SpanAggregate {
+    pub origin: Origin,
+    pub kind: MarkerKind,
+    pub name: String,
+    /// The index of the epoch open in that process when the spans started; None outside any epoch.
+    pub epoch: Option<i64>,
+    pub device: Option<u32>,
+    /// Spans folded, open ones included.
+    pub count: u64,
+    /// Spans still open when the recording ended: counted, without a duration.
+    pub open_count: u64,
+    pub total_ns: u64,
+    pub min_ns: Option<u64>,
+    pub max_ns: Option<u64>,
+    /// Σ (exit − entry) over the spans where both were read, and how many those were.
+    pub delta_allocated_sum_bytes: i64,
+    pub delta_allocated_count: u64,
+    pub delta_rss_sum_bytes: i64,
+    pub delta_rss_count: u64,
+    /// The highest value inside any of the spans (the exit's exact peak, else exit or entry value).
+    pub peak_allocated_bytes: Option<u64>,
+    pub peak_reserved_bytes: Option<u64>,
+    pub peak_rss_bytes: Option<u64>,
+    pub first_start_t_ns: u64,
+    pub last_end_t_ns: Option<u64>,
+}
+
+/// What identifies one aggregate row: (pid, rank, kind, name, epoch, device).
+pub type AggregateKey = (Option<u32>, Option<u32>, MarkerKind, String, Option<i64>, Option<u32>);
+
+impl SpanAggregate {
+    pub fn key(&self) -> AggregateKey {
+        (self.origin.pid, self.origin.rank, self.kind, self.name.clone(), self.epoch, self.device)
+    }
+
+    /// Adds another row of the same key.
+    pub fn merge(&mut self, o: &SpanAggregate) {
+        self.count += o.count;
+        self.open_count += o.open_count;
+        self.total_ns += o.total_ns;
+        self.min_ns = opt_min(self.min_ns, o.min_ns);
+        self.max_ns = opt_max(self.max_ns, o.max_ns);
+        self.delta_allocated_sum_bytes += o.delta_allocated_sum_bytes;
+        self.delta_allocated_count += o.delta_allocated_count;
+        self.delta_rss_sum_bytes += o.delta_rss_sum_bytes;
+        self.delta_rss_count += o.delta_rss_count;
+        self.peak_allocated_bytes = opt_max(self.peak_allocated_bytes, o.peak_allocated_bytes);
+        self.peak_reserved_bytes = opt_max(self.peak_reserved_bytes, o.peak_reserved_bytes);
+        self.peak_rss_bytes = opt_max(self.peak_rss_bytes, o.peak_rss_bytes);
+        self.first_start_t_ns = self.first_start_t_ns.min(o.first_start_t_ns);
+        self.last_end_t_ns = opt_max(self.last_end_t_ns, o.last_end_t_ns);
+    }
+}
+
+/// The larger of two optional values (None only when both are None).
+pub fn opt_max(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+    match (a, b) {
+        (Some(x), Some(y)) => Some(x.max(y)),
+        (x, None) => x,
+        (None, y) => y,
+    }
+}
+
+fn opt_min(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+    match (a, b) {
+        (Some(x), Some(y)) => Some(x.min(y)),
+        (x, None) => x,
+        (None, y) => y,
+    }
 }
 
 /// What the profile says about the run as a whole.
@@ -166,4 +276,116 @@ pub struct RunMeta {
     /// CLOCK_MONOTONIC at the run's start (ns): add it to any `t_ns` to compare with `time.monotonic_ns()`.
     #[serde(default)]
     pub start_monotonic_ns: Option<u64>,
+    /// How many occurrences of each (pid, rank, kind, name) step or phase the recorder kept as markers (the
+    /// rest are `SpanAggregate` rows); None in a profile recorded before folding (schema v1: all kept).
+    #[serde(default)]
+    pub keep_spans: Option<u64>,
+    /// The signal that killed the program (its exit code is then 128 + it, as a shell reports); None when
+    /// it exited by itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<i32>,
+    /// What the kernel's OOM killer did during the run, as far as torchmem could read it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oom: Option<OomFinding>,
+    /// Not stored: set when the profile is opened while a live `torchmem run` still holds it.
+    #[serde(skip)]
+    pub recording: bool,
+}
+
+/// The OOM killer's doing during a run: its counters before and after (the run's memory cgroup, the host)
+/// and, where the kernel log was readable, whether it named the program as its victim.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct OomFinding {
+    /// OOM kills counted in the run's memory cgroup during the run (`memory.events` `oom_kill` on cgroup
+    /// v2, `memory.oom_control` on v1); None where it could not be read.
+    pub cgroup_kills: Option<u64>,
+    /// OOM kills counted on the whole host during the run (`/proc/vmstat` `oom_kill`).
+    pub host_kills: Option<u64>,
+    /// The kernel log's "Killed process PID" named the program; None where the log was not readable.
+    pub program_in_kernel_log: Option<bool>,
+}
+
+impl OomFinding {
+    /// Whether the program's death by `signal` was the OOM killer's: Some(true) sure or very likely,
+    /// Some(false) not (the counters were read and did not move), None unknown.
+    pub fn killed_program(&self, signal: i32) -> Option<bool> {
+        if signal != 9 {
+            return Some(false);
+        }
+        if let Some(named) = self.program_in_kernel_log {
+            if named {
+                return Some(true);
+            }
+        }
+        match (self.cgroup_kills, self.host_kills) {
+            (Some(c), _) if c > 0 => Some(true),
+            (_, Some(h)) if h > 0 => None,
+            (Some(_), _) | (_, Some(_)) => Some(false),
+            (None, None) => None,
+        }
+    }
+
+    /// One sentence about the OOM killer for a run whose program died of `signal` (None: it exited).
+    pub fn describe(&self, signal: Option<i32>) -> Option<String> {
+        let kills = |n: u64| if n == 1 { "1 process".to_string() } else { format!("{n} processes") };
+        match signal {
+            Some(9) => Some(match (self.program_in_kernel_log, self.cgroup_kills, self.host_kills) {
+                (Some(true), _, _) => "the kernel's OOM killer killed it (kernel log)".into(),
+                (_, Some(c), _) if c > 0 => format!(
+                    "the kernel's OOM killer, most likely: it killed {} in this run's memory cgroup during the run",
+                    kills(c)
+                ),
+                (_, _, Some(h)) if h > 0 => format!(
+                    "perhaps the kernel's OOM killer: it killed {} on this host during the run",
+                    kills(h)
+                ),
+                (_, None, None) => "the kernel's OOM killer? (its counters could not be read)".into(),
+                _ => "not the OOM killer (it killed nothing during the run): something sent SIGKILL".into(),
+            }),
+            _ => match self.cgroup_kills {
+                Some(c) if c > 0 => Some(format!(
+                    "the kernel's OOM killer killed {} in this run's memory cgroup during the run (a worker?)",
+                    kills(c)
+                )),
+                _ => None,
+            },
+        }
+    }
+}
+
+/// A signal's name, as `kill -l` spells it with the SIG prefix (`SIGKILL`, `SIGRTMIN+3`), or `signal N`.
+pub fn signal_name(signal: i32) -> String {
+    const NAMES: [&str; 32] = [
+        "", "SIGHUP", "SIGINT", "SIGQUIT", "SIGILL", "SIGTRAP", "SIGABRT", "SIGBUS", "SIGFPE", "SIGKILL", "SIGUSR1",
+        "SIGSEGV", "SIGUSR2", "SIGPIPE", "SIGALRM", "SIGTERM", "SIGSTKFLT", "SIGCHLD", "SIGCONT", "SIGSTOP",
+        "SIGTSTP", "SIGTTIN", "SIGTTOU", "SIGURG", "SIGXCPU", "SIGXFSZ", "SIGVTALRM", "SIGPROF", "SIGWINCH",
+        "SIGIO", "SIGPWR", "SIGSYS",
+    ];
+    match signal {
+        1..=31 => NAMES[signal as usize].to_string(),
+        34..=64 => format!("SIGRTMIN+{}", signal - 34),
+        _ => format!("signal {signal}"),
+    }
+}
+
+/// A whole profile, loaded for analysis and reports (by `store::Profile::open`; plain data, no SQLite here).
+/// The markers are the kept ones; `aggregates` stand for the folded rest, so a long run loads in bounded
+/// memory.
+#[derive(Debug, Clone, Default)]
+pub struct Profile {
+    pub path: PathBuf,
+    pub meta: RunMeta,
+    /// The file's schema version (1: no identity, no aggregates).
+    pub schema_version: i64,
+    pub cpu: Vec<CpuSample>,
+    pub processes: Vec<ProcessInfo>,
+    pub process_samples: Vec<ProcessSample>,
+    pub gpu: Vec<GpuSample>,
+    pub torch: Vec<TorchSample>,
+    pub markers: Vec<Marker>,
+    pub aggregates: Vec<SpanAggregate>,
+    pub line_profiles: Vec<serde_json::Value>,
+    /// Who sent each of `line_profiles` (same order).
+    pub line_profile_origins: Vec<Origin>,
+    pub blobs: Vec<(String, serde_json::Value)>,
 }

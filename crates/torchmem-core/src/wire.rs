@@ -1,14 +1,23 @@
-//! Messages from the profiled Python process to the recorder (`torchmem run`), one JSON object per line
-//! on the pipe named by `TORCHMEM_EVENT_FD`. Times are absolute CLOCK_MONOTONIC nanoseconds
-//! (`time.monotonic_ns()`); the recorder makes them relative to the run's start.
+//! Messages from the profiled Python processes to the recorder (`torchmem run`), one JSON object per line.
+//! Each process connects by itself to the Unix socket named by `TORCHMEM_EVENT_SOCKET` (so processes started
+//! by multiprocessing's `spawn`, which inherit the environment but not the descriptors, reach it too) and
+//! opens its connection with a `Hello` saying who it is; the recorder stamps that identity on everything
+//! the connection carries. (`TORCHMEM_EVENT_FD`, an inherited pipe, carries the same lines without identity,
+//! for tests.) Times are absolute CLOCK_MONOTONIC nanoseconds (`time.monotonic_ns()`); the recorder makes
+//! them relative to the run's start.
 
 use serde::{Deserialize, Serialize};
 
-use crate::model::{Edge, MarkerKind, MarkerMemory};
+use crate::model::{Edge, MarkerKind, MarkerMemory, Origin};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ChildMessage {
+    /// The first line of a connection: the process behind it.
+    Hello {
+        #[serde(flatten)]
+        origin: Origin,
+    },
     /// The allocator's counters for one CUDA device.
     Torch {
         t_ns: u64,
@@ -32,6 +41,9 @@ pub enum ChildMessage {
         index: Option<i64>,
         #[serde(default)]
         memory: MarkerMemory,
+        /// The GPU the marker read, by NVML index; absent for CPU only.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        device: Option<u32>,
     },
     /// The line profiler's result table (schema owned by the line profiler), stored as JSON.
     LineProfile { t_ns: u64, data: serde_json::Value },
@@ -69,5 +81,9 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(ChildMessage::parse_line(r#"{"type":"nope"}"#).is_err());
+        let m = ChildMessage::parse_line(r#"{"type":"hello","pid":12,"rank":1,"world_size":2}"#).unwrap();
+        let want = Origin { pid: Some(12), rank: Some(1), local_rank: None, world_size: Some(2) };
+        assert_eq!(m, ChildMessage::Hello { origin: want });
+        assert_eq!(ChildMessage::parse_line(&serde_json::to_string(&m).unwrap()).unwrap(), m);
     }
 }

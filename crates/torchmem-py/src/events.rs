@@ -1,15 +1,26 @@
 //! The event buffer between the Python API and `torchmem run`'s recorder. `emit_event` only appends the JSON
 //! line to a buffer (no system call on the training loop's path); the allocator sampler thread writes the
-//! buffer to the pipe every tick without the interpreter, and so does `flush_events` (at exit, or when no
-//! sampler runs). Writes are cut at line boundaries into pieces ≤ PIPE_BUF so lines from several processes
-//! sharing the pipe never interleave. A forked child drops what it inherited: those lines are its parent's.
+//! buffer out every tick without the interpreter, and so does `flush_events` (at exit, or when no sampler
+//! runs). A forked child drops what it inherited: those lines are its parent's.
+//!
+//! Where the lines go: under `torchmem run`, `TORCHMEM_EVENT_SOCKET` names the recorder's Unix socket and
+//! each process connects by itself (a forked child makes its own connection, a process started by
+//! multiprocessing's `spawn` finds the path in its environment although it inherited no descriptor), opening
+//! with a `hello` line that says who it is (pid; rank, local rank and world size from `RANK`, `LOCAL_RANK`,
+//! `WORLD_SIZE`, else Slurm's `SLURM_PROCID`, `SLURM_LOCALID`, `SLURM_NTASKS`); a new `hello` follows when
+//! that changes (a worker that sets `RANK` after start). Otherwise `TORCHMEM_EVENT_FD` names an inherited
+//! pipe (tests). Writes are whole lines, one writer at a time, cut into pieces ≤ PIPE_BUF so that lines of
+//! several processes sharing a pipe never interleave either.
 
-use std::sync::Mutex;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use torchmem_core::model::{Edge, MarkerKind, MarkerMemory};
+use torchmem_core::model::{Edge, MarkerKind, MarkerMemory, Origin};
 use torchmem_core::wire::ChildMessage;
 
 /// Flush synchronously when the buffer grows past this, whoever is calling.
@@ -24,20 +35,125 @@ struct Buffer {
 
 static BUFFER: Mutex<Buffer> = Mutex::new(Buffer { pid: 0, bytes: Vec::new() });
 
-/// The recorder's pipe from `TORCHMEM_EVENT_FD`, when it is set and open.
+/// This process's connection to the recorder's socket, and the identity its last `hello` announced.
+struct Connection {
+    pid: u32,
+    stream: OwnedFd,
+    announced: Origin,
+}
+
+static CONNECTION: Mutex<Option<Connection>> = Mutex::new(None);
+/// The identity as last read from the environment (read with the interpreter attached: Python's
+/// `os.environ[...] = ` calls setenv under the GIL, so reading there never races it).
+static IDENTITY: Mutex<Option<(Origin, Instant)>> = Mutex::new(None);
+/// One write at a time: a line is never cut by another thread's write on the same stream.
+static WRITING: Mutex<()> = Mutex::new(());
+/// How often the queueing path re-reads the rank variables.
+const IDENTITY_REFRESH: Duration = Duration::from_secs(1);
+
+fn env_u32(names: [&str; 2]) -> Option<u32> {
+    names.iter().find_map(|n| std::env::var(n).ok()?.trim().parse().ok())
+}
+
+/// Who this process is, from its pid and the distributed-launch variables.
+pub fn read_identity() -> Origin {
+    Origin {
+        pid: Some(std::process::id()),
+        rank: env_u32(["RANK", "SLURM_PROCID"]),
+        local_rank: env_u32(["LOCAL_RANK", "SLURM_LOCALID"]),
+        world_size: env_u32(["WORLD_SIZE", "SLURM_NTASKS"]),
+    }
+}
+
+/// The identity to announce; re-read from the environment at most once a second by callers holding the
+/// interpreter (`fresh`), and whenever the pid changed (fork). The first read comes from a caller holding
+/// the interpreter too (the queueing path, or starting the sampler).
+fn identity(fresh: bool) -> Origin {
+    let mut guard = IDENTITY.lock().expect("identity");
+    let me = std::process::id();
+    let stale = match guard.as_ref() {
+        None => true,
+        Some((o, at)) => o.pid != Some(me) || (fresh && at.elapsed() >= IDENTITY_REFRESH),
+    };
+    if stale {
+        *guard = Some((read_identity(), Instant::now()));
+    }
+    guard.as_ref().map(|(o, _)| *o).unwrap_or_default()
+}
+
+fn socket_path() -> Option<&'static std::path::PathBuf> {
+    static PATH: OnceLock<Option<std::path::PathBuf>> = OnceLock::new();
+    PATH.get_or_init(|| std::env::var_os("TORCHMEM_EVENT_SOCKET").filter(|p| !p.is_empty()).map(Into::into)).as_ref()
+}
+
+fn hello_line(origin: &Origin) -> String {
+    let mut line = serde_json::to_string(&ChildMessage::Hello { origin: *origin }).unwrap_or_default();
+    line.push('\n');
+    line
+}
+
+/// This process's connection (made on first use, and again in a forked child), with a fresh `hello` when the
+/// identity changed. None when the recorder cannot be reached.
+fn connection_fd() -> Option<i32> {
+    let path = socket_path()?;
+    let me = std::process::id();
+    let origin = identity(false);
+    let mut guard = CONNECTION.lock().expect("event connection");
+    if guard.as_ref().is_some_and(|c| c.pid != me) {
+        // Inherited through fork: the parent's connection; close our copy and make our own.
+        *guard = None;
+    }
+    if guard.is_none() {
+        let stream = UnixStream::connect(path).ok()?;
+        let fd = OwnedFd::from(stream);
+        if !write_all(fd.as_raw_fd(), hello_line(&origin).as_bytes()) {
+            return None;
+        }
+        *guard = Some(Connection { pid: me, stream: fd, announced: origin });
+    }
+    let conn = guard.as_mut()?;
+    if conn.announced != origin {
+        if !write_all(conn.stream.as_raw_fd(), hello_line(&origin).as_bytes()) {
+            *guard = None;
+            return None;
+        }
+        conn.announced = origin;
+    }
+    Some(conn.stream.as_raw_fd())
+}
+
+/// Where events go: this process's connection to the recorder's socket (`TORCHMEM_EVENT_SOCKET`), else the
+/// inherited pipe of `TORCHMEM_EVENT_FD` when it is set and open.
 pub fn event_fd() -> Option<i32> {
+    if socket_path().is_some() {
+        return connection_fd();
+    }
     let fd: i32 = std::env::var("TORCHMEM_EVENT_FD").ok()?.trim().parse().ok()?;
     // SAFETY: F_GETFD only asks whether the descriptor is open.
     (unsafe { libc::fcntl(fd, libc::F_GETFD) } != -1).then_some(fd)
 }
 
-/// Writes the whole buffer; false when the recorder is gone (EPIPE, EBADF).
+/// Writes the whole buffer, one writer at a time; false when the recorder is gone (EPIPE, EBADF). On a
+/// socket it never raises SIGPIPE.
 pub fn write_all(fd: i32, mut data: &[u8]) -> bool {
+    let _one_writer = WRITING.lock().expect("event writer");
+    let mut is_socket = true;
     while !data.is_empty() {
         // SAFETY: writes from a live slice to a descriptor; a closed one returns an error, nothing else.
-        let n = unsafe { libc::write(fd, data.as_ptr().cast(), data.len()) };
+        let n = unsafe {
+            if is_socket {
+                libc::send(fd, data.as_ptr().cast(), data.len(), libc::MSG_NOSIGNAL)
+            } else {
+                libc::write(fd, data.as_ptr().cast(), data.len())
+            }
+        };
         if n < 0 {
-            if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+            let err = std::io::Error::last_os_error();
+            if err.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            if is_socket && err.raw_os_error() == Some(libc::ENOTSOCK) {
+                is_socket = false;
                 continue;
             }
             return false;
@@ -47,7 +163,8 @@ pub fn write_all(fd: i32, mut data: &[u8]) -> bool {
     true
 }
 
-/// Writes `data` (whole lines) in pieces of at most PIPE_BUF bytes, each ending at a line boundary.
+/// Writes `data` (whole lines) in pieces of at most PIPE_BUF bytes, each ending at a line boundary (on a
+/// pipe shared by several processes, a write up to PIPE_BUF is atomic).
 fn write_lines(fd: i32, data: &[u8]) -> bool {
     let mut rest = data;
     while !rest.is_empty() {
@@ -102,7 +219,8 @@ fn opt_u64(memory: &Bound<'_, PyDict>, key: &str) -> Option<u64> {
 /// Queues one marker (the Python API's hot path: phases, steps, epochs), formatted here rather than by
 /// `json.dumps`. `memory` holds the `MarkerMemory` fields that were read (`rss_bytes`, `allocated_bytes`, ...).
 #[pyfunction]
-#[pyo3(signature = (t_ns, kind, edge, name, index, memory))]
+#[pyo3(signature = (t_ns, kind, edge, name, index, memory, device=None))]
+#[allow(clippy::too_many_arguments)]
 fn emit_marker(
     py: Python<'_>,
     t_ns: u64,
@@ -111,6 +229,7 @@ fn emit_marker(
     name: &str,
     index: Option<i64>,
     memory: &Bound<'_, PyDict>,
+    device: Option<u32>,
 ) -> PyResult<bool> {
     let kind = MarkerKind::parse(kind)
         .ok_or_else(|| PyValueError::new_err(format!("unknown marker kind {kind:?} (epoch, step, phase, mark)")))?;
@@ -130,12 +249,15 @@ fn emit_marker(
             peak_reserved_bytes: opt_u64(memory, "peak_reserved_bytes"),
             peak_rss_bytes: opt_u64(memory, "peak_rss_bytes"),
         },
+        device,
     };
     let line = serde_json::to_string(&message).map_err(|e| PyValueError::new_err(e.to_string()))?;
     Ok(queue_line(py, &line))
 }
 
 fn queue_line(py: Python<'_>, line: &str) -> bool {
+    // The interpreter is attached here: the one safe place to re-read the rank variables.
+    identity(true);
     let me = std::process::id();
     let sampler_runs = crate::api::sampler_running_in(me);
     let full = {

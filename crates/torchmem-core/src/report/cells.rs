@@ -82,13 +82,20 @@ pub fn meta_lines(profile: &Profile, summary: &Summary) -> Vec<(String, String)>
     let m = &profile.meta;
     let mut out = vec![("profile".to_string(), profile.path.display().to_string())];
     out.push(("command".into(), if m.command.is_empty() { "-".into() } else { m.command.join(" ") }));
-    let ended = match (m.exit_code, m.duration_ns) {
-        (Some(code), _) => format!("exit code {code}"),
-        (None, Some(_)) => "ended by a signal (no exit code)".into(),
-        (None, None) => {
+    let mut ended = match (m.exit_code, m.duration_ns, m.signal) {
+        (Some(code), _, Some(sig)) => format!("killed by {} (exit code {code})", crate::model::signal_name(sig)),
+        (Some(code), _, None) => format!("exit code {code}"),
+        (None, Some(_), _) => "ended by a signal (no exit code)".into(),
+        (None, None, _) if m.recording => {
+            "still recording: a live `torchmem run` holds this profile; the data up to now is shown".into()
+        }
+        (None, None, _) => {
             "unfinished: the recorder stopped before the run ended (killed?); the data up to then is shown".into()
         }
     };
+    if let Some(note) = m.oom.as_ref().and_then(|o| o.describe(m.signal)) {
+        ended.push_str(&format!(": {note}"));
+    }
     out.push(("ended".into(), ended));
     out.push(("duration".into(), summary.duration_ns.map(format_secs).unwrap_or_else(|| "-".into())));
     let interval = if m.interval_ms > 0.0 { format!(", every {} ms", m.interval_ms) } else { String::new() };
@@ -248,6 +255,25 @@ fn short_command(cmd: &str) -> String {
     }
 }
 
+/// What a process of the tree is, from its parent and command line: the profiled program ("main"), a
+/// fork of its parent (same command line: what DataLoader workers with the default fork start method look
+/// like), a multiprocessing spawn/forkserver child, or another child.
+pub fn process_role(row: &ProcessRow, rows: &[ProcessRow]) -> String {
+    let Some(parent) = rows.iter().find(|p| p.pid == row.ppid && p.pid != row.pid) else {
+        return "main".into();
+    };
+    let cmd = row.cmdline.as_str();
+    if cmd.contains("multiprocessing.spawn") || cmd.contains("spawn_main") {
+        format!("spawned by {} (multiprocessing; DataLoader worker?)", parent.pid)
+    } else if cmd.contains("multiprocessing.forkserver") {
+        format!("forkserver of {}", parent.pid)
+    } else if !cmd.is_empty() && cmd == parent.cmdline {
+        format!("fork of {} (DataLoader worker?)", parent.pid)
+    } else {
+        format!("child of {}", parent.pid)
+    }
+}
+
 /// One row per process of the tree (workers included), with its peaks.
 pub fn processes_table(rows: &[ProcessRow]) -> Table {
     let mut t = Table::new("Processes", "none recorded");
@@ -255,6 +281,7 @@ pub fn processes_table(rows: &[ProcessRow]) -> Table {
     let mut c: Columns<ProcessRow> = Columns::new();
     c.num("pid", |r| r.pid.to_string());
     c.num("ppid", |r| r.ppid.to_string());
+    c.text("role", |r| process_role(r, rows));
     c.num("peak RSS", |r| format_opt_bytes(r.peak_rss_bytes));
     c.num("peak PSS", |r| format_opt_bytes(r.peak_pss_bytes));
     c.num("peak USS", |r| format_opt_bytes(r.peak_uss_bytes));
@@ -293,6 +320,78 @@ pub fn journey_table(stages: &[JourneyStage]) -> Table {
     t
 }
 
+/// Each process's kernel RSS high-water mark (`VmHWM`), from the recorder's `vmhwm` blobs (the highest).
+pub fn kernel_peaks(profile: &Profile) -> std::collections::BTreeMap<u32, u64> {
+    let mut out = std::collections::BTreeMap::new();
+    for (name, data) in &profile.blobs {
+        let Some(pids) = data.get("pids").and_then(|p| p.as_object()).filter(|_| name == "vmhwm") else { continue };
+        for (pid, bytes) in pids {
+            if let (Ok(pid), Some(b)) = (pid.parse::<u32>(), bytes.as_u64()) {
+                let e = out.entry(pid).or_insert(0);
+                *e = b.max(*e);
+            }
+        }
+    }
+    out
+}
+
+/// Every table of a recorded run: `all_tables`, plus what only the profile knows. The kernel's
+/// high-water marks (VmHWM) raise a sampled peak that missed a short spike (labelled so), and a PSS/USS
+/// peak from fewer than 2 samples (a run shorter than the PSS interval) is said to be one, not printed.
+pub fn all_tables_of(profile: &Profile, summary: &Summary) -> Vec<Table> {
+    let mut tables = all_tables(summary);
+    let hwm = kernel_peaks(profile);
+    let pss_samples = profile.cpu.iter().filter(|s| s.pss_bytes.is_some()).count();
+    let interval = format!("{:.0} ms", profile.meta.interval_ms);
+    for t in &mut tables {
+        if t.title == "Peaks" {
+            let top = hwm.iter().max_by_key(|(_, b)| **b);
+            for row in &mut t.rows {
+                match row[0].as_str() {
+                    "CPU RSS, process tree" => {
+                        if let Some((pid, &b)) = top.filter(|(_, &b)| summary.peak.cpu_rss_bytes.is_none_or(|s| b > s)) {
+                            row[1] = format!("≥ {}", format_bytes(b));
+                            row[2] = format!(
+                                "kernel high-water mark (VmHWM) of pid {pid}; the {interval} samples peaked at {}",
+                                format_opt_bytes(summary.peak.cpu_rss_bytes)
+                            );
+                        }
+                    }
+                    "CPU PSS, process tree" | "CPU USS, process tree" if pss_samples < 2 => {
+                        row[1] = "-".into();
+                        row[2] = format!(
+                            "{pss_samples} sample only, at the start (the run was shorter than the PSS interval): no peak"
+                        );
+                    }
+                    _ => {}
+                }
+            }
+        }
+        if t.title == "Processes" {
+            let col = |name: &str| t.headers.iter().position(|h| h == name);
+            let (Some(pid_col), Some(rss_col)) = (col("pid"), col("peak RSS")) else { continue };
+            let pss_cols: Vec<usize> = ["peak PSS", "peak USS"].iter().filter_map(|h| col(h)).collect();
+            for row in &mut t.rows {
+                let Ok(pid) = row[pid_col].parse::<u32>() else { continue };
+                let sampled = summary.processes.iter().find(|p| p.pid == pid).and_then(|p| p.peak_rss_bytes);
+                if let Some(&b) = hwm.get(&pid).filter(|&&b| sampled.is_none_or(|s| b > s)) {
+                    row[rss_col] = format!("{} (VmHWM)", format_bytes(b));
+                }
+                let n = profile.process_samples.iter().filter(|s| s.pid == pid && s.pss_bytes.is_some()).count();
+                if n < 2 {
+                    for &c in &pss_cols {
+                        row[c] = if n == 1 { "- (1 sample)".into() } else { "- (no sample)".into() };
+                    }
+                }
+            }
+            if !hwm.is_empty() {
+                t.notes.push(format!("peak RSS: the highest of the {interval} samples and, marked (VmHWM), the kernel's high-water mark when that is higher (a peak between two samples). PSS/USS are read less often; \"- (1 sample)\" means too few reads for a peak."));
+            }
+        }
+    }
+    tables
+}
+
 /// Every table of the report, in the order the reports show them.
 pub fn all_tables(summary: &Summary) -> Vec<Table> {
     vec![
@@ -312,6 +411,9 @@ mod tests {
     fn cpu_epoch(index: i64, rss: u64) -> EpochRow {
         EpochRow {
             index,
+            pid: None,
+            rank: None,
+            steps: 0,
             duration_ns: Some(1_500_000_000),
             allocated_bytes: None,
             reserved_bytes: None,

@@ -104,6 +104,7 @@ mod tests {
             peak_reserved_bytes: 64,
             active_bytes: 50,
             inactive_split_bytes: 0,
+            origin: Default::default(),
         });
         p.gpu.push(GpuSample {
             t_ns: 5_000_000,

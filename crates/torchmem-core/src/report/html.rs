@@ -206,14 +206,25 @@ pub fn render(profile: &Profile, summary: &Summary) -> String {
     h.push_str("<div class=\"chart-box\">\n");
     h.push_str(&svg);
     h.push_str("</div>\n");
-    let downsampled = tl.series.iter().any(|s| s.samples > tl.n);
-    let mut note = String::from("Epochs are the shaded bands; the coloured lane under the plot shows the phase that fills most of each pixel column.");
-    if downsampled {
-        note.push_str(&format!(" Each line is drawn through the minimum and maximum of every pixel column ({} columns), so no peak is lost.", tl.n));
+    if let Some(cpu) = &tl.cpu_note {
+        h.push_str(&format!("<p class=\"note cpu-note\"><b>{}</b></p>\n", esc(cpu)));
     }
-    h.push_str(&format!("<p class=\"note\">{}</p>\n", esc(&note)));
+    let downsampled = tl.series.iter().any(|s| s.samples > tl.n);
+    let mut notes: Vec<String> = Vec::new();
+    if !tl.epochs.is_empty() {
+        notes.push("Epochs are the shaded bands, numbered at the top.".into());
+    }
+    if !tl.phases.is_empty() {
+        notes.push("The coloured lane under the plot shows the phase that fills most of each pixel column.".into());
+    }
+    if downsampled {
+        notes.push(format!("Each line is drawn through the minimum and maximum of every pixel column ({} columns), so no peak is lost.", tl.n));
+    }
+    if !notes.is_empty() {
+        h.push_str(&format!("<p class=\"note\">{}</p>\n", esc(&notes.join(" "))));
+    }
     h.push_str("<h2>Tables</h2>\n");
-    for t in cells::all_tables(summary) {
+    for t in cells::all_tables_of(profile, summary) {
         h.push_str(&render_table(&t));
     }
     h.push_str("<h2>Memory journey</h2>\n");
@@ -272,6 +283,7 @@ mod tests {
                 peak_reserved_bytes: 160 * MIB,
                 active_bytes: 0,
                 inactive_split_bytes: 0,
+                origin: Default::default(),
             });
         }
         p
@@ -311,6 +323,8 @@ mod tests {
             name: "</script><b>x".into(),
             index: None,
             memory: MarkerMemory::default(),
+            origin: Default::default(),
+            device: None,
         });
         p.markers.push(Marker {
             t_ns: 5,
@@ -319,6 +333,8 @@ mod tests {
             name: "</script><b>x".into(),
             index: None,
             memory: MarkerMemory::default(),
+            origin: Default::default(),
+            device: None,
         });
         let html = render(&p, &Summary::from_profile(&p));
         assert_eq!(html.matches("</script>").count(), 2);

@@ -26,6 +26,11 @@ pub fn to_value(profile: &Profile, summary: &Summary) -> Value {
             "command": m.command,
             "exit_code": m.exit_code,
             "finished": m.duration_ns.is_some(),
+            "recording": m.recording,
+            "signal": m.signal,
+            "signal_name": m.signal.map(crate::model::signal_name),
+            "oom": value(&m.oom),
+            "oom_killed": m.signal.zip(m.oom.as_ref()).and_then(|(s, o)| o.killed_program(s)),
             "duration_ns": summary.duration_ns,
             "interval_ms": m.interval_ms,
             "started_unix_s": m.started_unix_s,
@@ -43,6 +48,7 @@ pub fn to_value(profile: &Profile, summary: &Summary) -> Value {
         "phases": value(&summary.phases),
         "epochs": value(&summary.epochs),
         "steps": summary.steps,
+        "epoch_totals": value(&summary.epoch_totals),
         "processes": value(&summary.processes),
         "growth": value(&summary.growth),
         "journey": value(&summary.journey),
@@ -94,6 +100,7 @@ mod tests {
                 peak_reserved_bytes: 8 * MIB,
                 active_bytes: 5 * MIB,
                 inactive_split_bytes: 0,
+                origin: Default::default(),
             });
             p.gpu.push(GpuSample {
                 t_ns: 1,

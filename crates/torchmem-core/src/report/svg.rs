@@ -163,6 +163,17 @@ fn legend(tl: &Timeline, lay: &Layout) -> (String, f64) {
         out.push_str(&format!(r#"<text x="{:.1}" y="{:.1}">{}</text>"#, x + 26.0, y, esc(&label)));
         x += w;
     }
+    if let Some(note) = &tl.cpu_note {
+        // Which line to trust, under the legend (in the standalone SVG there is no page around it to say so).
+        y += 18.0;
+        out.push_str(&format!(
+            r##"<text class="cpu-note" x="{:.1}" y="{:.1}" fill="{}" font-size="11.5">{}</text>"##,
+            lay.left,
+            y,
+            crate::report::timeline::CPU_PSS_COLOR,
+            esc(note)
+        ));
+    }
     (out, y + 14.0)
 }
 
@@ -429,6 +440,8 @@ mod tests {
             name: "epoch".into(),
             index: Some(0),
             memory: MarkerMemory::default(),
+            origin: Default::default(),
+            device: None,
         });
         p.markers.push(Marker {
             t_ns: 500_000_000,
@@ -437,6 +450,8 @@ mod tests {
             name: "epoch".into(),
             index: Some(0),
             memory: MarkerMemory::default(),
+            origin: Default::default(),
+            device: None,
         });
         let lay = Layout::standard();
         let tl = Timeline::build(&p, lay.buckets());

@@ -50,9 +50,12 @@ pub struct Timeline {
     pub phases: Vec<Band>,
     /// Phase names in order of first appearance (their colour is their position here).
     pub phase_names: Vec<String>,
+    /// Which CPU line to trust, when the tree had several processes and PSS was sampled.
+    pub cpu_note: Option<String>,
 }
 
 pub const CPU_RSS_COLOR: &str = "#1f77b4";
+pub const CPU_PSS_COLOR: &str = "#c51b7d";
 pub const ALLOCATED_COLOR: &str = "#d62728";
 pub const RESERVED_COLOR: &str = "#ff7f0e";
 pub const NVML_COLOR: &str = "#2ca02c";
@@ -213,6 +216,24 @@ impl Timeline {
                 samples: profile.cpu.len(),
             });
         }
+        // Forked processes (DataLoader workers) share the parent's pages, and RSS counts a shared page once
+        // per process: the tree's RSS can be several times its real memory. PSS splits shared pages.
+        let pss: Vec<(u64, u64)> = profile.cpu.iter().filter_map(|s| Some((s.t_ns, s.pss_bytes?))).collect();
+        let max_processes = profile.cpu.iter().map(|s| s.process_count).max().unwrap_or(0);
+        let mut cpu_note = None;
+        if max_processes > 1 && !pss.is_empty() {
+            series.push(Series {
+                label: "CPU PSS".into(),
+                color: CPU_PSS_COLOR,
+                dash: None,
+                buckets: downsample(pss.iter().copied(), t_end, n),
+                samples: pss.len(),
+            });
+            cpu_note = Some(format!(
+                "CPU: up to {max_processes} processes. RSS counts a page they share (e.g. forked DataLoader workers) once per process; PSS splits it: trust PSS ({} samples).",
+                pss.len()
+            ));
+        }
         let devs = devices(profile);
         for (i, &d) in devs.iter().enumerate() {
             let prefix = if devs.len() == 1 { "GPU".to_string() } else { format!("GPU{d}") };
@@ -279,6 +300,7 @@ impl Timeline {
             epochs: lane(&epochs, t_end, n, |i| i.to_string(), epoch_label),
             phases: lane(&phases, t_end, n, |i| phases[i].name.to_string(), |i| phases[i].name.to_string()),
             phase_names,
+            cpu_note,
         }
     }
 
@@ -324,7 +346,16 @@ mod tests {
     }
 
     fn marker(t: u64, kind: MarkerKind, edge: Edge, name: &str, index: Option<i64>) -> Marker {
-        Marker { t_ns: t, kind, edge, name: name.into(), index, memory: MarkerMemory::default() }
+        Marker {
+            t_ns: t,
+            kind,
+            edge,
+            name: name.into(),
+            index,
+            memory: MarkerMemory::default(),
+            origin: Default::default(),
+            device: None,
+        }
     }
 
     #[test]
@@ -375,6 +406,33 @@ mod tests {
     }
 
     #[test]
+    fn pss_is_drawn_next_to_rss_when_the_tree_has_several_processes() {
+        let mut p = Profile::default();
+        for i in 0..10u64 {
+            let workers = i >= 3 && i < 8;
+            p.cpu.push(CpuSample {
+                t_ns: i * 1_000_000,
+                rss_bytes: if workers { 2_500 } else { 1_000 },
+                pss_bytes: (i % 2 == 0).then_some(1_050),
+                uss_bytes: None,
+                process_count: if workers { 3 } else { 1 },
+            });
+        }
+        let tl = Timeline::build(&p, 10);
+        let labels: Vec<&str> = tl.series.iter().map(|s| s.label.as_str()).collect();
+        assert_eq!(labels, ["CPU RSS", "CPU PSS"]);
+        assert_eq!(tl.series[1].samples, 5);
+        assert!(tl.cpu_note.as_deref().unwrap().contains("trust PSS"));
+        // one process: RSS is right, no PSS line
+        for s in &mut p.cpu {
+            s.process_count = 1;
+        }
+        let tl = Timeline::build(&p, 10);
+        assert_eq!(tl.series.len(), 1);
+        assert!(tl.cpu_note.is_none());
+    }
+
+    #[test]
     fn series_per_gpu_and_cpu() {
         let mut p = Profile::default();
         p.cpu.push(CpuSample { t_ns: 5, rss_bytes: 10, pss_bytes: None, uss_bytes: None, process_count: 1 });
@@ -387,6 +445,7 @@ mod tests {
             peak_reserved_bytes: 2,
             active_bytes: 1,
             inactive_split_bytes: 0,
+            origin: Default::default(),
         });
         p.gpu.push(GpuSample { t_ns: 5, device: 0, used_bytes: 50, total_bytes: 100, process_bytes: None });
         let tl = Timeline::build(&p, 10);

@@ -1,0 +1,84 @@
+//! Growth ("leak") warnings: memory that rises at the end of every epoch (or step) of one process.
+
+use serde::Serialize;
+
+use super::tables::EpochRow;
+
+/// Memory that grows every epoch (or step): the classic `total_loss += loss` leak.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Growth {
+    /// "epoch" or "step".
+    pub unit: String,
+    /// "GPU allocated" or "CPU RSS".
+    pub what: String,
+    pub per_unit_bytes: i64,
+    pub units: usize,
+    pub message: String,
+}
+
+/// Flags a series that rises at every step after the first transition, by at least `min_bytes` on average.
+pub fn detect_growth(values: &[u64], min_bytes: i64) -> Option<i64> {
+    if values.len() < 3 {
+        return None;
+    }
+    let diffs: Vec<i64> = values.windows(2).map(|w| w[1] as i64 - w[0] as i64).collect();
+    if diffs.iter().any(|d| *d <= 0) {
+        return None;
+    }
+    let mean = diffs.iter().sum::<i64>() / diffs.len() as i64;
+    (mean >= min_bytes).then_some(mean)
+}
+
+const GROWTH_MIN_BYTES: i64 = 1 << 20;
+
+/// Growth warnings from the epoch rows of one process (GPU allocated first, CPU RSS otherwise).
+pub fn growth_warnings(rows: &[EpochRow], unit: &str) -> Vec<Growth> {
+    let mut out = Vec::new();
+    let alloc: Vec<u64> = rows.iter().filter_map(|r| r.allocated_bytes).collect();
+    let rss: Vec<u64> = rows.iter().filter_map(|r| r.rss_bytes).collect();
+    let candidates: [(&str, &Vec<u64>); 2] = [("GPU allocated", &alloc), ("CPU RSS", &rss)];
+    for (what, values) in candidates {
+        if values.len() != rows.len() {
+            continue;
+        }
+        // RSS grows in allocator-sized chunks (glibc arenas, torch's CPU caching) that scale with the process:
+        // ask for at least 4 MiB and 1 % of the RSS per unit there; the GPU allocator's counters are exact.
+        let min = if what == "CPU RSS" {
+            (4 * GROWTH_MIN_BYTES).max(values.last().copied().unwrap_or(0) as i64 / 100)
+        } else {
+            GROWTH_MIN_BYTES
+        };
+        if let Some(per) = detect_growth(values, min) {
+            out.push(Growth {
+                unit: unit.into(),
+                what: what.into(),
+                per_unit_bytes: per,
+                units: values.len(),
+                message: format!(
+                    "{what} grew every {unit} for {} {unit}s, by {} per {unit} on average: something keeps tensors alive across {unit}s (e.g. `total_loss += loss` instead of `loss.item()`, or a list of outputs)",
+                    values.len(),
+                    crate::units::format_delta(per)
+                ),
+            });
+            break;
+        }
+    }
+    out
+}
+
+/// `growth_warnings` for each process's own rows (two ranks' epochs interleaved are not one series).
+pub fn growth_by_process(rows: &[EpochRow], unit: &str) -> Vec<Growth> {
+    let mut order: Vec<(Option<u32>, Option<u32>)> = Vec::new();
+    for r in rows {
+        if !order.contains(&(r.pid, r.rank)) {
+            order.push((r.pid, r.rank));
+        }
+    }
+    order
+        .into_iter()
+        .flat_map(|stream| {
+            let own: Vec<EpochRow> = rows.iter().filter(|r| (r.pid, r.rank) == stream).cloned().collect();
+            growth_warnings(&own, unit)
+        })
+        .collect()
+}
