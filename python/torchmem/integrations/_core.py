@@ -54,13 +54,16 @@ class StepRecorder:
     """Epochs, steps and phases of one training run on one rank, measured through torchmem's public API.
 
     `device`: the model's device (a CUDA device gets allocated/reserved numbers; the CPU gets RSS only).
-    `prefix`: metric key prefix. `verbose`: the Monitor's per-epoch line on stderr."""
+    `model`: given, the Monitor's own hooks record its forward and backward phases (for frameworks without
+    hooks at those points). `prefix`: metric key prefix. `verbose`: the Monitor's per-epoch line on stderr."""
 
-    def __init__(self, device: Any = None, *, prefix: str = "torchmem/", verbose: bool = False) -> None:
+    def __init__(
+        self, device: Any = None, *, model: Any = None, prefix: str = "torchmem/", verbose: bool = False
+    ) -> None:
         self.dev = cuda_index(device)
         self.device = f"cuda:{self.dev}" if self.dev is not None else "cpu"
         self.prefix = prefix
-        self.monitor = torchmem.Monitor(device=self.device, verbose=verbose)
+        self.monitor = torchmem.Monitor(model, device=self.device, verbose=verbose)
         self._tracks: dict[str, Any] = {}
         self._open_phases: list[str] = []
         self._step_cm: Any = None

@@ -1,0 +1,151 @@
+"""Tests of torchmem.integrations.transformers with a real Hugging Face Trainer training a tiny GPT-2 (built from
+a config: nothing downloaded) on the CPU: steps, phases and bytes in the logs, `attach` putting the callback
+before the reporters' slot, the post-mortem of a real allocator failure, and `find_executable_batch_size` under
+a real address-space limit (a child process with RLIMIT_AS)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torchmem.integrations.transformers import TorchmemCallback, attach
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+MIB = 1 << 20
+
+
+class Probe(TrainerCallback):
+    """Stands where the `report_to` reporters stand (between DefaultFlowCallback and user callbacks) and keeps
+    what they would receive."""
+
+    def __init__(self) -> None:
+        self.logs: list[dict] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs))
+
+
+def tiny_trainer(tmp_path: Path, probe: Probe, fail_at_forward: int = -1) -> Trainer:
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=128, n_positions=32, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    calls = {"n": 0}
+
+    def scratch(module, args, output):
+        # 64 MiB that lives only inside each forward: the step's peak must see it.
+        calls["n"] += 1
+        if calls["n"] == fail_at_forward:
+            torch.empty(1 << 50, dtype=torch.uint8)  # 1 PiB: the real CPU allocator refuses
+        x = torch.ones(16 << 20)
+        del x
+
+    model.register_forward_hook(scratch)
+    data = [{"input_ids": torch.randint(0, 128, (16,)), "labels": torch.randint(0, 128, (16,))} for _ in range(32)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=6,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        logging_steps=2,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    return Trainer(model=model, args=args, train_dataset=data, callbacks=[probe])
+
+
+def test_callback_steps_phases_and_logged_bytes(tmp_path):
+    probe = Probe()
+    trainer = tiny_trainer(tmp_path, probe)
+    cb = TorchmemCallback()
+    trainer.add_callback(cb)  # as a user would: after the reporters' slot...
+    names = [type(c).__name__ for c in trainer.callback_handler.callbacks]
+    assert names.index("Probe") < names.index("TorchmemCallback")
+    assert attach(trainer, cb) is cb  # ...attach moves it in front of them
+    names = [type(c).__name__ for c in trainer.callback_handler.callbacks]
+    assert names[:3] == ["DefaultFlowCallback", "TorchmemCallback", "Probe"]
+    trainer.train()
+
+    summary = cb.monitor.to_dict()
+    phases = {p["name"]: p for p in summary["phases"]}
+    # 6 update steps of 2 micro-batches: a step per update, forward/backward per micro-batch.
+    assert summary["steps"] == 6
+    assert phases["forward"]["count"] == 12 and phases["backward"]["count"] == 12
+    assert phases["optimizer step"]["count"] == 6
+    assert len(summary["epochs"]) == 2
+
+    train_logs = [log for log in probe.logs if "loss" in log]
+    assert len(train_logs) == 3  # logging_steps=2 over 6 steps
+    assert [step for step, _ in cb.logged] == [2, 4, 6]
+    for log, (_, mine) in zip(train_logs, cb.logged):
+        assert {k: v for k, v in log.items() if k.startswith("torchmem/")} == mine  # the reporters' slot saw them
+        assert all(isinstance(v, int) for v in mine.values())
+        assert mine["torchmem/step_peak_rss_bytes"] - mine["torchmem/rss_bytes"] >= 56 * MIB, mine
+        assert not any("allocated" in k for k in mine)  # CPU: no GPU numbers, never a fake 0
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["torchmem/step_peak_rss_bytes"] for h in history] == [
+        m["torchmem/step_peak_rss_bytes"] for _, m in cb.logged
+    ]
+
+
+def test_out_of_memory_in_train_writes_a_post_mortem(tmp_path, capsys):
+    probe = Probe()
+    trainer = tiny_trainer(tmp_path, probe, fail_at_forward=5)  # the first micro-batch of update step 3
+    cb = attach(trainer)
+    with pytest.raises(RuntimeError, match="DefaultCPUAllocator: can't allocate memory"):
+        trainer.train()
+    path = Path(cb.post_mortem)
+    assert path.parent == tmp_path / "out" / "torchmem"
+    text = path.read_text()
+    assert "torchmem out-of-memory post-mortem (transformers" in text
+    assert "at step 2, phase - (after 2 finished steps)" in text
+    assert "Phases" in text and "forward" in text
+    report = json.loads(path.with_suffix(".json").read_text())
+    assert report["context"]["global_step"] == 2 and report["exception"]["type"] == "RuntimeError"
+    assert f"post-mortem in {path}" in capsys.readouterr().err
+
+
+FIND_BS = """
+import json, resource, torch
+from torchmem.integrations.transformers import find_executable_batch_size
+
+torch.ones(1024).sum()  # start torch's threads before the cap
+with open("/proc/self/status") as f:
+    vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+cap = vm + 320 * (1 << 20)
+resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+@find_executable_batch_size(starting_batch_size=128)
+def train(batch_size):
+    x = torch.ones(batch_size, 1 << 20)  # 4 MiB per sample, touched
+    return float(x[0, 0]) * batch_size
+
+result = train()
+print(json.dumps({"result": result, "attempts": [a.__dict__ for a in train.attempts],
+                  "text": [str(a) for a in train.attempts]}))
+"""
+
+
+def test_find_executable_batch_size_records_every_try(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(FIND_BS)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    attempts = data["attempts"]
+    sizes = [a["batch_size"] for a in attempts]
+    assert sizes[0] == 128 and sizes == sorted(sizes, reverse=True)
+    assert all(b == min(int(a * 0.9), a - 1) for a, b in zip(sizes, sizes[1:]))  # accelerate's ×0.9
+    assert [a["ok"] for a in attempts] == [False] * (len(attempts) - 1) + [True]
+    last = attempts[-1]
+    assert data["result"] == float(last["batch_size"])
+    assert 4 * MIB * last["batch_size"] <= 320 * MIB  # it fits under the cap...
+    assert last["peak_rss_bytes"] is not None
+    for failed in attempts[:-1]:
+        assert "DefaultCPUAllocator: can't allocate memory" in failed["error"]
+        assert 4 * MIB * failed["batch_size"] > 200 * MIB  # ...and the ones that failed were too big
+    assert "out of memory" in data["text"][0] and "batch size 128" in data["text"][0]
