@@ -63,6 +63,17 @@ if TYPE_CHECKING:
     from .snapshot import capture, on_oom
 
 
+def load_ipython_extension(ip: Any) -> None:
+    """`%load_ext torchmem`: the `%tmemit` / `%tmprun` magics (torchmem._jupyter; IPython loads only then)."""
+    from ._jupyter import register
+
+    register(ip)
+
+
+def unload_ipython_extension(ip: Any) -> None:
+    """`%unload_ext torchmem`: nothing to undo beyond IPython's own bookkeeping (the magics stay defined)."""
+
+
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:

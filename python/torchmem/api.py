@@ -206,6 +206,11 @@ class Stats:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def _repr_html_(self) -> str:  # Jupyter's rich display (torchmem._jupyter)
+        from ._jupyter import stats_html
+
+        return stats_html(self)
+
     def __str__(self) -> str:
         lines = []
         if self.device is None:

@@ -361,6 +361,11 @@ class Monitor:
         if self._sink in _api._sinks:
             _api._sinks.remove(self._sink)
 
+    def _repr_html_(self) -> str:  # Jupyter's rich display (torchmem._jupyter)
+        from ._jupyter import monitor_html
+
+        return monitor_html(self)
+
     def __enter__(self) -> Monitor:
         return self
 
