@@ -200,6 +200,8 @@ pub struct Recorder {
     /// The tree's RSS at the last PSS/USS read: a read is also taken when RSS grew 1.5× since (see
     /// `pss_due_for_growth`), so a short run or a burst of forked workers is not described by a stale read.
     rss_at_last_pss: u64,
+    /// The tree's process count at the last PSS/USS read (see `pss_due_for_tree_change`).
+    tree_len_at_last_pss: usize,
     /// Each process's kernel RSS high-water mark (`VmHWM`), the highest read: it holds a peak that fell
     /// between two samples. Stored as the `vmhwm` blob; `hwm_stored` is what was stored last.
     hwm_bytes: BTreeMap<u32, u64>,
@@ -227,6 +229,13 @@ pub fn pss_due_for_growth(rss_at_last_pss: u64, rss_now: u64, ms_since_last_pss:
     rss_at_last_pss > 0 && rss_now >= rss_at_last_pss + rss_at_last_pss / 2 && ms_since_last_pss >= 20.0
 }
 
+/// A PSS/USS read out of turn because processes joined or left the tree (workers started or ended: how
+/// pages are shared changed), at most one per tenth of the PSS interval so a program that keeps
+/// starting short subprocesses does not walk pages more often than 10 % above the budget.
+pub fn pss_due_for_tree_change(count_at_last_pss: usize, count_now: usize, ms_since: f64, every_ms: f64) -> bool {
+    count_at_last_pss > 0 && count_now != count_at_last_pss && ms_since >= (every_ms / 10.0).max(20.0)
+}
+
 /// A GPU row repeats the previous one unless a value changed; rows are kept at least once a second anyway.
 const HEARTBEAT_NS: u64 = 1_000_000_000;
 
@@ -252,6 +261,7 @@ impl Recorder {
             last_tree: None,
             last_pss: None,
             rss_at_last_pss: 0,
+            tree_len_at_last_pss: 0,
             hwm_bytes: BTreeMap::new(),
             hwm_stored: BTreeMap::new(),
             last_flush: Instant::now(),
@@ -280,8 +290,9 @@ impl Recorder {
         }
         let since_pss_ms = self.last_pss.map(|l| l.elapsed().as_secs_f64() * 1000.0).unwrap_or(f64::INFINITY);
         let timer_due = Self::due(self.last_pss, self.pss_every_ms);
-        let pss_due =
-            timer_due || pss_due_for_growth(self.rss_at_last_pss, self.latest.rss_bytes, since_pss_ms);
+        let pss_due = timer_due
+            || pss_due_for_growth(self.rss_at_last_pss, self.latest.rss_bytes, since_pss_ms)
+            || pss_due_for_tree_change(self.tree_len_at_last_pss, self.tree.len(), since_pss_ms, self.pss_every_ms);
         let mut slowest_walk_ms = 0.0f64;
         let gpu_readings: Vec<GpuReading> = self.gpu.as_ref().map(|g| g.read()).unwrap_or_default();
 
@@ -330,6 +341,7 @@ impl Recorder {
         if pss_due {
             self.last_pss = Some(Instant::now());
             self.rss_at_last_pss = rss_total;
+            self.tree_len_at_last_pss = self.tree.len();
             if timer_due {
                 self.pss_every_ms = pss_interval_for(self.config.pss_interval_ms, slowest_walk_ms);
                 self.store_hwm(t_ns);
@@ -531,6 +543,15 @@ mod tests {
         assert!(!pss_due_for_growth(200 << 10, 250 << 10, 30.0));
         assert!(pss_due_for_growth(200 << 10, 300 << 10, 30.0));
         assert!(!pss_due_for_growth(200 << 10, 87 << 20, 5.0), "at least 20 ms apart");
+    }
+
+    #[test]
+    fn pss_is_read_out_of_turn_when_the_tree_changed_but_not_too_often() {
+        use super::pss_due_for_tree_change;
+        assert!(pss_due_for_tree_change(1, 3, 30.0, 250.0));
+        assert!(!pss_due_for_tree_change(3, 3, 3000.0, 250.0));
+        assert!(!pss_due_for_tree_change(1, 3, 300.0, 3500.0), "a tenth of a stretched interval apart");
+        assert!(pss_due_for_tree_change(1, 3, 400.0, 3500.0));
     }
 
     #[test]

@@ -349,7 +349,8 @@ pub fn all_tables_of(profile: &Profile, summary: &Summary) -> Vec<Table> {
             for row in &mut t.rows {
                 match row[0].as_str() {
                     "CPU RSS, process tree" => {
-                        if let Some((pid, &b)) = top.filter(|(_, &b)| summary.peak.cpu_rss_bytes.is_none_or(|s| b > s)) {
+                        if let Some((pid, &b)) = top.filter(|(_, &b)| summary.peak.cpu_rss_bytes.is_none_or(|s| b > s))
+                        {
                             row[1] = format!("≥ {}", format_bytes(b));
                             row[2] = format!(
                                 "kernel high-water mark (VmHWM) of pid {pid}; the {interval} samples peaked at {}",

@@ -102,7 +102,15 @@ pub fn render_report(profile: &Profile, summary: &Summary) -> String {
         out.push_str(&format!("  {k:<key_width$}  {v}\n"));
     }
     out.push('\n');
-    out.push_str(&render(summary));
+    let mut body = render_growth(&summary.growth);
+    if !body.is_empty() {
+        body.push('\n');
+    }
+    for t in cells::all_tables_of(profile, summary) {
+        body.push_str(&render_table(&t));
+    }
+    body.push_str(&journey::render_text(&summary.journey));
+    out.push_str(&body);
     let line_text = lines::render_text(&profile.line_profiles);
     if !line_text.trim().is_empty() {
         out.push('\n');

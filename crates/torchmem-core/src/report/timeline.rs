@@ -409,7 +409,7 @@ mod tests {
     fn pss_is_drawn_next_to_rss_when_the_tree_has_several_processes() {
         let mut p = Profile::default();
         for i in 0..10u64 {
-            let workers = i >= 3 && i < 8;
+            let workers = (3..8).contains(&i);
             p.cpu.push(CpuSample {
                 t_ns: i * 1_000_000,
                 rss_bytes: if workers { 2_500 } else { 1_000 },

@@ -1,4 +1,5 @@
-//! Reads a process tree's memory from /proc: RSS from `statm` (cheap, a few µs: the high-rate path), PSS and
+//! Reads a process tree's memory from /proc: RSS from `statm` or with its high-water mark (VmHWM) from
+//! `status` (cheap, a few µs: the high-rate path), PSS and
 //! USS from `smaps_rollup` (milliseconds on a big process: the low-rate path), the tree from `children`
 //! files with a full /proc scan as fallback.
 
@@ -68,6 +69,19 @@ pub fn parse_smaps_rollup(text: &str) -> Option<Rollup> {
 pub fn peak_rss_bytes(pid: u32) -> Option<u64> {
     let text = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     status_field_bytes(&text, "VmHWM")
+}
+
+/// RSS (`VmRSS`) and its kernel high-water mark (`VmHWM`) from one read of `/proc/PID/status`, bytes.
+/// The sampler's fast path: the high-water mark catches a peak that fell between two samples.
+pub fn rss_and_peak_bytes(pid: u32) -> Option<(u64, Option<u64>)> {
+    let text = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    parse_status_rss_and_peak(&text)
+}
+
+/// (`VmRSS`, `VmHWM`) of a status text; None for a process without memory (a zombie, a kernel thread).
+pub fn parse_status_rss_and_peak(text: &str) -> Option<(u64, Option<u64>)> {
+    let rss = status_field_bytes(text, "VmRSS")?;
+    Some((rss, status_field_bytes(text, "VmHWM")))
 }
 
 pub fn status_field_bytes(text: &str, field: &str) -> Option<u64> {
@@ -174,6 +188,9 @@ mod tests {
         assert_eq!(r.pss_bytes, 60 * 1024);
         assert_eq!(r.uss_bytes, 60 * 1024);
         assert_eq!(status_field_bytes("Name:\tx\nVmHWM:\t  2048 kB\n", "VmHWM"), Some(2 << 20));
+        let status = "Name:\tpython\nVmPeak:\t  9000 kB\nVmHWM:\t    4096 kB\nVmRSS:\t    1024 kB\n";
+        assert_eq!(parse_status_rss_and_peak(status), Some((1 << 20, Some(4 << 20))));
+        assert_eq!(parse_status_rss_and_peak("Name:\tzombie\nState:\tZ (zombie)\n"), None);
     }
 
     #[test]
@@ -184,6 +201,8 @@ mod tests {
         let r = smaps_rollup(me).unwrap();
         assert!(r.pss_bytes > 0 && r.uss_bytes <= r.rss_bytes);
         assert!(peak_rss_bytes(me).unwrap() >= rss / 2);
+        let (rss2, hwm) = rss_and_peak_bytes(me).unwrap();
+        assert!(rss2 > 1 << 20 && hwm.unwrap() >= rss2, "{rss2} {hwm:?}");
         let tree = process_tree(me);
         assert!(tree.contains_key(&me));
     }
