@@ -152,6 +152,7 @@ impl Allocator {
     pub fn seed_segment(&mut self, addr: u64, size_bytes: u64, stream: u16, small: bool) -> u32 {
         let pool = if small { 0 } else { 1 };
         self.device.used_bytes += size_bytes;
+        self.device.address(size_bytes, Some(addr));
         self.stats.segments += 1;
         self.stats.peak_segments = self.stats.peak_segments.max(self.stats.segments);
         self.add_reserved(size_bytes);
@@ -448,6 +449,7 @@ impl Allocator {
         self.pools[b.pool as usize].remove_free(&b);
         self.emit(SegKind::SegmentFree, b.addr, b.size_bytes);
         self.device.give_back(b.size_bytes);
+        self.device.release_address(b.addr);
         self.stats.reserved_bytes -= b.size_bytes;
         self.stats.segments -= 1;
         self.stats.num_device_free += 1;

@@ -9,6 +9,8 @@ const SYNTHETIC_TOP: u64 = 0x4000_0000_0000_0000;
 /// Alignment of synthetic reservations.
 const SYNTHETIC_ALIGN: u64 = 2 << 20;
 
+use std::collections::{BTreeMap, HashMap};
+
 #[derive(Debug, Clone)]
 pub struct Device {
     /// Bytes the allocator can hold at once (None: unlimited).
@@ -18,11 +20,24 @@ pub struct Device {
     /// `totalGlobalMem`: sizes the address space of an expandable segment (9/8 of it).
     pub total_global_bytes: u64,
     next_synthetic: u64,
+    /// The recording's segment addresses by size, in recorded order: a what-if's new segment of a size the
+    /// recording also had takes the first of those addresses that is free (the driver placed that size
+    /// there once), before any synthetic address.
+    pub recorded_by_size: HashMap<u64, Vec<u64>>,
+    /// Address ranges in use: start -> end.
+    live: BTreeMap<u64, u64>,
 }
 
 impl Device {
     pub fn new(capacity_bytes: Option<u64>, total_global_bytes: u64) -> Device {
-        Device { capacity_bytes, used_bytes: 0, total_global_bytes, next_synthetic: SYNTHETIC_TOP }
+        Device {
+            capacity_bytes,
+            used_bytes: 0,
+            total_global_bytes,
+            next_synthetic: SYNTHETIC_TOP,
+            recorded_by_size: HashMap::new(),
+            live: BTreeMap::new(),
+        }
     }
 
     /// Physical memory for a segment or pages; false when the device is full (`cudaErrorMemoryAllocation`).
@@ -40,13 +55,40 @@ impl Device {
         self.used_bytes -= bytes;
     }
 
-    /// A virtual address range of `bytes`: the recorded one when given, else the next synthetic one.
-    pub fn address(&mut self, bytes: u64, recorded: Option<u64>) -> u64 {
-        if let Some(a) = recorded {
-            return a;
+    fn is_free(&self, addr: u64, bytes: u64) -> bool {
+        let end = addr + bytes;
+        match self.live.range(..end).next_back() {
+            Some((_, &e)) => e <= addr,
+            None => true,
         }
-        let span = bytes.div_ceil(SYNTHETIC_ALIGN) * SYNTHETIC_ALIGN;
-        self.next_synthetic -= span;
-        self.next_synthetic
+    }
+
+    /// A virtual address range of `bytes`: the recorded one when given, else a recorded address of that size
+    /// that is free, else the next synthetic one.
+    pub fn address(&mut self, bytes: u64, recorded: Option<u64>) -> u64 {
+        let addr = match recorded {
+            Some(a) => a,
+            None => {
+                let reuse =
+                    self.recorded_by_size.get(&bytes).and_then(|v| v.iter().copied().find(|&a| self.is_free(a, bytes)));
+                match reuse {
+                    Some(a) => a,
+                    None => loop {
+                        let span = bytes.div_ceil(SYNTHETIC_ALIGN) * SYNTHETIC_ALIGN;
+                        self.next_synthetic -= span;
+                        if self.is_free(self.next_synthetic, bytes) {
+                            break self.next_synthetic;
+                        }
+                    },
+                }
+            }
+        };
+        self.live.insert(addr, addr + bytes);
+        addr
+    }
+
+    /// The range at `addr` is given back (cudaFree, or an expandable segment released).
+    pub fn release_address(&mut self, addr: u64) {
+        self.live.remove(&addr);
     }
 }

@@ -255,6 +255,8 @@ impl Allocator {
         let b = self.arena.get(id).clone();
         self.pools[b.pool as usize].remove_unmapped(&b);
         self.expandable[b.expandable as usize].released = true;
+        let base = self.expandable[b.expandable as usize].base;
+        self.device.release_address(base);
         self.arena.release(id);
     }
 }

@@ -34,6 +34,11 @@ pub struct SimOptions {
     pub detailed: bool,
     /// Complete every free at `free_requested` (how a replay through the real allocator frees).
     pub frees_at_request: bool,
+    /// The memory limit / fraction given is the one the recording ran under (a snapshot does not record
+    /// it): still check the replay against the recording.
+    pub limits_as_recorded: bool,
+    /// In a what-if, place new segments at the recording's addresses for that size when free.
+    pub recorded_addresses: bool,
 }
 
 /// The first difference between the replay and the recording.
@@ -316,9 +321,10 @@ impl<'a> Prepared<'a> {
     /// Replays the trace under `opts`.
     pub fn run(&self, opts: &SimOptions) -> DeviceResult {
         let same_settings = opts.conf.as_ref().is_none_or(|c| *c == self.recorded_conf)
-            && opts.memory_limit_bytes.is_none()
-            && opts.memory_fraction.is_none()
-            && opts.device_memory_bytes.is_none();
+            && ((opts.memory_limit_bytes.is_none()
+                && opts.memory_fraction.is_none()
+                && opts.device_memory_bytes.is_none())
+                || opts.limits_as_recorded);
         let conf = opts.conf.clone().unwrap_or_else(|| self.recorded_conf.clone());
         let total = opts.device_total_bytes.or(opts.device_memory_bytes).unwrap_or(DEFAULT_TOTAL_GLOBAL_BYTES);
         let fraction = opts.memory_fraction.or(conf.per_process_memory_fraction);
@@ -329,6 +335,11 @@ impl<'a> Prepared<'a> {
         };
         let mut a = Allocator::new(conf.clone(), allowed, Device::new(opts.device_memory_bytes, total));
         a.keep_events = opts.detailed;
+        if opts.recorded_addresses {
+            for ev in self.recorded_events.iter().filter(|e| e.kind == SegKind::SegmentAlloc) {
+                a.device.recorded_by_size.entry(ev.size_bytes).or_default().push(ev.addr);
+            }
+        }
         if same_settings {
             a.hints = self.recorded_events.clone();
             a.follow_hints = true;
