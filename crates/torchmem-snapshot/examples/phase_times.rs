@@ -6,6 +6,13 @@ fn main() {
     if std::env::var_os("SPLIT").is_some() {
         split(&path);
     }
+    if std::env::var_os("FAST_ONLY").is_some() {
+        let t = Instant::now();
+        let f = std::fs::File::open(&path).expect("open");
+        let fast = torchmem_snapshot::direct::read(f).is_ok();
+        eprintln!("fast path {:>8.2} s ({})", t.elapsed().as_secs_f64(), if fast { "decoded" } else { "gave up" });
+        return;
+    }
     let t = Instant::now();
     let snap = torchmem_snapshot::read_path(std::path::Path::new(&path)).expect("read");
     eprintln!("read      {:>8.2} s", t.elapsed().as_secs_f64());

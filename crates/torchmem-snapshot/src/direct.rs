@@ -104,6 +104,55 @@ struct StrMeta {
     key: u8,
     /// Id in the snapshot's string table once interned.
     model: u32,
+    /// `Action::parse` of the text.
+    action: Action,
+}
+
+/// The keys of a dict, in order, and what they make it: the decoder remembers the few shapes that
+/// repeat (a trace entry, a frame) and then finds each field by position instead of matching keys.
+struct Shape {
+    /// String ids of the keys.
+    keys: Vec<u32>,
+    /// 0: no record, 1: trace entry, 2: block, 3: frame.
+    kind: u8,
+    /// Pair index of each key code (`decode::K_*`), `NO_POS` when absent.
+    pos: [u8; 17],
+    /// A key code appears twice (then the generic order of checks matters: no shortcut).
+    repeated: bool,
+}
+
+const NO_POS: u8 = u8::MAX;
+const MAX_SHAPES: usize = 8;
+
+/// What a dict's pairs make it, as `decode::SnapshotCompactor::on_dict` decides: 0 no record, 1 trace
+/// entry, 2 block, 3 frame.
+fn classify<Rd: Read>(r: &Reader<Rd>, pairs: &[V]) -> u8 {
+    let (mut action, mut state, mut size, mut address, mut blocks, mut filename, mut line, mut name) =
+        (false, false, false, false, false, false, false, false);
+    for kv in pairs.chunks_exact(2) {
+        if let V::Str(k) = kv[0] {
+            match r.strings[k as usize].key {
+                K_ACTION => action = true,
+                K_STATE => state = true,
+                K_SIZE => size = true,
+                K_ADDRESS => address = true,
+                K_BLOCKS => blocks = true,
+                K_FILENAME => filename = true,
+                K_LINE => line = true,
+                K_NAME => name = true,
+                _ => {}
+            }
+        }
+    }
+    if action {
+        1
+    } else if state && size && address && !blocks {
+        2
+    } else if filename && line && name && pairs.len() / 2 <= 8 {
+        3
+    } else {
+        0
+    }
 }
 
 /// A LONG1/LONG4 integer (little-endian two's complement), as the generic unpickler reads it.
@@ -224,7 +273,7 @@ struct Reader<Rd: Read> {
     interner: Interner,
     blocks: Vec<Block>,
     scratch_ids: Vec<u32>,
-    scratch_pairs: Vec<V>,
+    shapes: Vec<Shape>,
 }
 
 /// Decodes a snapshot pickle, or gives up ([`Bail`]) for the generic decoder to take over.
@@ -244,7 +293,7 @@ pub fn read<Rd: Read>(reader: Rd) -> Result<Snapshot, Bail> {
         interner: Interner::new(),
         blocks: Vec::new(),
         scratch_ids: Vec::new(),
-        scratch_pairs: Vec::new(),
+        shapes: Vec::new(),
     };
     let root = r.run()?;
     r.build(root)
@@ -305,10 +354,11 @@ impl<Rd: Read> Reader<Rd> {
         if idx > self.memo.len() + MAX_MEMO_GAP {
             return Err(Bail);
         }
-        if idx >= self.memo.len() {
+        if idx == self.memo.len() {
+            self.memo.push(M_EMPTY);
+        } else if idx > self.memo.len() {
             self.memo.resize(idx + 1, M_EMPTY);
-        }
-        if self.memo[idx] != M_EMPTY {
+        } else if self.memo[idx] != M_EMPTY {
             return Err(Bail);
         }
         let slot = match v {
@@ -362,7 +412,8 @@ impl<Rd: Read> Reader<Rd> {
         self.text.push_str(s);
         let key = key_of_str(s);
         let id = self.strings.len() as u32;
-        self.strings.push(StrMeta { start: start as u32, len: n as u32, key, model: u32::MAX });
+        let action = Action::parse(s);
+        self.strings.push(StrMeta { start: start as u32, len: n as u32, key, model: u32::MAX, action });
         self.stack.push(V::Str(id));
         Ok(())
     }
@@ -413,9 +464,16 @@ impl<Rd: Read> Reader<Rd> {
                     return Ok(self.stack.pop().expect("checked"));
                 }
                 op::MARK => self.marks.push(self.stack.len()),
+                op::POP => {
+                    // `gen_synthetic.py` memoizes strings and pops them; `pickle.dump` does not.
+                    if self.stack.len() <= self.floor() || matches!(self.stack.pop(), Some(V::Trace(_))) {
+                        return Err(Bail);
+                    }
+                }
                 op::EMPTY_DICT => {
                     let v = self.new_node(Kind::Dict);
                     self.stack.push(v);
+                    self.dict_body()?;
                 }
                 op::EMPTY_LIST => {
                     let v = self.new_node(Kind::List);
@@ -588,6 +646,74 @@ impl<Rd: Read> Reader<Rd> {
         Ok(())
     }
 
+    /// The common shape of a record dict, `} MEMOIZE ( key value … SETITEMS`, read in a loop of its own
+    /// (the dict was just pushed). The state stays the generic one at every step, so any other opcode
+    /// simply hands over to the main loop.
+    fn dict_body(&mut self) -> R<()> {
+        let inp = &self.input;
+        if inp.end - inp.pos < 2 || inp.buf[inp.pos] != op::MEMOIZE || inp.buf[inp.pos + 1] != op::MARK {
+            return Ok(());
+        }
+        self.input.pos += 2;
+        self.memo_put(self.memo.len())?;
+        self.marks.push(self.stack.len());
+        let depth = self.marks.len();
+        loop {
+            if self.input.end - self.input.pos < 10 {
+                return Ok(());
+            }
+            let code = self.input.buf[self.input.pos];
+            self.input.pos += 1;
+            match code {
+                op::BINGET => {
+                    let i = self.input.u8()? as usize;
+                    self.memo_get(i)?;
+                }
+                op::LONG_BINGET => {
+                    let i = self.input.u32()? as usize;
+                    self.memo_get(i)?;
+                }
+                op::LONG1 => {
+                    let n = self.input.u8()? as usize;
+                    let v = int_le(self.input.take(n)?)?;
+                    self.stack.push(v);
+                }
+                op::BININT1 => {
+                    let b = self.input.u8()?;
+                    self.stack.push(V::Int(b as i64));
+                }
+                op::BININT2 => {
+                    let b = self.input.u16()?;
+                    self.stack.push(V::Int(b as i64));
+                }
+                op::BININT => {
+                    let b = self.input.u32()?;
+                    self.stack.push(V::Int(b as i32 as i64));
+                }
+                op::NONE => self.stack.push(V::None),
+                op::EMPTY_LIST => {
+                    let v = self.new_node(Kind::List);
+                    self.stack.push(v);
+                    self.frame_list(v)?;
+                    if self.marks.len() != depth {
+                        return Ok(());
+                    }
+                }
+                op::SETITEMS => {
+                    let m = self.pop_mark()?;
+                    if m == 0 || m - 1 < self.floor() || (self.stack.len() - m) % 2 != 0 {
+                        return Err(Bail);
+                    }
+                    return self.set_items(m - 1, m);
+                }
+                _ => {
+                    self.input.pos -= 1;
+                    return Ok(());
+                }
+            }
+        }
+    }
+
     /// Replaces `stack[at..]` by a tuple of them.
     fn make_tuple(&mut self, at: usize) -> R<()> {
         let v = self.new_node(Kind::Tuple);
@@ -668,76 +794,153 @@ impl<Rd: Read> Reader<Rd> {
             self.nodes[id as usize].items.extend_from_slice(&self.stack[from..]);
             self.stack.truncate(from);
         }
-        let record = {
-            let pairs: &[V] = if fresh { &self.stack[from..] } else { &self.nodes[id as usize].items };
-            let (mut action, mut state, mut size, mut address, mut blocks, mut filename, mut line, mut name) =
-                (false, false, false, false, false, false, false, false);
-            for kv in pairs.chunks_exact(2) {
-                if let V::Str(k) = kv[0] {
-                    match self.strings[k as usize].key {
-                        K_ACTION => action = true,
-                        K_STATE => state = true,
-                        K_SIZE => size = true,
-                        K_ADDRESS => address = true,
-                        K_BLOCKS => blocks = true,
-                        K_FILENAME => filename = true,
-                        K_LINE => line = true,
-                        K_NAME => name = true,
-                        _ => {}
+        let stack = std::mem::take(&mut self.stack);
+        let mut items = if fresh { Vec::new() } else { std::mem::take(&mut self.nodes[id as usize].items) };
+        let pairs: &[V] = if fresh { &stack[from..] } else { &items };
+        let shape = self.shape_of(pairs);
+        let kind = match shape {
+            Some(i) => self.shapes[i].kind,
+            None => classify(self, pairs),
+        };
+        let result = match kind {
+            0 => None,
+            1 => {
+                let fast = match shape {
+                    Some(i) if !self.shapes[i].repeated => {
+                        let pos = self.shapes[i].pos;
+                        self.trace_by_position(pairs, &pos)?
                     }
-                }
+                    _ => None,
+                };
+                let t = match fast {
+                    Some(t) => t,
+                    None => self.trace(pairs)?,
+                };
+                self.pending.push(t);
+                Some((V::Trace(self.pending_base + self.pending.len() as u64 - 1), pack(M_GONE, 0)?))
             }
-            let n_pairs = pairs.len() / 2;
-            if action {
-                Some(1u8)
-            } else if state && size && address && !blocks {
-                Some(2)
-            } else if filename && line && name && n_pairs <= 8 {
-                Some(3)
-            } else {
-                None
+            2 => {
+                let b = self.block(pairs)?;
+                self.blocks.push(b);
+                let bid = (self.blocks.len() - 1) as u32;
+                Some((V::Block(bid), pack(M_BLOCK, bid)?))
+            }
+            _ => {
+                let f = self.frame(pairs)?;
+                Some((V::Frame(f), pack(M_FRAME, f)?))
             }
         };
-        let Some(kind) = record else {
+        self.stack = stack;
+        let Some(result) = result else {
+            // Not a record: the pairs stay in the dict.
             if fresh {
                 self.nodes[id as usize].items.extend_from_slice(&self.stack[from..]);
                 self.stack.truncate(from);
+            } else {
+                self.nodes[id as usize].items = items;
             }
             return Ok(());
         };
-        let mut pairs = if fresh {
-            let mut p = std::mem::take(&mut self.scratch_pairs);
-            p.clear();
-            p.extend_from_slice(&self.stack[from..]);
-            p
-        } else {
-            std::mem::take(&mut self.nodes[id as usize].items)
-        };
-        let result = match kind {
-            1 => self.trace(&pairs).map(|t| {
-                self.pending.push(t);
-                (V::Trace(self.pending_base + self.pending.len() as u64 - 1), pack(M_GONE, 0))
-            }),
-            2 => self.block(&pairs).map(|b| {
-                self.blocks.push(b);
-                let bid = (self.blocks.len() - 1) as u32;
-                (V::Block(bid), pack(M_BLOCK, bid))
-            }),
-            _ => self.frame(&pairs).map(|f| (V::Frame(f), pack(M_FRAME, f))),
-        };
-        pairs.clear();
-        if fresh {
-            self.scratch_pairs = pairs;
-        } else {
-            self.nodes[id as usize].items = pairs;
+        items.clear();
+        if !fresh {
+            self.nodes[id as usize].items = items;
         }
-        let result = result?;
         let (value, slot) = result;
-        let slot = slot?;
         self.stack.truncate(from);
         self.retire(id, slot);
         self.stack[target] = value;
         Ok(())
+    }
+
+    /// The cached shape of these pairs (building it the first time), or `None` when a key is not a string.
+    fn shape_of(&mut self, pairs: &[V]) -> Option<usize> {
+        let n = pairs.len() / 2;
+        'shapes: for (i, sh) in self.shapes.iter().enumerate() {
+            if sh.keys.len() != n {
+                continue;
+            }
+            for (k, kv) in sh.keys.iter().zip(pairs.chunks_exact(2)) {
+                if !matches!(kv[0], V::Str(s) if s == *k) {
+                    continue 'shapes;
+                }
+            }
+            return Some(i);
+        }
+        let mut keys = Vec::with_capacity(n);
+        let mut pos = [NO_POS; 17];
+        let mut repeated = false;
+        for (i, kv) in pairs.chunks_exact(2).enumerate() {
+            let V::Str(s) = kv[0] else { return None };
+            keys.push(s);
+            let code = self.strings[s as usize].key as usize;
+            if code != 0 {
+                repeated |= pos[code] != NO_POS;
+                pos[code] = i.min(NO_POS as usize - 1) as u8;
+            }
+        }
+        if n >= NO_POS as usize {
+            return None;
+        }
+        let kind = classify(self, pairs);
+        if self.shapes.len() == MAX_SHAPES {
+            self.shapes.pop();
+        }
+        self.shapes.insert(0, Shape { keys, kind, pos, repeated });
+        Some(0)
+    }
+
+    /// A trace entry read by field position (its shape is known and has no repeated key); `None` when a
+    /// string it needs is not interned yet (then `trace` interns in the generic order).
+    #[inline]
+    fn trace_by_position(&mut self, pairs: &[V], pos: &[u8; 17]) -> R<Option<TraceEntry>> {
+        let get = |code: u8| match pos[code as usize] {
+            NO_POS => None,
+            p => Some(pairs[2 * p as usize + 1]),
+        };
+        let interned = |r: &Self, v: Option<V>| -> R<Option<u32>> {
+            match v {
+                None | Some(V::None) => Ok(Some(0)),
+                Some(V::Str(s)) => {
+                    let m = r.strings[s as usize].model;
+                    Ok((m != u32::MAX).then_some(m))
+                }
+                Some(_) => Err(Bail),
+            }
+        };
+        let Some(V::Str(a)) = get(K_ACTION) else { return Err(Bail) };
+        if self.strings[a as usize].model == u32::MAX {
+            return Ok(None);
+        }
+        let (Some(user_metadata), Some(compile_context)) =
+            (interned(self, get(K_USER_METADATA))?, interned(self, get(K_COMPILE_CONTEXT))?)
+        else {
+            return Ok(None);
+        };
+        let opt_u64 = |r: &Self, code: u8| -> R<Option<u64>> {
+            match get(code) {
+                None => Ok(None),
+                Some(v) => r.u64_of(v),
+            }
+        };
+        let opt_i64 = |r: &Self, code: u8| -> R<i64> {
+            match get(code) {
+                None => Ok(0),
+                Some(v) => r.i64_of(v),
+            }
+        };
+        let action = self.strings[a as usize].action;
+        let addr = opt_u64(self, K_ADDR)?.unwrap_or(0);
+        let size_bytes = opt_u64(self, K_SIZE)?.unwrap_or(0);
+        let info = EntryInfo {
+            stream: opt_i64(self, K_STREAM)?,
+            device_free_bytes: opt_u64(self, K_DEVICE_FREE)?,
+            user_metadata,
+            compile_context,
+        };
+        let time_us = opt_i64(self, K_TIME_US)?;
+        let stack = self.stack_of(get(K_FRAMES))?;
+        let info = self.interner.info(info).ok_or(Bail)?;
+        Ok(Some(TraceEntry::new(action, addr, size_bytes, time_us, stack, info)))
     }
 
     fn u64_of(&self, v: V) -> R<Option<u64>> {
@@ -836,7 +1039,7 @@ impl<Rd: Read> Reader<Rd> {
                 K_ACTION => {
                     let V::Str(s) = v else { return Err(Bail) };
                     self.model_str(s);
-                    action = Some(Action::parse(self.str_text(s)));
+                    action = Some(self.strings[s as usize].action);
                 }
                 K_ADDR => addr = self.u64_of(v)?.unwrap_or(0),
                 K_SIZE => size_bytes = self.u64_of(v)?.unwrap_or(0),
@@ -1123,5 +1326,33 @@ mod tests {
             assert!(fast.trace_entries() > 0, "{name}");
             assert!(fast == generic, "{name}: the fast and generic decoders disagree");
         }
+    }
+
+    #[test]
+    fn the_synthetic_bench_shape_decodes_fast() {
+        // `gen_synthetic.py --entries 300 --segments 3`: memoized-then-popped strings, APPENDS batches.
+        let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/synthetic_300.pickle");
+        let data = std::fs::read(p).unwrap();
+        let fast = read(&data[..]).expect("the fast decoder takes the synthetic shape");
+        assert_eq!(fast.trace_entries(), 300);
+        assert_eq!(fast.segments.len(), 3);
+        assert!(fast == crate::read_pickle_generic(&data[..], "synthetic").unwrap());
+    }
+
+    #[test]
+    fn unusual_shapes_fall_back_to_the_generic_decoder() {
+        // A dict shared by two keys (memo fetch of a trace-entry dict), protocol 0 opcodes, a refused
+        // opcode: the fast path gives up and the generic decoder decides.
+        let refused = b"\x80\x04cos\nsystem\n.";
+        assert_eq!(read(&refused[..]).err(), Some(Bail));
+        let err = crate::read_bytes(refused, "evil").unwrap_err().to_string();
+        assert!(err.contains("refusing opcode GLOBAL (0x63) at byte offset 2"), "{err}");
+        // pickle.dumps({"device_traces": [[e, e]]}, protocol=4), e = {"action": "alloc", "addr": 16, "size": 8}:
+        // the second e is a memo fetch of the first (h\x04).
+        let d = b"\x80\x04\x95D\x00\x00\x00\x00\x00\x00\x00}\x94\x8c\rdevice_traces\x94]\x94]\x94(}\x94(\x8c\x06action\x94\x8c\x05alloc\x94\x8c\x04addr\x94K\x10\x8c\x04size\x94K\x08uh\x04eas.";
+        assert_eq!(read(&d[..]).err(), Some(Bail));
+        let snap = crate::read_bytes(d, "shared").unwrap();
+        assert_eq!(snap.device_traces[0].len(), 2);
+        assert_eq!(snap.device_traces[0][0], snap.device_traces[0][1]);
     }
 }
