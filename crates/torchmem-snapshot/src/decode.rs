@@ -516,3 +516,71 @@ pub fn read_pickle<R: Read>(reader: R) -> Result<Snapshot, crate::error::PickleO
     let doc = pickle::unpickle(reader, &mut c).map_err(crate::error::PickleOrSchema::Pickle)?;
     build(&doc.root, c).map_err(crate::error::PickleOrSchema::Schema)
 }
+
+#[cfg(test)]
+mod tests {
+    //! The generic decoder on small pickles written by `pickle.dumps(..., protocol=4)` (Python 3.11).
+    use super::*;
+
+    const NO_ACTION: &[u8] = b"\x80\x04\x950\x00\x00\x00\x00\x00\x00\x00}\x94\x8c\rdevice_traces\x94]\x94]\x94}\x94(\x8c\x04addr\x94K\x01\x8c\x04size\x94K\x02uaas.";
+    const BAD_STATE: &[u8] = b"\x80\x04\x95\x7f\x00\x00\x00\x00\x00\x00\x00}\x94\x8c\x08segments\x94]\x94}\x94(\x8c\x06device\x94K\x00\x8c\x07address\x94K\x00\x8c\ntotal_size\x94M\x00\x02\x8c\x06blocks\x94]\x94}\x94(h\x05K\x00\x8c\x04size\x94M\x00\x02\x8c\x0erequested_size\x94M\xf4\x01\x8c\x05state\x94\x8c\x05weird\x94uauas.";
+    const NEITHER: &[u8] = b"\x80\x04\x95\x0e\x00\x00\x00\x00\x00\x00\x00}\x94\x8c\x05hello\x94K\x01s.";
+    const SHARED: &[u8] = b"\x80\x04\x95l\x01\x00\x00\x00\x00\x00\x00}\x94(\x8c\x08segments\x94]\x94\x8c\rdevice_traces\x94]\x94]\x94(}\x94(\x8c\x06action\x94\x8c\x05alloc\x94\x8c\x04addr\x94\x8a\t\x00\xfe\xff\xff\xff\xff\xff\xff\x00\x8c\x04size\x94M\x00\x02\x8c\x06frames\x94]\x94(}\x94(\x8c\x08filename\x94\x8c\x04a.py\x94\x8c\x04line\x94K\x03\x8c\x04name\x94\x8c\x01f\x94u}\x94(h\x0e\x8c\x04b.py\x94h\x10K\th\x11\x8c\x01g\x94ue\x8c\x06stream\x94K\x00\x8c\x07time_us\x94K\x05u}\x94(h\x07\x8c\x0efree_completed\x94h\t\x8a\t\x00\xfe\xff\xff\xff\xff\xff\xff\x00h\nM\x00\x02h\x0bh\x0ch\x17K\x07uea\x8c\x12allocator_settings\x94}\x94(\x8c\x13expandable_segments\x94\x88\x8c\x1cgarbage_collection_threshold\x94G?\xe0\x00\x00\x00\x00\x00\x00\x8c\x18roundup_power2_divisions\x94}\x94\x8c\x011\x94K\x00suu.";
+
+    fn read(data: &[u8]) -> Result<Snapshot, String> {
+        read_pickle(data).map_err(|e| match e {
+            crate::error::PickleOrSchema::Pickle(p) => p.to_string(),
+            crate::error::PickleOrSchema::Schema(s) => s,
+        })
+    }
+
+    #[test]
+    fn shared_frame_lists_become_one_stack_and_big_addresses_fit() {
+        // {"device_traces": [[alloc, free_completed]]}, both with the same frame list object.
+        let s = read(SHARED).unwrap();
+        let t = &s.device_traces[0];
+        assert_eq!(t.len(), 2);
+        assert_eq!((t[0].action(), t[1].action()), (Action::Alloc, Action::FreeCompleted));
+        assert_eq!(t[0].addr, u64::MAX - 511, "a 9-byte LONG1 address");
+        assert_eq!((t[0].size_bytes, t[0].time_us, t[1].time_us), (512, 5, 7));
+        assert_eq!(t[0].stack, t[1].stack);
+        assert_eq!(s.stacks.len(), 1);
+        let frames: Vec<String> = s.stack(t[0].stack).iter().map(|f| s.frame_text(*f)).collect();
+        assert_eq!(frames, ["a.py:3:f", "b.py:9:g"]);
+        assert_eq!(s.info(&t[0]).stream, 0);
+        assert_eq!(s.allocator_settings["expandable_segments"], serde_json::json!(true));
+        assert_eq!(s.allocator_settings["garbage_collection_threshold"], serde_json::json!(0.5));
+        assert_eq!(s.allocator_settings["roundup_power2_divisions"], serde_json::json!({"1": 0}));
+    }
+
+    #[test]
+    fn schema_errors_name_where_and_what() {
+        assert_eq!(read(NO_ACTION).unwrap_err(), "device_traces[0][0]: trace entry: 'action' is missing");
+        let e = read(BAD_STATE).unwrap_err();
+        assert!(e.contains("block: unknown state \"weird\""), "{e}");
+        assert!(e.starts_with("malformed pickle at byte offset"), "{e}");
+        let e = read(NEITHER).unwrap_err();
+        assert!(e.contains("neither 'segments' nor 'device_traces'"), "{e}");
+    }
+
+    #[test]
+    fn value_to_json_is_depth_limited_and_keeps_plain_values() {
+        use crate::pickle::{unpickle_bytes, Value};
+        let doc = unpickle_bytes(SHARED).unwrap();
+        let settings = doc.root.get("allocator_settings").unwrap();
+        let j = value_to_json(&settings, 0);
+        assert_eq!(j["expandable_segments"], serde_json::json!(true));
+        assert_eq!(value_to_json(&settings, 17), serde_json::Value::Null);
+        assert_eq!(value_to_json(&Value::None, 0), serde_json::Value::Null);
+    }
+
+    #[test]
+    fn frame_dicts_are_compacted_while_streaming() {
+        let mut c = SnapshotCompactor::default();
+        let doc = pickle::unpickle(SHARED, &mut c).unwrap();
+        assert_eq!(c.interner.frames.len(), 2, "two unique frames");
+        assert_eq!(c.traces.len(), 2);
+        let snap = build(&doc.root, c).unwrap();
+        assert_eq!(snap.trace_entries(), 2);
+    }
+}
