@@ -33,12 +33,15 @@ _EXPORTS = {
     "profile": "line_profiler",
     "capture": "snapshot",
     "on_oom": "snapshot",
+    "Simulation": "simulate",
+    "simulate": "simulate",
 }
 
 __all__ = [
     "MemoryGrowthWarning",
     "Monitor",
     "ProfileError",
+    "Simulation",
     "SnapshotError",
     "Stats",
     "TorchmemError",
@@ -51,6 +54,7 @@ __all__ = [
     "print_profile",
     "profile",
     "reset_peak",
+    "simulate",
     "stats",
     "track",
 ]
@@ -60,6 +64,7 @@ if TYPE_CHECKING:
     from .api import Stats, device_info, empty_cache, peak, reset_peak, stats, track
     from .line_profiler import print_profile, profile
     from .monitor import MemoryGrowthWarning, Monitor
+    from .simulate import Simulation, simulate
     from .snapshot import capture, on_oom
 
 

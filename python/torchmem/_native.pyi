@@ -143,6 +143,18 @@ def line_render_html(json: str) -> str:
 def line_to_json(json: str) -> str:
     """The `lines` section of `torchmem report --format json`, as a JSON string."""
 
+# --- allocator simulator (crates/torchmem-py/src/simulate.rs) ---
+def simulate_json(
+    path: str | None = None,
+    data: bytes | None = None,
+    alloc_conf: str | None = None,
+    memory_limit_bytes: int | None = None,
+    device_memory_bytes: int | None = None,
+    min_memory: bool = False,
+) -> str:
+    """Replays a snapshot (a path or its bytes) through the caching-allocator model: the JSON of
+    `torchmem simulate --json` plus `text` (and `min_memory` when asked). Raises SnapshotError, ValueError."""
+
 # --- allocator snapshots (crates/torchmem-py/src/snapshot.rs) ---
 def snapshot_summary_json(path: str, top: int = 10, at_time_us: int | None = None) -> str:
     """Summary (per-device reserved/allocated/active/requested bytes now and at the traced peak,

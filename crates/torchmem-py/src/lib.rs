@@ -8,6 +8,7 @@ mod cli;
 mod errors;
 mod events;
 mod line;
+mod simulate;
 mod snapshot;
 
 #[pymodule]
@@ -21,5 +22,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     events::register(m)?;
     line::register(m)?;
     snapshot::register(m)?;
+    simulate::register(m)?;
     Ok(())
 }

@@ -1,0 +1,66 @@
+//! The allocator simulator for Python: replay a snapshot (file or bytes) through the caching-allocator model
+//! (the torchmem-sim crate) under its recorded settings or a what-if, returning the result as JSON (with the text
+//! report inside). Bad snapshots raise `torchmem.SnapshotError`, bad settings `ValueError`.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use torchmem_sim::{render, search, AllocConf, Prepared, SimError, SimOptions};
+
+use crate::errors::SnapshotError;
+
+fn to_py(e: SimError) -> PyErr {
+    match e {
+        SimError::Snapshot(e) => SnapshotError::new_err(e.to_string()),
+        other => PyValueError::new_err(other.to_string()),
+    }
+}
+
+/// Simulates a snapshot given as a path or as bytes; returns the JSON of `torchmem simulate --json` plus
+/// `text` (the text report) and, with `min_memory`, the smallest limit per setting.
+#[pyfunction]
+#[pyo3(signature = (path=None, data=None, alloc_conf=None, memory_limit_bytes=None, device_memory_bytes=None, min_memory=false))]
+fn simulate_json(
+    py: Python<'_>,
+    path: Option<String>,
+    data: Option<Vec<u8>>,
+    alloc_conf: Option<String>,
+    memory_limit_bytes: Option<u64>,
+    device_memory_bytes: Option<u64>,
+    min_memory: bool,
+) -> PyResult<String> {
+    let conf = match alloc_conf.as_deref() {
+        Some(s) => Some(AllocConf::parse(s).map_err(|e| PyValueError::new_err(e.to_string()))?),
+        None => None,
+    };
+    py.detach(move || {
+        let (snap, name) = match (&path, &data) {
+            (Some(p), _) => (torchmem_sim::read_snapshot(std::path::Path::new(p)).map_err(to_py)?, p.clone()),
+            (None, Some(d)) => (torchmem_sim::read_snapshot_bytes(d, "<bytes>").map_err(to_py)?, "<bytes>".into()),
+            (None, None) => return Err(PyValueError::new_err("give a snapshot path or its bytes")),
+        };
+        let opts = SimOptions { conf, memory_limit_bytes, device_memory_bytes, detailed: true, ..Default::default() };
+        let result = torchmem_sim::simulate(&snap, &name, &opts);
+        let mut v = render::json(&result);
+        v["text"] = serde_json::Value::String(render::text(&result));
+        if min_memory {
+            let mut rows = Vec::new();
+            for d in result.devices.iter().map(|d| d.device) {
+                let p = Prepared::new(&snap, d).map_err(PyValueError::new_err)?;
+                let mut per = vec![search::min_memory(&p, &opts)];
+                let mut c = opts.conf.clone().unwrap_or_else(|| p.recorded_conf.clone());
+                if !c.expandable_segments {
+                    c.expandable_segments = true;
+                    per.push(search::min_memory(&p, &SimOptions { conf: Some(c), ..opts.clone() }));
+                }
+                rows.push(serde_json::json!({ "device": d, "settings": per }));
+            }
+            v["min_memory"] = serde_json::Value::Array(rows);
+        }
+        serde_json::to_string(&v).map_err(|e| PyValueError::new_err(e.to_string()))
+    })
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(simulate_json, m)?)?;
+    Ok(())
+}
