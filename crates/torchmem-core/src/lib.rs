@@ -10,6 +10,7 @@ pub mod analysis;
 pub mod clock;
 pub mod error;
 pub mod fold;
+pub mod gpus;
 pub mod inprocess;
 pub mod journey;
 pub mod lines;
