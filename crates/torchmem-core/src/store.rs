@@ -123,14 +123,25 @@ impl ProfileWriter {
                     path.display()
                 )));
             }
-            if old.metadata()?.len() > 0 {
+            if old.metadata()?.len() > 0 && !is_empty_database(path) {
                 check_profile(path).map_err(|why| {
-                    CoreError::Invalid(format!("{} is not a torchmem profile ({why}); it is left as it is", path.display()))
+                    CoreError::Invalid(format!(
+                        "{} is not a torchmem profile ({why}); it is left as it is",
+                        path.display()
+                    ))
                 })?;
             }
             remove_profile_files(path);
         }
         Self::create(path, meta)
+    }
+
+    /// Leaves the file as a SIGKILLed recorder would: nothing after the last commit, no finish, the WAL
+    /// not checkpointed, and the lock released (its process is gone). For tests of killed runs.
+    pub fn abandon(self) {
+        let ProfileWriter { conn, _lock, .. } = self;
+        drop(_lock);
+        std::mem::forget(conn);
     }
 
     /// Gives up a profile whose run never started: closes it and removes the file with its `-wal`/`-shm`.
@@ -358,7 +369,8 @@ fn create_locked(path: &Path) -> Result<std::fs::File> {
             format!("{} exists already (another run created it a moment ago?)", path.display()),
         ))
     };
-    if let Ok(f) = std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_TMPFILE).mode(0o644).open(dir)
+    if let Ok(f) =
+        std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_TMPFILE).mode(0o644).open(dir)
     {
         // SAFETY: flock on the fresh file we own (nobody else can reach it yet).
         unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
@@ -377,15 +389,14 @@ fn create_locked(path: &Path) -> Result<std::fs::File> {
         }
         // linkat through /proc unavailable: fall through to O_EXCL.
     }
-    let f = std::fs::OpenOptions::new().read(true).write(true).create_new(true).mode(0o644).open(path).map_err(
-        |e| {
+    let f =
+        std::fs::OpenOptions::new().read(true).write(true).create_new(true).mode(0o644).open(path).map_err(|e| {
             if e.kind() == std::io::ErrorKind::AlreadyExists {
                 exists()
             } else {
                 CoreError::Io(e)
             }
-        },
-    )?;
+        })?;
     // SAFETY: flock on the file we just created.
     unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
     Ok(f)
@@ -415,6 +426,15 @@ pub fn check_profile(path: &Path) -> std::result::Result<(), String> {
         Err(CoreError::NotAProfile { reason, .. }) | Err(CoreError::DamagedProfile { reason, .. }) => Err(reason),
         Err(e) => Err(e.to_string()),
     }
+}
+
+/// True for an SQLite database that holds no table at all (a run killed while it was creating its profile):
+/// replacing it loses nothing.
+pub fn is_empty_database(path: &Path) -> bool {
+    header_journal(path).is_some()
+        && Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX)
+            .and_then(|c| c.query_row("SELECT count(*) FROM sqlite_master", [], |r| r.get::<_, i64>(0)))
+            .is_ok_and(|n| n == 0)
 }
 
 /// Whether an SQLite error means "cannot open this way" (a read-only directory or filesystem, no `-shm`)
@@ -480,7 +500,7 @@ fn connect(path: &Path) -> Result<Connection> {
         let wal_mode = header_journal(path) == Some(2);
         let reason = if wal_mode && wal_bytes == 0 {
             format!(
-                "an SQLite file whose data all sits in its write-ahead log {}, which is not here: this is the main file of a profile copied while its run was recording, or after the recorder was killed. Copy {} along with it, or run `torchmem report` on the original once (that folds the log into the file) and copy again",
+                "an SQLite file whose data all sits in its write-ahead log {}, which is not here: this is the main file of a profile copied while its run was still recording, or after its recorder was killed. Copy {} along with it; or, once the run has ended (or after a killed run, once `torchmem report` has read the original: that folds the log into the file), copy the file again",
                 wal.display(),
                 wal.display()
             )
@@ -697,10 +717,15 @@ fn load_tables(conn: &Connection, path: &Path, meta: RunMeta, version: i64) -> r
     }
     folder.finish();
     let mut aggregates: Vec<SpanAggregate> = if version >= 2 { load_aggregates(conn)? } else { Vec::new() };
+    let mut at: std::collections::HashMap<AggregateKey, usize> =
+        aggregates.iter().enumerate().map(|(i, a)| (a.key(), i)).collect();
     for folded in folder.into_aggregates() {
-        match aggregates.iter_mut().find(|a| a.key() == folded.key()) {
-            Some(a) => a.merge(&folded),
-            None => aggregates.push(folded),
+        match at.get(&folded.key()) {
+            Some(&i) => aggregates[i].merge(&folded),
+            None => {
+                at.insert(folded.key(), aggregates.len());
+                aggregates.push(folded);
+            }
         }
     }
     p.aggregates = aggregates;
@@ -827,10 +852,75 @@ mod tests {
         let mut w = ProfileWriter::create(&path, &meta()).unwrap();
         w.push(Record::Cpu(CpuSample { t_ns: 1, rss_bytes: 100, pss_bytes: None, uss_bytes: None, process_count: 1 }));
         w.flush().unwrap();
-        std::mem::forget(w); // as if the recorder died: no finish, WAL not checkpointed
+        w.abandon(); // as if the recorder died: no finish, WAL not checkpointed
         let p = Profile::open(&path).unwrap();
         assert_eq!(p.cpu.len(), 1);
         assert_eq!(p.meta.exit_code, None);
+        assert!(!p.meta.recording, "nobody holds it any more");
+    }
+
+    #[test]
+    fn a_live_profile_is_locked_and_a_finished_one_is_one_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.sqlite");
+        let mut w = ProfileWriter::create(&path, &meta()).unwrap();
+        w.push(Record::Cpu(CpuSample { t_ns: 1, rss_bytes: 100, pss_bytes: None, uss_bytes: None, process_count: 1 }));
+        w.flush().unwrap();
+        assert!(is_being_recorded(&path));
+        let live = Profile::open(&path).unwrap();
+        assert!(live.meta.recording && live.meta.exit_code.is_none());
+        // Another run can neither create nor replace it while it is held.
+        assert!(ProfileWriter::create(&path, &meta()).is_err());
+        let e = ProfileWriter::create_replacing(&path, &meta()).err().unwrap().to_string();
+        assert!(e.contains("being recorded"), "{e}");
+        let p = w
+            .finish_with(
+                |m| {
+                    m.exit_code = Some(137);
+                    m.signal = Some(9);
+                },
+                10,
+            )
+            .unwrap();
+        assert_eq!((p.meta.exit_code, p.meta.signal, p.cpu.len()), (Some(137), Some(9), 1));
+        assert!(!is_being_recorded(&path));
+        for companion in ["-wal", "-shm", "-journal"] {
+            assert!(!PathBuf::from(format!("{}{companion}", path.display())).exists(), "{companion} left behind");
+        }
+        assert_eq!(header_journal(&path), Some(1), "a finished profile is in rollback-journal mode");
+        let again = Profile::open(&path).unwrap();
+        assert_eq!(again.meta.signal, Some(9));
+        assert!(!again.meta.recording);
+    }
+
+    #[test]
+    fn replacing_refuses_what_is_not_a_profile() {
+        let dir = tempfile::tempdir().unwrap();
+        let script = dir.path().join("train.py");
+        std::fs::write(&script, "print('hi')\n").unwrap();
+        assert!(ProfileWriter::create(&script, &meta()).is_err());
+        assert!(ProfileWriter::create_replacing(&script, &meta()).is_err());
+        assert_eq!(std::fs::read_to_string(&script).unwrap(), "print('hi')\n");
+        let old = dir.path().join("old.sqlite");
+        ProfileWriter::create(&old, &meta()).unwrap().finish(Some(0), 1).unwrap();
+        let w = ProfileWriter::create_replacing(&old, &meta()).unwrap();
+        w.discard();
+        assert!(!old.exists(), "a discarded profile leaves nothing");
+        assert!(!PathBuf::from(format!("{}-wal", old.display())).exists());
+    }
+
+    #[test]
+    fn a_copied_main_file_without_its_wal_says_where_the_data_is() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("live.sqlite");
+        let mut w = ProfileWriter::create(&path, &meta()).unwrap();
+        w.push(Record::Cpu(CpuSample { t_ns: 1, rss_bytes: 100, pss_bytes: None, uss_bytes: None, process_count: 1 }));
+        w.flush().unwrap();
+        let copy = dir.path().join("copy.sqlite");
+        std::fs::copy(&path, &copy).unwrap();
+        let e = Profile::open(&copy).unwrap_err().to_string();
+        assert!(e.contains("copy.sqlite-wal") && e.contains("write-ahead log"), "{e}");
+        w.finish(Some(0), 1).unwrap();
     }
 
     #[test]
@@ -875,7 +965,7 @@ mod tests {
         assert!(p.aggregates.is_empty(), "6 occurrences of each phase are under the default keep");
         let s = crate::analysis::Summary::from_profile(&p);
         assert_eq!(s.epochs.len(), 2);
-        assert_eq!(s.epochs.iter().map(|e| e.steps).collect::<Vec<_>>(), [3, 3]);
+        assert_eq!(s.epochs.iter().map(|e| e.steps).collect::<Vec<_>>(), [Some(3), Some(3)]);
         assert_eq!(s.steps, 6);
         let forward = s.phases.iter().find(|r| r.name == "forward").unwrap();
         let (total, count) = sql_phase_total_ns(&path, "forward");

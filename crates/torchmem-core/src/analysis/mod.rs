@@ -10,6 +10,8 @@ mod peaks;
 mod spans;
 mod tables;
 
+use std::collections::HashMap;
+
 use serde::Serialize;
 
 pub use aggregate::{MarkerAggregates, SpanTotals};
@@ -81,14 +83,12 @@ impl Summary {
         let sp = spans(p.markers);
         let totals = epoch_totals(&sp, p.aggregates);
         let mut epochs = epoch_rows(&sp, MarkerKind::Epoch, p.torch, p.cpu);
+        let mut steps_in: HashMap<(Option<u32>, Option<u32>, Option<i64>), u64> = HashMap::new();
+        for t in totals.iter().filter(|t| t.kind == MarkerKind::Step) {
+            *steps_in.entry((t.pid, t.rank, t.epoch)).or_default() += t.count;
+        }
         for row in &mut epochs {
-            row.steps = totals
-                .iter()
-                .filter(|t| {
-                    t.kind == MarkerKind::Step && (t.pid, t.rank, t.epoch) == (row.pid, row.rank, Some(row.index))
-                })
-                .map(|t| t.count)
-                .sum();
+            row.steps = Some(steps_in.get(&(row.pid, row.rank, Some(row.index))).copied().unwrap_or(0));
         }
         let step_rows = epoch_rows(&sp, MarkerKind::Step, p.torch, p.cpu);
         let steps = step_rows.len() as u64
@@ -158,6 +158,10 @@ impl Summary {
         let mut s = Summary::from_markers(markers, capacity_bytes);
         s.steps = agg.steps;
         s.phases = agg.phases.clone();
+        // The kept markers hold the first steps only, and the aggregates are not per epoch.
+        for row in &mut s.epochs {
+            row.steps = None;
+        }
         raise_peak_stage(&mut s.journey, agg.peak_allocated_bytes, agg.peak_reserved_bytes, agg.peak_rss_bytes);
         s
     }
@@ -238,7 +242,9 @@ mod tests {
         };
         let s = Summary::from_markers_aggregated(&epochs_only, None, &agg);
         assert_eq!(s.phases, full.phases);
-        assert_eq!(s.epochs, full.epochs);
+        let mut want = full.epochs.clone();
+        want.iter_mut().for_each(|e| e.steps = None); // not per epoch in the Monitor's aggregates
+        assert_eq!(s.epochs, want);
         let peak = s.journey.iter().find(|st| st.name == "Peak").expect("a peak stage");
         assert_eq!(peak.allocated_bytes, Some(500 * MIB), "the aggregate's peak counts though its marker is gone");
     }
@@ -439,7 +445,7 @@ mod tests {
         assert_eq!(folded.epochs, full.epochs);
         assert_eq!(folded.steps, full.steps);
         assert_eq!(full.steps, 2 * 3 * 40 + 1);
-        assert_eq!(full.epochs.iter().map(|e| e.steps).collect::<Vec<_>>(), [40; 6]);
+        assert_eq!(full.epochs.iter().map(|e| e.steps).collect::<Vec<_>>(), [Some(40); 6]);
         // Per process: epochs are their own series.
         assert_eq!(full.epochs.iter().filter(|e| e.pid == Some(8)).count(), 3);
     }

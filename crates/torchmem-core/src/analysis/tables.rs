@@ -18,8 +18,9 @@ pub struct EpochRow {
     pub pid: Option<u32>,
     pub rank: Option<u32>,
     pub duration_ns: Option<u64>,
-    /// Steps that started inside this epoch (kept and folded); 0 in the per-step table.
-    pub steps: u64,
+    /// Steps that started inside this epoch (kept and folded); None where not counted (the per-step table,
+    /// and the in-process Monitor's summary, whose aggregates are not per epoch).
+    pub steps: Option<u64>,
     pub allocated_bytes: Option<u64>,
     pub reserved_bytes: Option<u64>,
     pub peak_allocated_bytes: Option<u64>,
@@ -91,7 +92,7 @@ pub fn epoch_rows(spans: &[Span], kind: MarkerKind, torch: &[TorchSample], cpu: 
             pid: s.origin.pid,
             rank: s.origin.rank,
             duration_ns: s.duration_ns(),
-            steps: 0,
+            steps: None,
             allocated_bytes: allocated,
             reserved_bytes: exit.and_then(|e| e.reserved_bytes),
             peak_allocated_bytes: pa,

@@ -414,7 +414,7 @@ mod tests {
             index,
             pid: None,
             rank: None,
-            steps: 0,
+            steps: None,
             duration_ns: Some(1_500_000_000),
             allocated_bytes: None,
             reserved_bytes: None,
