@@ -1,7 +1,8 @@
 //! The offline, self-contained HTML report of a snapshot: memory over time stacked by allocation
 //! site, the peak's composition as an icicle chart of Python stacks, and a map of segments. Only
 //! aggregates are embedded (≤ 1000 time buckets, pruned stack tree, capped segment runs), so a
-//! 1 GB snapshot gives a page of a few hundred KB. No network resources: inline CSS, JS and SVG.
+//! 1 GB snapshot gives a page of a few hundred KB. No network resources: the CSS and JS (`assets/`, kept
+//! as real files) are inlined into the page by a single-pass template.
 
 use std::collections::HashMap;
 
@@ -71,7 +72,8 @@ fn timeline(snap: &Snapshot, device: usize, peak_index: Option<usize>) -> J {
             }
         }
     }
-    json!({ "series": names, "t_us": out_t, "levels": out_levels })
+    let start_us = idxs.first().map(|e| e.time_us).unwrap_or(0);
+    json!({ "series": names, "start_us": start_us, "t_us": out_t, "levels": out_levels })
 }
 
 /// Icicle tree of Python frames (outermost first) of the blocks alive at the peak.
@@ -184,8 +186,7 @@ pub fn render(snap: &Snapshot, summary: &Summary, name: &str) -> String {
         "icicle": icicle(snap, &peak_blocks),
         "segments": segment_map(snap),
     });
-    // `</` must not appear inside the script element.
-    let data_text = serde_json::to_string(&data).unwrap_or_else(|_| "{}".into()).replace("</", "<\\/");
+    let data_text = script_json(&data);
     let mut cards = String::new();
     for d in &summary.devices {
         cards.push_str(&format!(
@@ -210,92 +211,94 @@ pub fn render(snap: &Snapshot, summary: &Summary, name: &str) -> String {
         .iter()
         .map(|(a, n)| format!("<tr><td>{}</td><td>{n}</td></tr>", html_escape(a)))
         .collect();
-    TEMPLATE
-        .replace("{{TITLE}}", &html_escape(name))
-        .replace("{{CARDS}}", &cards)
-        .replace("{{ACTIONS}}", &actions)
-        .replace("{{DATA}}", &data_text)
+    fill(
+        TEMPLATE,
+        &[
+            ("TITLE", &html_escape(name)),
+            ("CARDS", &cards),
+            ("ACTIONS", &actions),
+            ("DATA", &data_text),
+            ("CSS", CSS),
+            ("JS", JS),
+        ],
+    )
 }
 
-const TEMPLATE: &str = r##"<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8">
-<meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:">
-<title>torchmem snapshot: {{TITLE}}</title>
-<style>
-body{font:13px/1.4 system-ui,sans-serif;margin:16px;color:#222;background:#fafafa}
-h1{font-size:18px} h2{font-size:15px;margin-top:24px}
-.cards{display:flex;gap:12px;flex-wrap:wrap}.card{background:#fff;border:1px solid #ddd;border-radius:6px;padding:8px 12px}
-.card h3{margin:0 0 6px;font-size:14px} td{padding:1px 8px 1px 0} .note{color:#666;max-width:420px}
-svg{background:#fff;border:1px solid #ddd} .legend span{display:inline-block;margin-right:12px}
-.legend i{display:inline-block;width:10px;height:10px;margin-right:4px}
-#tip{position:fixed;pointer-events:none;background:#333;color:#fff;padding:4px 6px;border-radius:4px;font-size:12px;display:none;max-width:600px}
-</style></head><body>
-<h1>Allocator snapshot: {{TITLE}}</h1>
-<div class=cards>{{CARDS}}<div class=card><h3>Trace actions</h3><table>{{ACTIONS}}</table></div></div>
-<h2>Memory over time, stacked by allocation site (requested bytes; the largest sites at the peak)</h2>
-<svg id=timeline width=1100 height=320></svg><div id=timeline-legend class=legend></div>
-<h2>Composition at the peak (icicle of Python stacks, outermost frame on top)</h2>
-<svg id=icicle width=1100 height=360></svg>
-<h2>Segments (largest first): <span style="color:#4c78a8">allocated</span>, <span style="color:#f58518">pending free</span>, <span style="color:#bbb">inactive</span>, <span style="color:#9467bd">mixed</span></h2>
-<svg id=segments width=1100 height=100></svg>
-<div id=tip></div>
-<script id=data type="application/json">{{DATA}}</script>
-<script>
-"use strict";
-const D = JSON.parse(document.getElementById("data").textContent);
-const NS = "http://www.w3.org/2000/svg";
-const COLORS = ["#4c78a8","#f58518","#e45756","#72b7b2","#54a24b","#eeca3b","#b279a2","#ff9da6","#9d755d","#bab0ac","#1f77b4","#2ca02c","#cccccc"];
-const tip = document.getElementById("tip");
-function fmt(b){const u=["B","KiB","MiB","GiB","TiB"];let i=0;while(b>=1024&&i<4){b/=1024;i++;}return (i?b.toFixed(2):b)+" "+u[i];}
-function el(tag, attrs, parent){const e=document.createElementNS(NS,tag);for(const k in attrs)e.setAttribute(k,attrs[k]);if(parent)parent.appendChild(e);return e;}
-function hover(e, text){e.addEventListener("mousemove",ev=>{tip.style.display="block";tip.style.left=(ev.clientX+12)+"px";tip.style.top=(ev.clientY+12)+"px";tip.textContent=text;});e.addEventListener("mouseleave",()=>{tip.style.display="none";});}
-function drawTimeline(){
-  const svg=document.getElementById("timeline"), T=D.timeline;
-  if(!T){el("text",{x:20,y:40},svg).textContent="No trace in this snapshot (record with _record_memory_history).";return;}
-  const W=+svg.getAttribute("width")-70, H=+svg.getAttribute("height")-40, n=T.t_us.length;
-  let max=1; for(let b=0;b<n;b++){let s=0;for(const l of T.levels)s+=l[b];if(s>max)max=s;}
-  const x=b=>60+(n>1?b*W/(n-1):W/2), y=v=>10+H-v*H/max;
-  const base=new Array(n).fill(0);
-  T.levels.forEach((lv,si)=>{
-    const top=base.map((v,b)=>v+lv[b]);
-    let d="M"+x(0)+","+y(top[0]);
-    for(let b=1;b<n;b++)d+="L"+x(b)+","+y(top[b]);
-    for(let b=n-1;b>=0;b--)d+="L"+x(b)+","+y(base[b]);
-    const p=el("path",{d:d+"Z",fill:COLORS[si%COLORS.length],class:"band"},svg);
-    hover(p,T.series[si]+" — peak "+fmt(Math.max(...lv)));
-    for(let b=0;b<n;b++)base[b]=top[b];
-  });
-  for(let k=0;k<=4;k++){const v=max*k/4;el("text",{x:4,y:y(v)+4,"font-size":10},svg).textContent=fmt(v);el("line",{x1:60,x2:60+W,y1:y(v),y2:y(v),stroke:"#eee"},svg);}
-  const span=(T.t_us[n-1]-T.t_us[0])/1000;
-  el("text",{x:60,y:H+30,"font-size":10},svg).textContent="time → ("+span.toFixed(1)+" ms across "+n+" buckets; each bucket shows its highest moment)";
-  const leg=document.getElementById("timeline-legend");
-  T.series.forEach((s,i)=>{const sp=document.createElement("span");const c=document.createElement("i");c.style.background=COLORS[i%COLORS.length];sp.appendChild(c);sp.appendChild(document.createTextNode(s));leg.appendChild(sp);});
+/// The page, its style and its drawing code (offline: all of it is inlined into the one file).
+const TEMPLATE: &str = include_str!("assets/snapshot.html");
+const CSS: &str = include_str!("assets/snapshot.css");
+const JS: &str = include_str!("assets/snapshot.js");
+
+/// Fills `{{NAME}}` placeholders in one pass: a value is never scanned again, so a snapshot named
+/// `{{DATA}}.pickle` stays a title. Values must already be escaped for where they go. An unknown
+/// placeholder is kept as it is.
+pub fn fill(template: &str, values: &[(&str, &str)]) -> String {
+    let extra: usize = values.iter().map(|(_, v)| v.len()).sum();
+    let mut out = String::with_capacity(template.len() + extra);
+    let mut rest = template;
+    while let Some(start) = rest.find("{{") {
+        out.push_str(&rest[..start]);
+        let after = &rest[start + 2..];
+        match after.find("}}") {
+            Some(end) => {
+                let key = &after[..end];
+                match values.iter().find(|(k, _)| *k == key) {
+                    Some((_, v)) => out.push_str(v),
+                    None => {
+                        out.push_str("{{");
+                        out.push_str(key);
+                        out.push_str("}}");
+                    }
+                }
+                rest = &after[end + 2..];
+            }
+            None => {
+                out.push_str(&rest[start..]);
+                rest = "";
+            }
+        }
+    }
+    out.push_str(rest);
+    out
 }
-function drawIcicle(){
-  const svg=document.getElementById("icicle"), root=D.icicle, W=+svg.getAttribute("width"), RH=18;
-  let maxDepth=0;
-  function walk(nd,x0,w,depth){
-    if(w<0.5)return; maxDepth=Math.max(maxDepth,depth);
-    const r=el("rect",{x:x0,y:depth*RH,width:Math.max(w-1,0.5),height:RH-1,fill:COLORS[depth%COLORS.length],class:"node"},svg);
-    hover(r,nd.n+" — "+fmt(nd.v)+" ("+(100*nd.v/Math.max(root.v,1)).toFixed(1)+"%)");
-    if(w>60){const t=el("text",{x:x0+3,y:depth*RH+13,"font-size":11,"pointer-events":"none"},svg);t.textContent=(nd.n.replace(/^[^:]*\//,"")+" "+fmt(nd.v)).slice(0,Math.floor(w/6.5));}
-    let cx=x0; for(const c of nd.c){const cw=w*c.v/Math.max(nd.v,1);walk(c,cx,cw,depth+1);cx+=cw;}
-  }
-  walk(root,0,W,0);
-  svg.setAttribute("height",(maxDepth+1)*RH+4);
+
+/// JSON text safe inside `<script type="application/json">`: no `</` (closes the element) and no `<!--`.
+pub fn script_json(v: &J) -> String {
+    serde_json::to_string(v).unwrap_or_else(|_| "{}".into()).replace("</", "<\\/").replace("<!--", "<\\u0021--")
 }
-function drawSegments(){
-  const svg=document.getElementById("segments"), S=D.segments.segments, W=+svg.getAttribute("width")-170, RH=10;
-  const SC=["#4c78a8","#f58518","#bbbbbb","#9467bd"]; let maxT=1; for(const s of S)maxT=Math.max(maxT,s.total);
-  S.forEach((s,i)=>{
-    const y=i*RH; el("text",{x:0,y:y+8,"font-size":8},svg).textContent=s.addr+" "+fmt(s.total);
-    const w=Math.max(W*Math.sqrt(s.total/maxT),2); let x=170;
-    for(const [st,b] of s.runs){const rw=w*b/Math.max(s.total,1);const r=el("rect",{x:x,y:y,width:Math.max(rw,0.3),height:RH-2,fill:SC[st],class:"run"},svg);hover(r,["allocated","pending free","inactive","mixed"][st]+" "+fmt(b)+" in segment "+s.addr);x+=rw;}
-  });
-  svg.setAttribute("height",Math.max(S.length*RH+20,30));
-  if(D.segments.hidden)el("text",{x:0,y:S.length*RH+16,"font-size":10},svg).textContent="… and "+D.segments.hidden+" smaller segments";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fill_is_single_pass() {
+        let t = "<title>{{TITLE}}</title><script>{{DATA}}</script>{{NOPE}}";
+        let got = fill(t, &[("TITLE", "{{DATA}}.pickle"), ("DATA", "{\"a\":1}")]);
+        assert_eq!(got, "<title>{{DATA}}.pickle</title><script>{\"a\":1}</script>{{NOPE}}");
+        assert_eq!(fill("{{", &[]), "{{");
+    }
+
+    #[test]
+    fn script_json_cannot_close_the_element() {
+        let j = serde_json::json!({"name": "</script><script>alert(1)</script><!--"});
+        let s = script_json(&j);
+        assert!(!s.contains("</") && !s.contains("<!--"), "{s}");
+        let back: J = serde_json::from_str(&s).unwrap();
+        assert_eq!(back, j);
+    }
+
+    #[test]
+    fn a_snapshot_named_like_a_placeholder_gets_its_name_as_title() {
+        let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/snapshots/snapshot_mlp_adam_pystacks.pickle");
+        let snap = crate::read_path(&p).unwrap();
+        let sum = crate::summary::summarize(&snap);
+        let page = render(&snap, &sum, "/tmp/{{DATA}}<b>.pickle");
+        assert!(page.contains("<title>torchmem snapshot: /tmp/{{DATA}}&lt;b&gt;.pickle</title>"), "title");
+        assert!(page.contains("<h1>Allocator snapshot: /tmp/{{DATA}}&lt;b&gt;.pickle</h1>"), "heading");
+        assert_eq!(page.matches("<script id=data").count(), 1);
+        assert_eq!(page.matches("\"timeline\":").count(), 1, "the data is embedded once");
+        assert!(page.contains(JS.trim_end()) && page.contains(CSS.trim_end()));
+    }
 }
-drawTimeline(); drawIcicle(); drawSegments();
-document.body.setAttribute("data-rendered","1");
-</script></body></html>
-"##;
