@@ -6,8 +6,8 @@ non-UTF-8 input on stdin, in a file and as an argument, a log file's path, and v
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path

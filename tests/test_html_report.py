@@ -3,7 +3,9 @@
 Records a real run (`torchmem run` on a small torch training loop with a Monitor), writes the HTML page, then
 loads it in chromium: the DOM after the scripts ran must hold the hover read-out with the values the profile
 holds at that moment (reached through a `#t=` link and through a real `mousemove` event on the chart), and a
-screenshot must show the chart's line and bands in their colours. Skipped only when chromium is absent.
+screenshot must show the chart's line and bands in their colours. The phase lane stacks every phase's share
+(no majority vote), epoch bands carry their number and peak, headings are not doubled, and in a line profile a
+line that freed memory is shaded differently from one that allocated. Skipped only when chromium is absent.
 """
 
 from __future__ import annotations
@@ -254,3 +256,64 @@ def test_screenshot_shows_the_chart(recorded: dict[str, object]) -> None:
     plot_rows = rows[min(ys) : max(ys) + 1]
     tint = pixels_near(plot_rows, (242, 243, 247), tol=4)
     assert len(tint) > 10_000, len(tint)
+
+
+def test_phase_lane_shows_every_phase_and_epochs_their_peak(recorded: dict[str, object]) -> None:
+    html = recorded["page"].read_text()
+    data = chart_data(html)
+    recorded_phases = {p["name"] for p in recorded["report"]["phases"]}
+    in_lane = {name for (_s, _e, parts) in data["phase_mix"] for name, _pct in parts}
+    assert {"forward", "backward"} <= recorded_phases <= in_lane | {"step"}, (recorded_phases, in_lane)
+    # the shares of a column add up to at most 100 % of its time
+    assert all(sum(pct for _n, pct in parts) <= 101 for (_s, _e, parts) in data["phase_mix"])
+    s, e, label = data["epochs"][1]
+    assert label.startswith("epoch 1 (peak CPU RSS ") and label.endswith("iB)"), label
+    # the 64 MiB tensor lives in epoch 1: its peak is the highest of the three
+    peak = [parse_bytes(lbl.split("RSS ")[1].rstrip(")"))[0] for (_s, _e, lbl) in data["epochs"]]
+    assert peak[1] == max(peak) and peak[1] - min(peak) > 40 * MIB, peak
+    assert html.count(">Memory journey</h") == 1
+    assert "Epochs are the shaded bands" in html and "stacks, in each pixel column" in html
+    # in the browser: the read-out names the phases under the cursor with their shares
+    busy = max(data["phase_mix"], key=lambda b: len(b[2]))
+    r = chromium("--dump-dom", recorded["page"].as_uri() + f"#t={(busy[0] + busy[1]) / 2:.4f}")
+    _t, text = readout(r.stdout)
+    assert re.search(r"phases [a-z_]+ \d+%", text), text
+
+
+LINES = """
+@profile
+def work():
+    a = b"x" * (64 << 20)
+    b = a + b"y"
+    del a
+    return len(b)
+
+work()
+"""
+
+
+def test_line_profile_frees_are_not_shaded_like_allocations(tmp_path: Path) -> None:
+    (tmp_path / "lp.py").write_text(LINES)
+    prof = tmp_path / "lp.sqlite"
+    r = subprocess.run(
+        [sys.executable, "-m", "torchmem", "run", "-q", "--line", "-o", str(prof), "--", sys.executable, "lp.py"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr
+    page = tmp_path / "lp.html"
+    assert torchmem("plot", str(prof), "-o", str(page)).returncode == 0
+    html = page.read_text()
+    rows = {
+        m.group(2).strip(): m.group(1) for m in re.finditer(r"<tr([^>]*)>.*?white-space:pre\">([^<]*)</td></tr>", html)
+    }
+    alloc = next(attrs for src, attrs in rows.items() if src.endswith("(64 &lt;&lt; 20)"))
+    assert "rgba(220,60,40" in alloc and "data-freed" not in alloc, rows
+    assert 'data-freed="1"' in rows["del a"] and "rgba(40,160,90" in rows["del a"], rows
+    # one heading for the line profile; no epoch/phase note on a run without them
+    assert html.count("Line-by-line memory") == 1 and "Line profile</h2>" not in html
+    assert "Epochs are the shaded bands" not in html and "coloured lane" not in html
+    dom = chromium("--dump-dom", page.as_uri()).stdout
+    assert 'data-freed="1"' in dom

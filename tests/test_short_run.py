@@ -85,7 +85,20 @@ def test_short_line_profiled_run_reads_pss_after_the_program_grew(tmp_path: Path
 
 def test_a_peak_between_two_samples_is_caught_by_the_high_water_mark(tmp_path: Path) -> None:
     (tmp_path / "spike.py").write_text(SPIKE)
-    r = torchmem("run", "-q", "--interval", "400", "--pss-interval", "400", "-o", "s.sqlite", "--", sys.executable, "spike.py", cwd=tmp_path)
+    r = torchmem(
+        "run",
+        "-q",
+        "--interval",
+        "400",
+        "--pss-interval",
+        "400",
+        "-o",
+        "s.sqlite",
+        "--",
+        sys.executable,
+        "spike.py",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     hwm = hwm_printed(r.stdout)
     assert hwm > 120 * MIB

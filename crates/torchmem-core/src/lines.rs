@@ -187,7 +187,8 @@ fn escape(s: &str) -> String {
 }
 
 /// A self-contained HTML fragment (inline styles, no scripts, nothing fetched): annotated source per
-/// function, the heaviest lines highlighted (shade grows with the line's weight; the top 3 are bold).
+/// function, the heaviest lines highlighted (shade grows with the line's weight; the top 3 are bold; red
+/// where the line allocated, green where it freed).
 pub fn render_html(profiles: &[Value]) -> String {
     let parsed = parse(profiles);
     if parsed.is_empty() {
@@ -227,9 +228,18 @@ pub fn render_html(profiles: &[Value]) -> String {
                 let heavy = top.contains(&r.line);
                 let style = if w > 0 && max_w > 0 {
                     let alpha = 0.08 + 0.5 * (w as f64 / max_w as f64);
+                    // Red for a line that allocated, green for one that freed more than it allocated.
+                    let net = [r.cpu_delta_bytes, r.gpu_alloc_delta_bytes]
+                        .into_iter()
+                        .flatten()
+                        .max_by_key(|v| v.unsigned_abs());
+                    let freed =
+                        net.is_some_and(|d| d < 0 && d.unsigned_abs() >= r.gpu_peak_bytes.unwrap_or(0).unsigned_abs());
+                    let rgb = if freed { "40,160,90" } else { "220,60,40" };
                     format!(
-                        " style=\"background:rgba(220,60,40,{alpha:.2}){}\"",
-                        if heavy { ";font-weight:bold" } else { "" }
+                        " style=\"background:rgba({rgb},{alpha:.2}){}\"{}",
+                        if heavy { ";font-weight:bold" } else { "" },
+                        if freed { " data-freed=\"1\"" } else { "" }
                     )
                 } else {
                     String::new()

@@ -82,9 +82,9 @@ const SCRIPT: &str = r#"
     var x = D.left + (i + 0.5) * D.plot_w / D.n;
     line.setAttribute("x1", x); line.setAttribute("x2", x);
     var html = '<span class="t">t = ' + tm.toFixed(3) + ' s</span>';
-    var e = band(D.epochs, tm), p = band(D.phases, tm);
+    var e = band(D.epochs, tm), p = band(D.phase_mix, tm);
     if (e !== null) html += '<span class="epoch">' + esc(e) + '</span>';
-    if (p !== null) html += '<span class="phase">phase ' + esc(p) + '</span>';
+    if (p !== null) html += '<span class="phase">phases ' + p.map(function (q) { return esc(q[0]) + ' ' + q[1] + '%'; }).join(', ') + '</span>';
     D.series.forEach(function (s, k) {
       var v = at(s, i), dot = dots[k];
       var text = "-";
@@ -116,7 +116,7 @@ const SCRIPT: &str = r#"
 
 /// One table as HTML.
 pub fn render_table(t: &Table) -> String {
-    let mut out = format!("<h3>{}</h3>\n", esc(&t.title));
+    let mut out = if t.title.is_empty() { String::new() } else { format!("<h3>{}</h3>\n", esc(&t.title)) };
     if t.rows.is_empty() {
         out.push_str(&format!("<p class=\"empty\">{}</p>\n", esc(&t.empty)));
     } else {
@@ -163,6 +163,7 @@ fn chart_data(tl: &Timeline, lay: &Layout, legend_top: f64, y_top_bytes: f64) ->
         "series": tl.series.iter().map(|s| json!({"label": s.label, "color": s.color, "samples": s.samples, "min": s.buckets.min, "max": s.buckets.max, "last": s.buckets.last})).collect::<Vec<_>>(),
         "epochs": tl.epochs.iter().map(|b| json!([secs(b.start_ns), secs(b.end_ns), b.label])).collect::<Vec<_>>(),
         "phases": tl.phases.iter().map(|b| json!([secs(b.start_ns), secs(b.end_ns), b.label])).collect::<Vec<_>>(),
+        "phase_mix": tl.phase_mix.iter().map(|b| json!([secs(b.start_ns), secs(b.end_ns), b.parts.iter().map(|p| json!([p.0, p.2])).collect::<Vec<_>>()])).collect::<Vec<_>>(),
     })
 }
 
@@ -214,8 +215,8 @@ pub fn render(profile: &Profile, summary: &Summary) -> String {
     if !tl.epochs.is_empty() {
         notes.push("Epochs are the shaded bands, numbered at the top.".into());
     }
-    if !tl.phases.is_empty() {
-        notes.push("The coloured lane under the plot shows the phase that fills most of each pixel column.".into());
+    if !tl.phase_mix.is_empty() {
+        notes.push("The coloured lane under the plot stacks, in each pixel column, every phase's share of that column's time (a phase present at all gets at least one thin step); the read-out gives the percentages.".into());
     }
     if downsampled {
         notes.push(format!("Each line is drawn through the minimum and maximum of every pixel column ({} columns), so no peak is lost.", tl.n));
@@ -228,7 +229,8 @@ pub fn render(profile: &Profile, summary: &Summary) -> String {
         h.push_str(&render_table(&t));
     }
     h.push_str("<h2>Memory journey</h2>\n");
-    h.push_str(&render_table(&cells::journey_table(&summary.journey)));
+    // The section heading names the table: no second heading.
+    h.push_str(&render_table(&Table { title: String::new(), ..cells::journey_table(&summary.journey) }));
     if !summary.journey.is_empty() {
         h.push_str(&format!(
             "<details><summary>Mermaid source</summary>\n<pre>{}</pre></details>\n",
@@ -237,7 +239,7 @@ pub fn render(profile: &Profile, summary: &Summary) -> String {
     }
     let line_html = lines::render_html(&profile.line_profiles);
     if !line_html.trim().is_empty() {
-        h.push_str("<h2>Line profile</h2>\n");
+        // The fragment has its own heading ("Line-by-line memory").
         h.push_str(&line_html);
         h.push('\n');
     }
@@ -311,6 +313,30 @@ mod tests {
         let small = profile(10, 100);
         let small_html = render(&small, &Summary::from_profile(&small));
         assert!(html.len() < small_html.len() * 3, "{} vs {}", html.len(), small_html.len());
+    }
+
+    #[test]
+    fn no_heading_twice_and_the_band_note_only_with_bands() {
+        let p = profile(2, 10);
+        let html = render(&p, &Summary::from_profile(&p));
+        assert_eq!(html.matches(">Memory journey</h").count(), 1, "one 'Memory journey' heading");
+        assert!(!html.contains("Epochs are the shaded bands"), "no epochs, no note about them");
+        assert!(!html.contains("coloured lane"), "no phases, no note about the lane");
+        let mut q = profile(2, 10);
+        for (t, edge) in [(0, Edge::Start), (1_000_000_000, Edge::End)] {
+            q.markers.push(Marker {
+                t_ns: t,
+                kind: MarkerKind::Epoch,
+                edge,
+                name: "epoch".into(),
+                index: Some(0),
+                memory: MarkerMemory::default(),
+                origin: Default::default(),
+                device: None,
+            });
+        }
+        let html = render(&q, &Summary::from_profile(&q));
+        assert!(html.contains("Epochs are the shaded bands"));
     }
 
     #[test]

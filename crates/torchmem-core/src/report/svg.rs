@@ -259,12 +259,17 @@ pub fn render_chart(profile: &Profile, tl: &Timeline, lay: &Layout, interactive:
             lay.top,
             lay.top + lay.plot_h
         ));
-        if x1 - x0 >= 48.0 {
+        // The number and peak when they fit, else the number alone ("epoch 3"), else nothing (the
+        // band's <title> and the HTML read-out still name it).
+        let short = b.label.split(" (").next().unwrap_or(&b.label);
+        let fits = |text: &str| x1 - x0 >= 8.0 + 6.0 * text.chars().count() as f64;
+        let text = if fits(&b.label) { Some(b.label.as_str()) } else { fits(short).then_some(short) };
+        if let Some(text) = text {
             s.push_str(&format!(
                 r##"<text x="{:.1}" y="{:.1}" fill="#4a5a8a" font-size="11">{}</text>"##,
                 x0 + 4.0,
                 lay.top + 13.0,
-                esc(&b.label)
+                esc(text)
             ));
         }
     }
@@ -295,15 +300,23 @@ pub fn render_chart(profile: &Profile, tl: &Timeline, lay: &Layout, interactive:
             lay.left - 6.0,
             lane_y + lay.lane_h - 3.0
         ));
-        for b in &tl.phases {
+        // Per run of pixel columns, each phase's share of the time as a stack (bottom up, first-seen order).
+        let step_h = lay.lane_h / crate::report::timeline::MIX_LEVELS as f64;
+        for b in &tl.phase_mix {
             let (x0, x1) = (x_of(b.start_ns), x_of(b.end_ns));
-            s.push_str(&format!(
-                r#"<rect x="{x0:.1}" y="{lane_y:.1}" width="{:.1}" height="{}" fill="{}" fill-opacity="0.75"><title>{}</title></rect>"#,
-                (x1 - x0).max(0.5),
-                lay.lane_h,
-                tl.phase_color(&b.label),
-                esc(&b.label)
-            ));
+            let mut y = lane_y + lay.lane_h;
+            let title: Vec<String> = b.parts.iter().map(|(name, _, pct)| format!("{name} {pct}%")).collect();
+            s.push_str(&format!("<g><title>{}</title>", esc(&title.join(", "))));
+            for (name, steps, _) in &b.parts {
+                let h = step_h * *steps as f64;
+                y -= h;
+                s.push_str(&format!(
+                    r#"<rect x="{x0:.1}" y="{y:.1}" width="{:.1}" height="{h:.1}" fill="{}" fill-opacity="0.75"/>"#,
+                    (x1 - x0).max(0.5),
+                    tl.phase_color(name),
+                ));
+            }
+            s.push_str("</g>");
         }
         s.push_str("</g>");
     }
@@ -459,7 +472,7 @@ mod tests {
         assert!(svg.starts_with(r#"<svg xmlns="http://www.w3.org/2000/svg""#));
         assert!(svg.contains("a&lt;b&gt;.py") && !svg.contains("a<b>"));
         assert!(svg.contains(r##"stroke="#1f77b4""##));
-        assert!(svg.contains(">epoch 0</text>"));
+        assert!(svg.contains(">epoch 0 (peak CPU RSS 150.0 MiB)</text>"), "the band names its epoch and peak: {svg}");
         assert!(!svg.contains("tm-cursor"));
         assert_eq!(svg.matches("<svg").count(), 1);
         assert_eq!(svg.matches("<g").count(), svg.matches("</g>").count());

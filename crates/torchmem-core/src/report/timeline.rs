@@ -48,6 +48,8 @@ pub struct Timeline {
     pub series: Vec<Series>,
     pub epochs: Vec<Band>,
     pub phases: Vec<Band>,
+    /// The phase lane as drawn: per run of pixel columns, each phase's share of the time.
+    pub phase_mix: Vec<MixBand>,
     /// Phase names in order of first appearance (their colour is their position here).
     pub phase_names: Vec<String>,
     /// Which CPU line to trust, when the tree had several processes and PSS was sampled.
@@ -103,17 +105,11 @@ pub fn downsample(points: impl Iterator<Item = (u64, u64)>, t_end_ns: u64, n: us
     b
 }
 
-/// Labels each bucket with the span that covers most of it (the innermost one where spans nest), then merges
-/// runs of buckets with the same key into bands. `key` says which spans count as the same band.
-fn lane(
-    list: &[&Span],
-    t_end_ns: u64,
-    n: usize,
-    key: impl Fn(usize) -> String,
-    label: impl Fn(usize) -> String,
-) -> Vec<Band> {
+/// How long each span covers each bucket (the innermost span where spans nest): per bucket, (span, ns).
+fn coverage(list: &[&Span], t_end_ns: u64, n: usize) -> Vec<Vec<(usize, u64)>> {
+    let mut cover: Vec<Vec<(usize, u64)>> = vec![Vec::new(); n];
     if list.is_empty() || n == 0 || t_end_ns == 0 {
-        return Vec::new();
+        return cover;
     }
     // Events (time, is_start, span): at equal times ends come first.
     let mut events: Vec<(u64, bool, usize)> = Vec::with_capacity(list.len() * 2);
@@ -123,7 +119,6 @@ fn lane(
         events.push((end, false, i));
     }
     events.sort_by_key(|&(t, start, i)| (t, start, i));
-    let mut cover: Vec<Vec<(usize, u64)>> = vec![Vec::new(); n];
     let mut stack: Vec<usize> = Vec::new();
     let mut prev_t = 0u64;
     let mut add = |a: u64, b: u64, span: usize| {
@@ -165,18 +160,35 @@ fn lane(
             }
         }
     }
-    // Merge buckets by key, summing coverage over spans that share a key.
+    cover
+}
+
+/// One bucket's coverage summed per key: (key, ns, first span with that key), in first-seen order.
+fn by_key(slot: &[(usize, u64)], key: &impl Fn(usize) -> String) -> Vec<(String, u64, usize)> {
+    let mut out: Vec<(String, u64, usize)> = Vec::new();
+    for &(span, ns) in slot {
+        let kk = key(span);
+        match out.iter_mut().find(|(x, _, _)| *x == kk) {
+            Some(e) => e.1 += ns,
+            None => out.push((kk, ns, span)),
+        }
+    }
+    out
+}
+
+/// Labels each bucket with the span that covers most of it (the innermost one where spans nest), then merges
+/// runs of buckets with the same key into bands. `key` says which spans count as the same band.
+fn lane(
+    list: &[&Span],
+    t_end_ns: u64,
+    n: usize,
+    key: impl Fn(usize) -> String,
+    label: impl Fn(usize) -> String,
+) -> Vec<Band> {
+    let cover = coverage(list, t_end_ns, n);
     let mut bands: Vec<(String, Band)> = Vec::new();
     for (k, slot) in cover.iter().enumerate() {
-        let mut by_key: Vec<(String, u64, usize)> = Vec::new();
-        for &(span, ns) in slot {
-            let kk = key(span);
-            match by_key.iter_mut().find(|(x, _, _)| *x == kk) {
-                Some(e) => e.1 += ns,
-                None => by_key.push((kk, ns, span)),
-            }
-        }
-        let Some((kk, _, span)) = by_key.into_iter().max_by_key(|(_, ns, _)| *ns) else {
+        let Some((kk, _, span)) = by_key(slot, &key).into_iter().max_by_key(|(_, ns, _)| *ns) else {
             continue;
         };
         let start = bucket_start_ns(k, t_end_ns, n);
@@ -187,6 +199,79 @@ fn lane(
         }
     }
     bands.into_iter().map(|(_, b)| b).collect()
+}
+
+/// How many steps the phase lane's height is cut into: each phase's share of a pixel column is drawn
+/// as a stack of this many steps (2 px each on the standard chart).
+pub const MIX_LEVELS: u32 = 7;
+
+/// A run of pixel columns where phases share the time in the same proportions (in `MIX_LEVELS` steps).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MixBand {
+    pub start_ns: u64,
+    pub end_ns: u64,
+    /// (phase, steps of `MIX_LEVELS`, percent of the columns' time), innermost phases, in first-seen order.
+    /// A phase present at all gets at least one step, so a short optimizer step stays visible.
+    pub parts: Vec<(String, u32, u32)>,
+}
+
+/// Each bucket's phase mix, quantized to `MIX_LEVELS` steps, merged over runs of equal mixes.
+fn mix_lane(list: &[&Span], t_end_ns: u64, n: usize) -> Vec<MixBand> {
+    let cover = coverage(list, t_end_ns, n);
+    let key = |i: usize| list[i].name.to_string();
+    let mut out: Vec<MixBand> = Vec::new();
+    for (k, slot) in cover.iter().enumerate() {
+        let start = bucket_start_ns(k, t_end_ns, n);
+        let end = bucket_start_ns(k + 1, t_end_ns, n);
+        let width = end.saturating_sub(start).max(1);
+        let shares = by_key(slot, &key);
+        if shares.is_empty() {
+            continue;
+        }
+        let total: u64 = shares.iter().map(|s| s.1).sum();
+        // Steps for the covered part of the column; every phase present gets at least one.
+        let covered_levels = if total == 0 {
+            1
+        } else {
+            ((total as f64 / width as f64 * MIX_LEVELS as f64).round() as u32).clamp(1, MIX_LEVELS)
+        };
+        let mut parts: Vec<(String, u32, u32)> = shares
+            .iter()
+            .map(|(name, ns, _)| {
+                let frac = if total == 0 { 1.0 / shares.len() as f64 } else { *ns as f64 / total as f64 };
+                let pct = (*ns as f64 * 100.0 / width as f64).round() as u32;
+                (name.clone(), ((frac * covered_levels as f64).floor() as u32).max(1), pct)
+            })
+            .collect();
+        // Rounding: give or take steps at the largest phase so the stack is `covered_levels` high (or
+        // higher only where each phase present needs its one step).
+        let sum: u32 = parts.iter().map(|p| p.1).sum();
+        if let Some(big) = parts.iter_mut().max_by_key(|p| p.1) {
+            if sum < covered_levels {
+                big.1 += covered_levels - sum;
+            } else if sum > covered_levels && big.1 > 1 {
+                big.1 -= (sum - covered_levels).min(big.1 - 1);
+            }
+        }
+        let same = |b: &MixBand| {
+            b.end_ns == start
+                && b.parts.len() == parts.len()
+                && b.parts.iter().zip(&parts).all(|(a, p)| a.0 == p.0 && a.1 == p.1)
+        };
+        match out.last_mut() {
+            Some(b) if same(b) => {
+                // Percentages of a merged band: the time-weighted mean over its columns.
+                let w_old = (b.end_ns - b.start_ns) as f64;
+                let w_new = (end - start) as f64;
+                for (a, p) in b.parts.iter_mut().zip(&parts) {
+                    a.2 = ((a.2 as f64 * w_old + p.2 as f64 * w_new) / (w_old + w_new)).round() as u32;
+                }
+                b.end_ns = end;
+            }
+            _ => out.push(MixBand { start_ns: start, end_ns: end, parts }),
+        }
+    }
+    out
 }
 
 /// The end of the time axis: the run's duration, or the last thing recorded.
@@ -293,12 +378,28 @@ impl Timeline {
             Some(x) => format!("epoch {x}"),
             None => format!("epoch {i}"),
         };
+        let mut epoch_bands = lane(&epochs, t_end, n, |i| i.to_string(), epoch_label);
+        // Each epoch band carries its peak: PyTorch's allocated memory on a GPU run, else the tree's RSS.
+        let peak_series = series
+            .iter()
+            .find(|s| s.label.ends_with("allocated"))
+            .or_else(|| series.iter().find(|s| s.label == "CPU RSS"));
+        if let Some(se) = peak_series {
+            for b in &mut epoch_bands {
+                let k0 = bucket_of(b.start_ns, t_end, n);
+                let k1 = bucket_of(b.end_ns.saturating_sub(1).max(b.start_ns), t_end, n).max(k0);
+                if let Some(m) = se.buckets.max[k0..=k1].iter().flatten().max() {
+                    b.label = format!("{} (peak {} {})", b.label, se.label, crate::units::format_bytes(*m));
+                }
+            }
+        }
         Timeline {
             t_end_ns: t_end,
             n,
             series,
-            epochs: lane(&epochs, t_end, n, |i| i.to_string(), epoch_label),
+            epochs: epoch_bands,
             phases: lane(&phases, t_end, n, |i| phases[i].name.to_string(), |i| phases[i].name.to_string()),
+            phase_mix: mix_lane(&phases, t_end, n),
             phase_names,
             cpu_note,
         }
@@ -388,6 +489,53 @@ mod tests {
         let tl = Timeline::build(&Profile { markers: p.markers[..9].to_vec(), ..Default::default() }, 20);
         let labels: Vec<&str> = tl.phases.iter().map(|b| b.label.as_str()).collect();
         assert_eq!(labels, ["forward", "backward", "forward", "backward"], "{:?}", tl.phases);
+    }
+
+    #[test]
+    fn the_phase_lane_draws_each_phase_share_not_a_majority_vote() {
+        // 1000 steps of forward 40 %, backward 45 %, optimizer 15 % (10 ms each): every 100 ms column holds
+        // 10 steps; a majority vote would draw only backward.
+        let mut p = Profile::default();
+        for s in 0..1000u64 {
+            let t = s * 10_000_000;
+            for (name, a, b) in
+                [("forward", 0, 4_000_000), ("backward", 4_000_000, 8_500_000), ("optimizer", 8_500_000, 10_000_000)]
+            {
+                p.markers.push(marker(t + a, MarkerKind::Phase, Edge::Start, name, None));
+                p.markers.push(marker(t + b, MarkerKind::Phase, Edge::End, name, None));
+            }
+        }
+        let tl = Timeline::build(&p, 100);
+        assert!(tl.phases.iter().all(|b| b.label == "backward"), "the majority lane hides the others");
+        assert_eq!(tl.phase_mix.len(), 1, "a steady mix merges into one band: {:?}", &tl.phase_mix[..2]);
+        let parts = &tl.phase_mix[0].parts;
+        let names: Vec<&str> = parts.iter().map(|p| p.0.as_str()).collect();
+        assert_eq!(names, ["forward", "backward", "optimizer"]);
+        assert_eq!(parts.iter().map(|p| p.1).sum::<u32>(), MIX_LEVELS);
+        let pct: Vec<u32> = parts.iter().map(|p| p.2).collect();
+        assert_eq!(pct, [40, 45, 15]);
+        assert!(parts.iter().all(|p| p.1 >= 1));
+    }
+
+    #[test]
+    fn epoch_bands_carry_their_peak() {
+        let mut p = Profile::default();
+        for i in 0..100u64 {
+            p.cpu.push(CpuSample {
+                t_ns: i * 10,
+                rss_bytes: if i == 70 { 5 << 20 } else { 1 << 20 },
+                pss_bytes: None,
+                uss_bytes: None,
+                process_count: 1,
+            });
+        }
+        for e in 0..2u64 {
+            p.markers.push(marker(e * 500, MarkerKind::Epoch, Edge::Start, "epoch", Some(e as i64)));
+            p.markers.push(marker(e * 500 + 499, MarkerKind::Epoch, Edge::End, "epoch", Some(e as i64)));
+        }
+        let tl = Timeline::build(&p, 100);
+        let labels: Vec<&str> = tl.epochs.iter().map(|b| b.label.as_str()).collect();
+        assert_eq!(labels, ["epoch 0 (peak CPU RSS 1.0 MiB)", "epoch 1 (peak CPU RSS 5.0 MiB)"]);
     }
 
     #[test]
