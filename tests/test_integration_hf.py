@@ -149,3 +149,69 @@ def test_find_executable_batch_size_records_every_try(tmp_path):
         assert "DefaultCPUAllocator: can't allocate memory" in failed["error"]
         assert 4 * MIB * failed["batch_size"] > 200 * MIB  # ...and the ones that failed were too big
     assert "out of memory" in data["text"][0] and "batch size 128" in data["text"][0]
+
+
+TRACKED = """
+import json, sys, torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from torchmem.integrations.transformers import attach
+
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=128, n_positions=32,
+                                   bos_token_id=0, eos_token_id=0))
+data = [{"input_ids": torch.randint(0, 128, (16,)), "labels": torch.randint(0, 128, (16,))} for _ in range(16)]
+args = TrainingArguments(output_dir=sys.argv[1], max_steps=4, per_device_train_batch_size=4, logging_steps=2,
+                         report_to=["wandb", "mlflow"], use_cpu=True, save_strategy="no", disable_tqdm=True)
+trainer = Trainer(model=model, args=args, train_dataset=data)
+cb = attach(trainer, sinks="auto")
+trainer.train()
+import mlflow, wandb
+run = mlflow.last_active_run()
+client = mlflow.tracking.MlflowClient()
+history = client.get_metric_history(run.info.run_id, "torchmem/step_peak_rss_bytes")
+artifacts = [a.path for a in client.list_artifacts(run.info.run_id, "torchmem")]
+wandb.finish()
+print(json.dumps({"logged": cb.logged, "report_files": cb.report_files,
+                  "mlflow": [(m.step, m.value) for m in history], "mlflow_artifacts": artifacts,
+                  "sinks": [s.name for s in cb._sinks], "metric_sinks": [s.name for s in cb._metric_sinks]}))
+"""
+
+
+def test_reporters_wandb_and_mlflow_get_the_scalars_and_the_report(tmp_path):
+    """Real W&B (offline) and MLflow (a file store) reporters of the Trainer: after `attach`, the scalars reach
+    both through `report_to` (once each), and the report files are uploaded as artifacts to both."""
+    import os
+
+    from wandb_records import read_run
+
+    env = dict(
+        os.environ,
+        WANDB_MODE="offline",
+        WANDB_DIR=str(tmp_path),
+        WANDB_SILENT="true",
+        WANDB_PROJECT="torchmem-test",
+        MLFLOW_TRACKING_URI=f"file://{tmp_path}/mlruns",
+        MLFLOW_ALLOW_FILE_STORE="true",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(TRACKED), str(tmp_path / "out")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert data["sinks"] == ["wandb", "mlflow"] and data["metric_sinks"] == []  # the reporters carry the scalars
+    logged = {step: m["torchmem/step_peak_rss_bytes"] for step, m in data["logged"]}
+    assert sorted(logged) == [2, 4]
+    # MLflow: one value per logging step, the callback's own numbers.
+    assert sorted(data["mlflow"]) == [[s, float(v)] for s, v in sorted(logged.items())]
+    assert sorted(data["mlflow_artifacts"]) == ["torchmem/torchmem-monitor.html", "torchmem/torchmem-monitor.json"]
+    # W&B: the Trainer's reporter rows carry them (it prefixes "train/"), at the Trainer's step.
+    wb = read_run(str(tmp_path / "wandb"))
+    rows = {r["train/global_step"]: r for r in wb["history"] if "train/torchmem/step_peak_rss_bytes" in r}
+    assert {s: r["train/torchmem/step_peak_rss_bytes"] for s, r in rows.items()} == logged
+    assert ("torchmem", "torchmem-report", ["torchmem-monitor.html", "torchmem-monitor.json"]) in wb["artifacts"]
+    html = Path(next(p for p in data["report_files"] if p.endswith(".html"))).read_text()
+    assert "Phases" in html and "<script" not in html

@@ -32,7 +32,12 @@ else:
     from lightning.pytorch.loggers import CSVLogger
 from torchmem.integrations.lightning import TorchmemCallback
 
-FAIL_AT = int(sys.argv[3]) if len(sys.argv) > 3 else -1
+FAIL_AT = int(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[3] != "sinks" else -1
+SINKS = sys.argv[3:] == ["sinks"]
+if SINKS:  # the user's own W&B (offline) and MLflow (file store) runs, no Lightning logger for them
+    import mlflow, wandb
+    wandb.init(project="torchmem-test")
+    mlflow.start_run()
 
 
 class Tiny(pl.LightningModule):
@@ -60,7 +65,7 @@ class Tiny(pl.LightningModule):
 
 ds = torch.utils.data.TensorDataset(torch.randn(32, 64), torch.randn(32, 1))
 dl = torch.utils.data.DataLoader(ds, batch_size=8)
-cb = TorchmemCallback()
+cb = TorchmemCallback(sinks="auto" if SINKS else None)
 trainer = pl.Trainer(
     accelerator="cpu", max_epochs=2, limit_train_batches=4, limit_val_batches=2, log_every_n_steps=2,
     logger=CSVLogger(OUT, name="run"), callbacks=[cb], default_root_dir=OUT,
@@ -72,6 +77,17 @@ try:
 except RuntimeError as e:
     error = str(e).splitlines()[0]
 other_imported = sorted(m for m in ("lightning", "pytorch_lightning") if m in sys.modules)
+tracked = {}
+if SINKS:
+    run_id = mlflow.active_run().info.run_id
+    client = mlflow.tracking.MlflowClient()
+    tracked = {
+        "mlflow": [(m.step, m.value) for m in client.get_metric_history(run_id, "torchmem/forward_peak_rss_bytes")],
+        "mlflow_artifacts": sorted(a.path for a in client.list_artifacts(run_id, "torchmem")),
+        "sinks": [s.name for s in cb._sinks],
+    }
+    mlflow.end_run()
+    wandb.finish()
 
 # Both names imported, the caller refers to both: it must say which, not guess.
 both = types.ModuleType("both")
@@ -92,11 +108,13 @@ print(json.dumps({
     "post_mortem": cb.post_mortem,
     "error": error,
     "ambiguous": ambiguous,
+    "tracked": tracked,
+    "report_files": cb.report_files,
 }))
 """
 
 
-def run_lightning(tmp_path: Path, namespace: str, *extra: str) -> dict:
+def run_lightning(tmp_path: Path, namespace: str, *extra: str, env: dict | None = None) -> dict:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))
     proc = subprocess.run(
@@ -104,6 +122,7 @@ def run_lightning(tmp_path: Path, namespace: str, *extra: str) -> dict:
         capture_output=True,
         text=True,
         timeout=300,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -165,3 +184,32 @@ def test_out_of_memory_writes_a_post_mortem(tmp_path):
     assert report["context"]["phase"] == "forward" and report["context"]["batch_idx"] == 2
     assert report["monitor"]["steps"] == 3  # two finished, the failing one still open
     assert f"post-mortem in {path}" in data["stderr"]
+
+
+def test_sinks_log_to_the_users_wandb_and_mlflow_runs(tmp_path):
+    """`sinks="auto"`: the scalars go straight to the active W&B run (along torchmem/step, never `step=`) and
+    MLflow run, and the report files are uploaded to both at the end of training."""
+    import os
+
+    from wandb_records import read_run
+
+    env = dict(
+        os.environ,
+        WANDB_MODE="offline",
+        WANDB_DIR=str(tmp_path),
+        WANDB_SILENT="true",
+        MLFLOW_TRACKING_URI=f"file://{tmp_path}/mlruns",
+        MLFLOW_ALLOW_FILE_STORE="true",
+    )
+    data = run_lightning(tmp_path, "lightning.pytorch", "sinks", env=env)
+    tracked = data["tracked"]
+    assert tracked["sinks"] == ["wandb", "mlflow"]
+    logged = {step: m["torchmem/forward_peak_rss_bytes"] for step, m in data["logged"]}
+    assert sorted(logged) == [1, 3, 5, 7]
+    assert tracked["mlflow"] == [[s, float(v)] for s, v in sorted(logged.items())]
+    assert tracked["mlflow_artifacts"] == ["torchmem/torchmem-monitor.html", "torchmem/torchmem-monitor.json"]
+    wb = read_run(str(tmp_path / "wandb"))
+    assert ("torchmem/step", "", "") in wb["metrics"] and ("", "torchmem/*", "torchmem/step") in wb["metrics"]
+    rows = [r for r in wb["history"] if "torchmem/step" in r]
+    assert {r["torchmem/step"]: r["torchmem/forward_peak_rss_bytes"] for r in rows} == logged
+    assert ("torchmem", "torchmem-report", ["torchmem-monitor.html", "torchmem-monitor.json"]) in wb["artifacts"]

@@ -27,6 +27,7 @@ import sys
 import warnings
 from typing import Any
 
+from . import tracking
 from ._core import BACKWARD, FORWARD, OPTIMIZER, StepRecorder, arm_oom, is_oom, write_post_mortem
 
 _NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
@@ -115,6 +116,9 @@ class TorchmemCallback:
     `<default_root_dir>/torchmem`). `oom_history`: record the allocator's history (with Python stacks, a
     per-allocation cost) so a CUDA post-mortem shows who holds the memory. `verbose`: the Monitor's line per
     epoch on stderr. `namespace`: 'lightning' or 'pytorch_lightning' (see the module's docstring).
+    `sinks`: also log the scalars straight to these trackers (`"auto"`: the active W&B / MLflow runs, see
+    `torchmem.integrations.tracking`), and at the end of training upload the Monitor's JSON and HTML report
+    (and `profile`, the file of `torchmem run -o PROFILE`, when given) to them.
 
     After training, `cb.monitor` is the rank's `torchmem.Monitor` (`summary()`, `to_dict()`, `journey()`),
     `cb.logged` the scalars it logged (step, dict), `cb.post_mortem` the OOM report's path, if any."""
@@ -135,6 +139,8 @@ class TorchmemCallback:
         oom_dir: str | None = None,
         oom_history: bool = False,
         verbose: bool = False,
+        sinks: Any = None,
+        profile: str | None = None,
         namespace: Any = None,
     ) -> None:
         super().__init__()
@@ -145,12 +151,21 @@ class TorchmemCallback:
         self.oom_dir = oom_dir
         self.oom_history = oom_history
         self.verbose = verbose
+        self.sinks = sinks
+        self.profile = profile
+        self._sinks: list[Any] | None = None
+        self.report_files: list[str] = []
         self.recorder: StepRecorder | None = None
         self.logged: list[tuple[int, dict[str, int]]] = []
         self.post_mortem: str | None = None
         self._oom_handler: Any = None
         self._batches = 0
         self._batch_idx: int | None = None
+
+    def _active_sinks(self) -> list[Any]:
+        if self._sinks is None:
+            self._sinks = tracking.resolve_sinks(self.sinks, self.prefix)
+        return self._sinks
 
     @property
     def monitor(self) -> Any:
@@ -177,6 +192,7 @@ class TorchmemCallback:
             self.every_n_steps = int(getattr(trainer, "log_every_n_steps", 50) or 0)
         if self.oom_dir is None:
             self.oom_dir = f"{trainer.default_root_dir}/torchmem"
+        self._sinks = None if trainer.is_global_zero else []  # resolved at first use: loggers start runs lazily
         if self.recorder.dev is not None and self._oom_handler is None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
@@ -185,6 +201,8 @@ class TorchmemCallback:
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.recorder is not None:
             self.recorder.close()
+            files = tracking.publish_end(self._active_sinks(), self.recorder.monitor, self.oom_dir, self.profile)
+            self.report_files = [str(f) for f in files]
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self.recorder is not None:
@@ -230,7 +248,7 @@ class TorchmemCallback:
         self.recorder.end_step()
         self._batches += 1
         n = self.every_n_steps or 0
-        if n and self._batches % n == 0 and trainer.is_global_zero and trainer.loggers:
+        if n and self._batches % n == 0 and trainer.is_global_zero and (trainer.loggers or self._active_sinks()):
             metrics = self.recorder.metrics()
             # The step Lightning's own logging uses (as DeviceStatsMonitor does), so these rows line up with
             # the loss; global_step where a Lightning version lacks it.
@@ -238,6 +256,7 @@ class TorchmemCallback:
             step = int(getattr(loop, "_batches_that_stepped", trainer.global_step))
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
+            tracking.publish_metrics(self._active_sinks(), metrics, step)
             self.logged.append((step, metrics))
 
     def on_validation_batch_start(

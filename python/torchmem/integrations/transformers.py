@@ -32,6 +32,7 @@ from transformers import TrainerCallback
 import torchmem
 from torchmem import _native
 
+from . import tracking
 from ._core import OPTIMIZER, StepRecorder, arm_oom, is_oom, write_post_mortem
 
 __all__ = ["Attempt", "TorchmemCallback", "attach", "find_executable_batch_size"]
@@ -54,6 +55,8 @@ class TorchmemCallback(TrainerCallback):
     `prefix`: metric key prefix. `oom_dir`: where `attach`'s out-of-memory post-mortem goes (default
     `<output_dir>/torchmem`). `oom_history`: record the allocator's history (CUDA) so the post-mortem names
     who holds the memory (a per-allocation cost). `verbose`: the Monitor's line per epoch on stderr.
+    `sinks`: also log the scalars straight to these trackers (`"auto"`: the active W&B / MLflow runs) and at
+    the end upload the Monitor's JSON and HTML report (and `profile`, a `torchmem run -o` file) to them.
     After training: `cb.monitor` (`summary()`, `to_dict()`), `cb.logged` [(global_step, scalars)]."""
 
     def __init__(
@@ -63,8 +66,17 @@ class TorchmemCallback(TrainerCallback):
         oom_dir: str | None = None,
         oom_history: bool = False,
         verbose: bool = False,
+        sinks: Any = None,
+        profile: str | None = None,
     ) -> None:
         self.prefix = prefix
+        self.sinks = sinks
+        self.profile = profile
+        self._sinks: list[Any] | None = None
+        self._metric_sinks: list[Any] = []
+        self._report_to: list[str] = []
+        self._attached = False
+        self.report_files: list[str] = []
         self.oom_dir = oom_dir
         self.oom_history = oom_history
         self.verbose = verbose
@@ -74,6 +86,15 @@ class TorchmemCallback(TrainerCallback):
         self._pending: dict[str, int] | None = None
         self._oom_handler: Any = None
         self._epoch = 0
+
+    def _active_sinks(self) -> list[Any]:
+        """The sinks. Scalars go straight only to trackers no `report_to` reporter already carries them to
+        (after `attach`, the reporters see this callback's scalars in `logs`): no row is logged twice."""
+        if self._sinks is None:
+            self._sinks = tracking.resolve_sinks(self.sinks, self.prefix)
+            fed = set(self._report_to) if self._attached else set()
+            self._metric_sinks = [s for s in self._sinks if getattr(s, "name", None) not in fed]
+        return self._sinks
 
     @property
     def monitor(self) -> Any:
@@ -86,6 +107,11 @@ class TorchmemCallback(TrainerCallback):
         self._epoch = 0
         if self.oom_dir is None:
             self.oom_dir = os.path.join(args.output_dir or ".", "torchmem")
+        # Resolved at the first logging step: the reporters start their W&B / MLflow runs in on_train_begin,
+        # after this callback's.
+        self._sinks = None if state.is_world_process_zero else []
+        report_to = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
+        self._report_to = [str(r) for r in report_to]
         if self.recorder.dev is not None and self._oom_handler is None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
@@ -119,6 +145,8 @@ class TorchmemCallback(TrainerCallback):
         # DefaultFlowCallback (first in the list) has decided whether this step logs; on_log follows.
         if control.should_log and state.is_world_process_zero:
             self._pending = self.recorder.metrics()
+            self._active_sinks()
+            tracking.publish_metrics(self._metric_sinks, self._pending, int(state.global_step))
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         pending, self._pending = self._pending, None
@@ -133,6 +161,8 @@ class TorchmemCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.recorder is not None:
             self.recorder.close()
+            files = tracking.publish_end(self._active_sinks(), self.recorder.monitor, self.oom_dir, self.profile)
+            self.report_files = [str(f) for f in files]
         if self._oom_handler is not None:
             self._oom_handler.disable()
             self._oom_handler = None
@@ -174,6 +204,7 @@ def attach(trainer: Any, callback: TorchmemCallback | None = None, **kwargs: Any
     names = [type(c).__name__ for c in callbacks]
     at = names.index("DefaultFlowCallback") + 1 if "DefaultFlowCallback" in names else 0
     callbacks.insert(at, cb)
+    cb._attached = True
     if not getattr(trainer.train, "_torchmem_wrapped", False):
         train = trainer.train
 
