@@ -9,13 +9,18 @@ use std::path::Path;
 
 use clap::{Parser, Subcommand};
 
+pub mod cmd_estimate;
 pub mod cmd_info;
 pub mod cmd_plot;
 pub mod cmd_report;
 pub mod cmd_run;
 pub mod cmd_simulate;
 pub mod cmd_snapshot;
+pub mod oom_watch;
+pub mod output_path;
 pub mod recorder;
+pub mod signals;
+pub mod status_bar;
 
 #[derive(Debug, Parser)]
 #[command(name = "torchmem", version, about = "Where does my PyTorch memory go, and will it fit?", long_about = None)]
@@ -41,6 +46,8 @@ pub enum Command {
     /// Replay a snapshot's trace through a model of the caching allocator: check it, or ask what-ifs
     /// (other PYTORCH_CUDA_ALLOC_CONF, a memory cap, a smaller GPU, the minimum memory).
     Simulate(cmd_simulate::SimulateArgs),
+    /// Predict a training program's GPU peak (allocated, reserved, NVML) on a GPU this machine may not have.
+    Estimate(cmd_estimate::EstimateArgs),
 }
 
 /// Parses `argv` (program name first) and runs the subcommand; returns the process exit code.
@@ -61,6 +68,7 @@ pub fn run(argv: Vec<OsString>) -> i32 {
         Command::Snapshot(a) => cmd_snapshot::run(a),
         Command::ExplainOom(a) => cmd_snapshot::explain_oom(a),
         Command::Simulate(a) => cmd_simulate::run(a),
+        Command::Estimate(a) => cmd_estimate::run(a),
     };
     match result {
         Ok(code) => code,

@@ -1,0 +1,152 @@
+"""`torchmem estimate`: predicts a training run's GPU memory on a machine without that GPU, from the unchanged
+program. The step runs on an emulated CUDA device (fake tensors: no device memory, no compute), backward and
+optimizer included; the storage trace it records, with CUDA's choices and library workspaces (`_rules`), is an
+allocator snapshot that the allocator simulator (`torchmem simulate`) replays for peak allocated and reserved.
+
+    est = torchmem.estimate(step, gpu="A100-40GB", steps=3)   # step() runs one training step on "cuda"
+    est.peak_reserved_bytes, est.nvml_bytes, est.fits
+
+The report (fits, margins, phases, largest tensors) comes from the same Rust code as `torchmem estimate
+--trace`, so the CLI and this function agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ._device import EstimateUnsupported, GpuSpec
+
+__all__ = ["Estimate", "EstimateUnsupported", "GpuSpec", "estimate", "gpu_catalogue", "gpu_spec"]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torchmem", *args], capture_output=True, text=True)
+
+
+_CATALOGUE: list[dict] | None = None
+
+
+def gpu_catalogue() -> list[dict]:
+    """The GPU catalogue (one table, in Rust: `torchmem estimate --list-gpus --json`)."""
+    global _CATALOGUE
+    if _CATALOGUE is None:
+        p = _cli("estimate", "--list-gpus", "--json")
+        if p.returncode != 0:
+            raise EstimateUnsupported(f"cannot read torchmem's GPU catalogue: {p.stderr.strip()[-400:]}")
+        _CATALOGUE = json.loads(p.stdout)
+    return _CATALOGUE
+
+
+def _find_gpu(name: str) -> dict:
+    norm = name.upper().replace("_", "-").replace(" ", "-")
+    aliases = {"H100": "H100-80GB", "A100": "A100-80GB", "V100": "V100-32GB", "4090": "RTX-4090", "3090": "RTX-3090"}
+    norm = aliases.get(norm, norm)
+    for g in gpu_catalogue():
+        if g["key"].upper() == norm:
+            return g
+    keys = ", ".join(g["key"] for g in gpu_catalogue())
+    raise EstimateUnsupported(f"unknown GPU {name!r}. Known: {keys} (or give device_memory=)")
+
+
+def gpu_spec(name: str) -> GpuSpec:
+    """The emulated device for a catalogue GPU (case-insensitive key, e.g. "H200", "A100-40GB", "L4")."""
+    g = _find_gpu(name)
+    return GpuSpec(g["name"], g["cuda_total_bytes"], g["major"], g["minor"], g["multi_processor_count"])
+
+
+@dataclass
+class Estimate:
+    """A prediction. Bytes throughout; `nvml_bytes` is what nvidia-smi would show for the process."""
+
+    gpu: str
+    device_memory_bytes: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    nvml_bytes: int
+    fits: bool
+    margin_bytes: int
+    steps: int
+    phases: dict[str, int] = field(default_factory=dict)
+    largest_at_peak: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    trace_seconds: float = 0.0
+    report: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __str__(self) -> str:
+        return self.report.get("text", repr(self))
+
+
+def estimate(
+    step: Callable[[], Any],
+    *,
+    gpu: str = "H200",
+    steps: int = 3,
+    alloc_conf: str = "",
+    device_memory: int | str | None = None,
+    trace_path: str | os.PathLike | None = None,
+) -> Estimate:
+    """Runs `step()` `steps` times on an emulated `gpu` (CUDA tensors are fake: create the model, data and
+    optimizer inside `step` or before the first call inside it, on "cuda") and predicts its peak memory there.
+
+    `alloc_conf` is a PYTORCH_CUDA_ALLOC_CONF to simulate, `device_memory` a capacity instead of the GPU's
+    ("24GB" or bytes), `trace_path` keeps the trace (an allocator snapshot) for `torchmem simulate`."""
+    from . import _runner, _snapshot
+    from ._session import Session, StopTrace, translate_error
+
+    if steps < 1:
+        raise ValueError("steps must be at least 1")
+    spec = gpu_spec(gpu)
+    t0 = time.perf_counter()
+    session = Session(spec, steps_limit=None)
+    try:
+        with session:
+            for _ in range(steps):
+                step()
+    except StopTrace:
+        pass
+    except Exception as e:  # noqa: BLE001 - fake-tensor errors get the estimate's message
+        translated = translate_error(e)
+        if translated is not None:
+            raise translated from e
+        raise
+    seconds = time.perf_counter() - t0
+    summary = _runner.summary(session, reason="steps", seconds=seconds)
+    with tempfile.TemporaryDirectory(prefix="torchmem-estimate-") as d:
+        trace = Path(trace_path) if trace_path is not None else Path(d) / "trace.pickle"
+        _snapshot.write(_snapshot.build(session.tracer, alloc_conf=alloc_conf), trace)
+        summary_path = Path(d) / "summary.json"
+        summary_path.write_text(json.dumps(summary))
+        args = ["estimate", "--trace", str(trace), "--summary", str(summary_path), "--gpu", gpu, "--json"]
+        if alloc_conf:
+            args += ["--alloc-conf", alloc_conf]
+        if device_memory is not None:
+            args += ["--device-memory", str(device_memory)]
+        p = _cli(*args)
+        if p.returncode not in (0, 1):
+            raise EstimateUnsupported(f"torchmem estimate --trace failed: {p.stderr.strip()[-600:]}")
+        report = json.loads(p.stdout)
+        text = _cli(*[a for a in args if a != "--json"]).stdout
+    report["text"] = text
+    return Estimate(
+        gpu=report["gpu"],
+        device_memory_bytes=report["device_memory_bytes"],
+        peak_allocated_bytes=report["peak_allocated_bytes"],
+        peak_reserved_bytes=report["peak_reserved_bytes"],
+        nvml_bytes=report["nvml_bytes"],
+        fits=report["fits"],
+        margin_bytes=report["margin_bytes"],
+        steps=summary["steps_traced"],
+        phases=summary["phase_peak_bytes"],
+        largest_at_peak=summary["largest_at_peak"],
+        notes=report.get("notes", []),
+        trace_seconds=seconds,
+        report=report,
+    )

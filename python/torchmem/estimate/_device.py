@@ -1,0 +1,329 @@
+"""An emulated CUDA device for `torchmem estimate`: lets a training step run on fake `cuda` tensors, backward
+included, in a process that has no GPU (the default PyPI torch wheel is a CUDA build; without a driver every
+backward over fake CUDA tensors failed with "hasPrimaryContext expects a valid device index").
+
+Why backward failed, and the fix (measured on torch 2.15, CUDA build, no driver):
+
+* `FakeTensorMode.__enter__` installs a no-op CUDA device guard (`_ensureCUDADeviceGuardSet`) whose
+  `deviceCount()` is 1, so the autograd engine's `GraphTask::stash_current_streams` asks the CUDA hooks
+  `hasPrimaryContext(0)`; `CUDAHooks::hasPrimaryContext` checks the index against the real device count (0) and
+  throws. It is a virtual call on the one `at::CUDAHooksInterface` object (`at::detail::getCUDAHooks()`).
+* We give that object a copy of its vtable whose `hasPrimaryContext` slot answers "no context" (false), so the
+  engine stashes no caller stream (a `nullopt`, exactly what it does for a device with no context) and goes on.
+  Everything else in the vtable is the original. The slot is found by probing (a tiny fake backward per
+  candidate slot, the first that the engine calls with a device index wins), then cached for the process.
+* Tried and rejected (see docs/estimator.md): `c10::cuda::_internal::setHasPrimaryContext` (only the Python
+  binding uses that pointer; the engine calls the hooks), a Python PrivateUse1 backend (the engine then treats
+  CUDA nodes as stream-less and trips `opt_ready_stream && opt_parent_stream`).
+
+The module also answers the `torch.cuda` queries a training script makes (is_available, device properties of
+the target GPU, memory counters from the trace) and names the calls that need a real device.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+_VTABLE_SLOTS = 160  # copied; CUDAHooksInterface has fewer virtual functions than this
+
+_lock = threading.Lock()
+_installed = False
+_keep_alive: list[Any] = []
+
+
+class EstimateUnsupported(RuntimeError):
+    """The program did something an estimate cannot follow on an emulated device (the message names it)."""
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """The emulated GPU: what `torch.cuda.get_device_properties` answers during the trace."""
+
+    name: str
+    total_memory_bytes: int
+    major: int
+    minor: int
+    multi_processor_count: int
+    context_bytes: int | None = None
+
+
+def _torch_lib(name: str) -> ctypes.CDLL:
+    import torch
+
+    return ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", name))
+
+
+def _probe_backward(mode) -> bool:
+    import torch
+
+    with mode:
+        w = torch.ones(2, device="cuda", requires_grad=True)
+        (w * 2).sum().backward()
+    return w.grad is not None
+
+
+def install_backward_fix(make_mode: Callable[[], Any]) -> int:
+    """Patches the CUDA hooks so that backward over fake CUDA tensors runs without a GPU; returns the vtable
+    slot it replaced. Idempotent. `make_mode` builds a FakeTensorMode for the probes."""
+    global _installed
+    with _lock:
+        if _installed:
+            return _installed_slot[0]
+        import torch
+
+        if torch.cuda._is_compiled() is False:
+            # A CPU-only build has no CUDA hooks to ask; backward works there as it is.
+            _installed = True
+            _installed_slot[0] = -1
+            return -1
+        lib = _torch_lib("libtorch_cpu.so")
+        get_hooks = lib._ZN2at6detail12getCUDAHooksEv
+        get_hooks.restype = ctypes.c_void_p
+        hooks = get_hooks()
+        original_vptr = ctypes.c_void_p.from_address(hooks).value
+        original = (ctypes.c_void_p * _VTABLE_SLOTS).from_address(original_vptr)
+        table = (ctypes.c_void_p * _VTABLE_SLOTS)(*[original[i] for i in range(_VTABLE_SLOTS)])
+        seen: list[int] = []
+
+        @ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_int8)
+        def no_primary_context(_this, device_index):
+            seen.append(device_index)
+            return False
+
+        answer = ctypes.cast(no_primary_context, ctypes.c_void_p).value
+        mode = make_mode()
+        # Slot 4 on torch 2.9-2.15 (after the two destructors, isBuilt and isAvailable); probe the rest if not.
+        order = [4] + [i for i in range(2, 64) if i != 4]
+        for slot in order:
+            table[slot] = answer
+            ctypes.c_void_p.from_address(hooks).value = ctypes.addressof(table)
+            seen.clear()
+            try:
+                ok = _probe_backward(mode) and bool(seen)
+            except RuntimeError:
+                ok = False
+            if ok:
+                _keep_alive.extend([table, no_primary_context])
+                # Give the object its own vtable back before Python frees ours (C++ static destructors call
+                # through it at exit).
+                atexit.register(_restore_vptr, hooks, original_vptr)
+                _installed = True
+                _installed_slot[0] = slot
+                return slot
+            ctypes.c_void_p.from_address(hooks).value = original_vptr
+            table[slot] = original[slot]
+        raise EstimateUnsupported(
+            f"torch {torch.__version__}: could not make backward run on an emulated CUDA device (no slot of the "
+            "CUDA hooks answered the autograd engine's context query). Run the estimate with a torch version "
+            "from 2.9 to 2.15, or on a machine with a GPU"
+        )
+
+
+_installed_slot = [-1]
+
+
+def _restore_vptr(hooks: int, vptr: int) -> None:
+    ctypes.c_void_p.from_address(hooks).value = vptr
+
+
+# ----------------------------------------------------------------------------------------------- torch.cuda
+class _Props:
+    """What `torch.cuda.get_device_properties` returns for the emulated GPU."""
+
+    def __init__(self, spec: GpuSpec) -> None:
+        self.name = spec.name
+        self.total_memory = spec.total_memory_bytes
+        self.major = spec.major
+        self.minor = spec.minor
+        self.multi_processor_count = spec.multi_processor_count
+        self.is_integrated = False
+        self.is_multi_gpu_board = False
+        self.gcnArchName = "NVIDIA CUDA"
+        self.uuid = "00000000-0000-0000-0000-000000000000"
+        self.L2_cache_size = 50 * 2**20
+        self.warp_size = 32
+        self.max_threads_per_multi_processor = 2048
+        self.regs_per_multiprocessor = 65536
+        self.shared_memory_per_block = 48 * 1024
+        self.shared_memory_per_block_optin = 227 * 1024
+        self.shared_memory_per_multiprocessor = 228 * 1024
+
+    def __repr__(self) -> str:
+        return (
+            f"_CudaDeviceProperties(name='{self.name}', major={self.major}, minor={self.minor}, "
+            f"total_memory={self.total_memory // 2**20}MB, multi_processor_count={self.multi_processor_count}) "
+            "[emulated by torchmem estimate]"
+        )
+
+
+def _needs_device(what: str):
+    def fail(*_a, **_k):
+        raise EstimateUnsupported(
+            f"{what} needs a real CUDA device; `torchmem estimate` runs the program on an emulated one. "
+            "Remove or guard the call (e.g. behind an environment variable) for the estimate"
+        )
+
+    return fail
+
+
+def _needs_device_class(what: str) -> type:
+    """A class (usable in annotations such as `torch.cuda.CUDAGraph | None`) that fails when instantiated."""
+
+    def __init__(self, *_a, **_k):
+        _needs_device(what)()
+
+    return type("NeedsRealDevice", (), {"__init__": __init__, "__doc__": f"{what}: needs a real CUDA device"})
+
+
+class _FakeStream:
+    """`torch.cuda.Stream` stand-in: one stream (the default), so the trace stays single-stream."""
+
+    cuda_stream = 0
+    device_index = 0
+
+    def __init__(self, *_a, **_k) -> None:
+        self.device = _torch_device()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def wait_stream(self, *_a) -> None:
+        return None
+
+    def wait_event(self, *_a) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def record_event(self, event=None):
+        return event if event is not None else _FakeEvent()
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _FakeStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+class _FakeEvent:
+    def __init__(self, *_a, **_k) -> None:
+        pass
+
+    def record(self, *_a) -> None:
+        return None
+
+    def wait(self, *_a) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, _other) -> float:
+        return 0.0
+
+
+def _torch_device():
+    import torch
+
+    return torch.device("cuda", 0)
+
+
+class CudaShim:
+    """Replaces the `torch.cuda` functions a training script calls with answers for the emulated GPU; the
+    memory counters come from the tracer (`memory_allocated` is the trace's live bytes, 512-rounded)."""
+
+    def __init__(self, spec: GpuSpec, tracer) -> None:
+        self.spec = spec
+        self.tracer = tracer
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def _set(self, obj, name: str, value) -> None:
+        self._saved.append((obj, name, getattr(obj, name, None)))
+        setattr(obj, name, value)
+
+    def install(self) -> None:
+        import torch
+        import torch.cuda.memory as cmem
+
+        props = _Props(self.spec)
+        tr = self.tracer
+        cuda = torch.cuda
+        simple = {
+            "is_available": lambda: True,
+            "device_count": lambda: 1,
+            "current_device": lambda: 0,
+            "set_device": lambda *_a, **_k: None,
+            "synchronize": lambda *_a, **_k: None,
+            "init": lambda: None,
+            "_lazy_init": lambda: None,
+            "is_initialized": lambda: True,
+            "get_device_properties": lambda *_a, **_k: props,
+            "get_device_name": lambda *_a, **_k: self.spec.name,
+            "get_device_capability": lambda *_a, **_k: (self.spec.major, self.spec.minor),
+            "get_arch_list": lambda: [f"sm_{self.spec.major}{self.spec.minor}"],
+            "is_bf16_supported": lambda *_a, **_k: self.spec.major >= 8,
+            "manual_seed": lambda *_a, **_k: None,
+            "manual_seed_all": lambda *_a, **_k: None,
+            "seed": lambda: None,
+            "seed_all": lambda: None,
+            "empty_cache": lambda: tr.note("torch.cuda.empty_cache() was called; the trace does not model it"),
+            "memory_allocated": lambda *_a, **_k: tr.live_bytes_rounded(),
+            "max_memory_allocated": lambda *_a, **_k: tr.peak_bytes_rounded(),
+            "memory_reserved": lambda *_a, **_k: tr.live_bytes_rounded(),
+            "max_memory_reserved": lambda *_a, **_k: tr.peak_bytes_rounded(),
+            "reset_peak_memory_stats": lambda *_a, **_k: tr.reset_peak(),
+            "reset_max_memory_allocated": lambda *_a, **_k: tr.reset_peak(),
+            "mem_get_info": lambda *_a, **_k: (
+                self.spec.total_memory_bytes - tr.live_bytes_rounded(),
+                self.spec.total_memory_bytes,
+            ),
+            "memory_stats": lambda *_a, **_k: {
+                "allocated_bytes.all.current": tr.live_bytes_rounded(),
+                "allocated_bytes.all.peak": tr.peak_bytes_rounded(),
+            },
+            "set_per_process_memory_fraction": lambda *_a, **_k: tr.note(
+                "torch.cuda.set_per_process_memory_fraction() was called; the estimate ignores the cap"
+            ),
+            "Stream": _FakeStream,
+            "Event": _FakeEvent,
+            "current_stream": lambda *_a, **_k: _FakeStream(),
+            "default_stream": lambda *_a, **_k: _FakeStream(),
+            "stream": lambda *_a, **_k: _FakeStream(),
+            "get_rng_state": _needs_device("torch.cuda.get_rng_state()"),
+            "set_rng_state": lambda *_a, **_k: None,
+            "get_rng_state_all": lambda: [],
+            "set_rng_state_all": lambda *_a, **_k: None,
+            "CUDAGraph": _needs_device_class("torch.cuda.CUDAGraph (CUDA graphs)"),
+            "graph": _needs_device_class("torch.cuda.graph (CUDA graph capture)"),
+            "memory_snapshot": _needs_device("torch.cuda.memory_snapshot()"),
+        }
+        for name, value in simple.items():
+            if hasattr(cuda, name):
+                self._set(cuda, name, value)
+        for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+            if hasattr(cmem, name):
+                self._set(cmem, name, simple[name])
+        self._set(cmem, "_record_memory_history", lambda *_a, **_k: None)
+        self._set(cmem, "_snapshot", _needs_device("torch.cuda.memory._snapshot()"))
+        self._set(cmem, "_dump_snapshot", _needs_device("torch.cuda.memory._dump_snapshot()"))
+        self._set(torch.backends.cuda, "is_built", lambda: True)
+
+    def uninstall(self) -> None:
+        for obj, name, old in reversed(self._saved):
+            setattr(obj, name, old)
+        self._saved.clear()

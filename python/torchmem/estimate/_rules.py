@@ -1,0 +1,295 @@
+"""CUDA semantics for the estimate's trace: the choices a real CUDA run makes that a fake trace on a machine
+without a GPU would otherwise get wrong, and the memory CUDA libraries request outside any operator.
+
+Every rule here was found by comparing the trace request by request with traces recorded on an H200 (torch
+2.11; `bench/estimate/compare.py`, fixtures in `tests/fixtures/{sim,estimator}-h200/`):
+
+* cuBLAS workspace: the first GEMM of a thread gets the handle's workspace through the caching allocator and
+  keeps it for the process: 32 MiB on Hopper and later (`CUBLAS_WORKSPACE_CONFIG` default `:4096:8`), else
+  `:4096:2:16:8` (8 MiB + 128 KiB); the first GEMM of the process also gets cuBLASLt's 1 MiB workspace. Forward
+  and backward run on different threads (the autograd engine's device thread), so a training step holds two.
+* SDPA backend: without a GPU the fake CUDA stub answers "math" (the attention matrix materialised: +37 % on
+  GPT-2). We make the choice CUDA makes for the target GPU (cuDNN attention first on sm90/sm100, then flash,
+  memory-efficient, math, with each backend's dtype/shape limits) and call that backend's operator, so its
+  outputs (output, logsumexp, RNG seed/offset) and its backward have CUDA's sizes and lifetimes.
+* cuDNN attention backward: a transient workspace of 4 * B * H * S_q * (D + 1) + 256 bytes (the fp32 dQ
+  accumulator and softmax statistics; exact on GPT-2 batch 4/8/16, Llama, ViT-B/16).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException
+from torch.overrides import TorchFunctionMode
+
+_MIB = 2**20
+_GEMM_OPS = {
+    "aten.mm.default",
+    "aten.addmm.default",
+    "aten.bmm.default",
+    "aten.baddbmm.default",
+    "aten.addbmm.default",
+    "aten._addmm_activation.default",
+    "aten.addmv.default",
+    "aten.mv.default",
+    "aten._scaled_mm.default",
+    "aten._int_mm.default",
+}
+# Operators whose CUDA kernel allocates its outputs in another order than the meta kernel returns them.
+_OUTPUT_ORDER = {"aten.native_dropout.default": (1, 0)}  # the mask, then the output
+# torch.nn.attention.SDPBackend values
+_MATH, _FLASH, _EFFICIENT, _CUDNN = 0, 1, 2, 3
+
+
+def cublas_workspace_bytes(major: int) -> int:
+    if major >= 9:
+        return 4096 * 1024 * 8
+    return 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+CUBLASLT_WORKSPACE_BYTES = 1 * _MIB
+
+
+class CudaRules:
+    """Per-session rule state (which threads already have a cuBLAS workspace, ...)."""
+
+    def __init__(self, gpu) -> None:
+        self.gpu = gpu
+        self._cublas_threads: set[int] = set()
+        self._cublaslt = False
+        self._lock = threading.Lock()
+        # What the run touched, for the context overhead NVML adds (cuDNN / half-precision kernels).
+        self.used_half = False
+        self.used_conv = False
+
+    # ------------------------------------------------------------------ dispatch-level rules
+    def before(self, tracer, func, args, kwargs):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            try:
+                return (func(*args, **kwargs),)  # the fake mode knows constants (CPU scalars such as `step`)
+            except DataDependentOutputException:
+                tracer.note("a tensor value was read (.item() or similar); the estimate used 0 for it")
+                return (0,)
+        name = str(func)
+        if name == "aten.add.Tensor" and self._accumulates_in_place(args, kwargs):
+            return (args[0].add_(args[1]),)
+        if name == "aten._scaled_dot_product_cudnn_attention_backward.default":
+            q = args[1]
+            b, h, s, d = q.shape
+            size = 4 * b * h * s * (d + 1) + 256
+            out = func(*args, **kwargs)
+            for t in out:
+                tracer.track(t, name)
+            addr = tracer.alloc(size, "cuDNN attention backward workspace")
+            tracer.free(addr, size)
+            return (out,)
+        elif name in _OUTPUT_ORDER:
+            out = func(*args, **kwargs)
+            for i in _OUTPUT_ORDER[name]:
+                tracer.track(out[i], name)
+            return (out,)
+        elif name == "aten._scaled_dot_product_cudnn_attention.default":
+            return (self._cudnn_attention(tracer, func, args, kwargs),)
+        return None
+
+    def after(self, tracer, func, args, kwargs, out) -> None:
+        # The output is allocated before the library call that gets the handle (and its workspace).
+        name = str(func)
+        if name in _GEMM_OPS:
+            self._gemm_workspaces(tracer)
+            if args and isinstance(args[-1], torch.Tensor) and args[-1].dtype in (torch.float16, torch.bfloat16):
+                self.used_half = True
+        elif "convolution" in name:
+            self.used_conv = True
+        elif "cudnn_attention" in name:
+            self.used_half = True
+
+    # The autograd engine sums two gradients for one input in place when it holds the only reference to the
+    # first (InputBuffer::accumulate); it never does for a tensor subclass, and a FakeTensor is one, so a fake
+    # trace would allocate a new buffer per accumulation (every residual connection) that CUDA never does.
+    # An `add.Tensor` the engine itself calls (no Python frame on the stack), with grad mode off, two tensors of
+    # one layout and the first referenced only by the engine (use count at the calibrated baseline) is one.
+    accumulate_use_count: int | None = None
+
+    def _accumulates_in_place(self, args, kwargs) -> bool:
+        if len(args) != 2 or kwargs.get("alpha", 1) != 1 or torch.is_grad_enabled():
+            return False
+        a, b = args
+        if not isinstance(b, torch.Tensor) or a is b or a.device.type != "cuda":
+            return False
+        if a.shape != b.shape or a.dtype != b.dtype or a.stride() != b.stride():
+            return False
+        if not a.is_contiguous() and not a.is_non_overlapping_and_dense():
+            return False
+        if not _called_from_cpp():
+            return False
+        base = CudaRules.accumulate_use_count
+        if base is None:
+            return False
+        return a._use_count() <= base
+
+    def _gemm_workspaces(self, tracer) -> None:
+        tid = threading.get_ident()
+        with self._lock:
+            if tid in self._cublas_threads:
+                return
+            self._cublas_threads.add(tid)
+            first = not self._cublaslt
+            self._cublaslt = True
+        tracer.alloc(cublas_workspace_bytes(self.gpu.major), "cuBLAS workspace (kept)")
+        if first:
+            tracer.alloc(CUBLASLT_WORKSPACE_BYTES, "cuBLASLt workspace (kept)")
+
+    def _cudnn_attention(self, tracer, func, args, kwargs):
+        # Outputs (with the RNG seed/offset on the device) come from the fake kernel; cuDNN's forward also takes
+        # a 256-byte workspace for the call.
+        out = func(*args, **kwargs)
+        name = str(func)
+        for i in (6, 7, 0, 1, 2, 3, 4, 5, 8):  # seed and offset first, as the CUDA kernel allocates them
+            if isinstance(out[i], torch.Tensor):
+                tracer.track(out[i], name)
+        addr = tracer.alloc(256, "cuDNN attention forward workspace")
+        tracer.free(addr, 256)
+        return out
+
+    # ------------------------------------------------------------------ Python-level rules
+    def function_mode(self):
+        return _SdpaMode(self)
+
+    def sdpa_backend(self, q, k, v, attn_mask, dropout_p, is_causal, enable_gqa) -> int:
+        """The backend CUDA's `_fused_sdp_choice` picks on the target GPU (torch 2.11 order on sm90/sm100:
+        cuDNN, flash, efficient, math; elsewhere flash, efficient, math, cuDNN), honouring the sdpa_kernel /
+        torch.backends.cuda switches."""
+        import torch.backends.cuda as bc
+
+        major = self.gpu.major
+        dtype = q.dtype
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.is_nested:
+            return _MATH
+        d_qk, d_v = q.shape[-1], v.shape[-1]
+        half = dtype in (torch.float16, torch.bfloat16)
+        gqa = q.shape[1] != k.shape[1]
+        if gqa and not enable_gqa:
+            return _MATH
+
+        def cudnn_ok() -> bool:
+            return (
+                bc.cudnn_sdp_enabled()
+                and major >= 9
+                and half
+                and d_qk == d_v
+                and d_qk % 8 == 0
+                and d_qk <= 128
+                and not gqa
+                and attn_mask is None
+            )
+
+        def flash_ok() -> bool:
+            return bc.flash_sdp_enabled() and major >= 8 and half and attn_mask is None and d_qk == d_v and d_qk <= 256
+
+        def efficient_ok() -> bool:
+            ok_dtype = dtype in (torch.float32, torch.float16) or (dtype == torch.bfloat16 and major >= 8)
+            return bc.mem_efficient_sdp_enabled() and ok_dtype and not gqa and d_qk % 8 == 0 and d_v % 8 == 0
+
+        order = (_CUDNN, _FLASH, _EFFICIENT, _MATH) if major in (9, 10) else (_FLASH, _EFFICIENT, _MATH, _CUDNN)
+        checks = {_CUDNN: cudnn_ok, _FLASH: flash_ok, _EFFICIENT: efficient_ok, _MATH: bc.math_sdp_enabled}
+        for backend in order:
+            if checks[backend]():
+                return backend
+        return _MATH
+
+
+def _called_from_cpp() -> bool:
+    """True when no Python code outside torch's dispatch machinery is on this thread's stack (the caller is
+    C++: the autograd engine)."""
+    import sys
+
+    f = sys._getframe(2)
+    while f is not None:
+        if not any(part in f.f_code.co_filename for part in _DISPATCH_FILES):
+            return False
+        f = f.f_back
+    return True
+
+
+_DISPATCH_FILES = (
+    "torchmem/estimate/",
+    "torch/utils/_python_dispatch",
+    "torch/_subclasses/",
+    "torch/_dynamo/",
+    "torch/_compile.py",
+    "torch/_ops.py",
+)
+
+
+def calibrate_accumulation(session_mode) -> None:
+    """Measures the use count the engine's sole-owner accumulation shows in a dispatch (run once, in the
+    session's modes): `w` used twice, the second gradient is summed into the first."""
+    if CudaRules.accumulate_use_count is not None:
+        return
+    seen: list[int] = []
+    original = CudaRules._accumulates_in_place
+
+    def probe(self, args, kwargs):
+        if len(args) == 2 and isinstance(args[1], torch.Tensor) and _called_from_cpp():
+            seen.append(args[0]._use_count())
+        return False
+
+    CudaRules._accumulates_in_place = probe
+    try:
+        w = torch.ones(4, device="cuda", requires_grad=True)
+        (w * 2 + w * 3).sum().backward()
+    finally:
+        CudaRules._accumulates_in_place = original
+    CudaRules.accumulate_use_count = min(seen) if seen else None
+
+
+class _SdpaMode(TorchFunctionMode):
+    """Routes `F.scaled_dot_product_attention` to the backend CUDA would pick on the target GPU."""
+
+    def __init__(self, rules: CudaRules) -> None:
+        super().__init__()
+        self.rules = rules
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            q = args[0]
+            if isinstance(q, torch.Tensor) and q.device.type == "cuda":
+                out = _sdpa(self.rules, *args, **kwargs)
+                if out is not None:
+                    return out
+        return func(*args, **kwargs)
+
+
+def _sdpa(rules, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    backend = rules.sdpa_backend(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+    grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    aten = torch.ops.aten
+    if backend == _CUDNN:
+        return aten._scaled_dot_product_cudnn_attention(
+            query, key, value, attn_mask, grad, dropout_p, is_causal, False, scale=scale
+        )[0]
+    if backend == _FLASH:
+        d = query.shape[-1]
+        pad = (8 - d % 8) % 8
+        sc = scale if scale is not None else 1.0 / (d**0.5)
+        if pad:
+            query, key, value = (torch.nn.functional.pad(t, (0, pad)) for t in (query, key, value))
+        out = aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False, scale=sc)[0]
+        return out[..., :d] if pad else out
+    if backend == _EFFICIENT:
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(query.dtype)
+        if attn_mask is not None:
+            last = attn_mask.shape[-1]
+            pad = (16 - last % 16) % 16
+            if pad:
+                attn_mask = torch.nn.functional.pad(attn_mask, (0, pad))[..., :last]
+            attn_mask = attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+        return aten._scaled_dot_product_efficient_attention(
+            query, key, value, attn_mask, grad, dropout_p, is_causal, scale=scale
+        )[0]
+    return None

@@ -1,0 +1,157 @@
+"""Runs an unchanged training program under the estimator: `torchmem estimate -- COMMAND` puts a
+`sitecustomize.py` first on PYTHONPATH that calls `start_from_env()` before the program's own code. The program
+then runs on the emulated GPU until it has made N optimizer steps (or ends, or fails), and we write the trace
+(an allocator snapshot) and a summary JSON for the CLI, which simulates the allocator and reports.
+
+Configuration comes in `TORCHMEM_ESTIMATE` (JSON: `trace`, `summary`, `steps`, `gpu`, `frames_min_bytes`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+from . import _snapshot
+from ._device import EstimateUnsupported, GpuSpec
+from ._tracer import round512
+
+_TOP = 12
+
+
+def largest_at_peak(tracer, top: int = _TOP) -> tuple[int, int, list[dict]]:
+    """(peak live bytes, event index of the peak, the largest live requests at that moment with their frames)."""
+    live: dict[int, Any] = {}
+    live_bytes = peak = 0
+    at = -1
+    best: dict[int, Any] = {}
+    for i, e in enumerate(tracer.events):
+        if e.action == "alloc":
+            live[e.addr] = e
+            live_bytes += round512(e.size_bytes)
+            if live_bytes > peak:
+                peak, at = live_bytes, i
+                best = {}
+        else:
+            ev = live.pop(e.addr, None)
+            if ev is not None:
+                live_bytes -= round512(ev.size_bytes)
+        if at == i:
+            best = dict(live)
+    items = sorted(best.values(), key=lambda ev: -ev.size_bytes)[:top]
+    out = []
+    for ev in items:
+        site = ""
+        for f in ev.frames or []:
+            fn = f["filename"]
+            if "site-packages/torch/" not in fn:
+                site = f"{fn}:{f['line']} ({f['name']})"
+                break
+        if not site and ev.frames:
+            f = ev.frames[0]
+            site = f"{f['filename']}:{f['line']} ({f['name']})"
+        if not site and ev.phase == "backward":
+            site = "(autograd engine, backward of the forward op)"
+        out.append({"size_bytes": ev.size_bytes, "phase": ev.phase, "what": ev.what, "site": site, "step": ev.step})
+    return peak, at, out
+
+
+def summary(session, *, reason: str, seconds: float, error: str | None = None) -> dict:
+    from ._tracer import phase_of
+
+    tr = session.tracer
+    peak, _at, top = largest_at_peak(tr)
+    phases = {k: v for k, v in phase_of(tr.events).items() if k in ("forward", "backward", "optimizer")}
+    import torch
+
+    return {
+        "steps_traced": tr.step,
+        "reason": reason,
+        "error": error,
+        "notes": list(tr.notes.messages),
+        "trace_peak_bytes": peak,
+        "phase_peak_bytes": phases,
+        "largest_at_peak": top,
+        "uses_half_precision": session.rules.used_half,
+        "uses_convolution": session.rules.used_conv,
+        "requests": sum(1 for e in tr.events if e.action == "alloc"),
+        "trace_seconds": round(seconds, 3),
+        "torch_version": torch.__version__,
+        "gpu": session.gpu.name,
+    }
+
+
+class _ScriptRun:
+    def __init__(self, cfg: dict) -> None:
+        from ._session import Session
+
+        g = cfg["gpu"]
+        self.cfg = cfg
+        self.t0 = time.perf_counter()
+        spec = GpuSpec(g["name"], int(g["cuda_total_bytes"]), int(g["major"]), int(g["minor"]), int(g["sms"]))
+        self.session = Session(
+            spec, steps_limit=int(cfg.get("steps", 3)), frames_min_bytes=cfg.get("frames_min_bytes", 1 << 20)
+        )
+        self.session.on_limit = self.limit_reached
+        self.done = False
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        if self.done:
+            return
+        self.done = True
+        s = self.session
+        s.tracer.close()
+        snap = _snapshot.build(s.tracer, alloc_conf=self.cfg.get("alloc_conf", ""))
+        _snapshot.write(snap, self.cfg["trace"])
+        data = summary(s, reason=reason, seconds=time.perf_counter() - self.t0, error=error)
+        with open(self.cfg["summary"], "w") as f:
+            json.dump(data, f)
+
+    def limit_reached(self) -> None:
+        self.finish("steps")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    def at_exit(self) -> None:
+        self.finish("program ended")
+
+    def excepthook(self, etype, value, tb) -> None:
+        from ._session import translate_error
+
+        translated = translate_error(value) if isinstance(value, Exception) else None
+        err = translated or value
+        if isinstance(err, EstimateUnsupported):
+            message = str(err)
+        else:
+            message = f"{type(err).__name__}: {err}"
+        where = ""
+        for frame in reversed(traceback.extract_tb(tb)):
+            if "site-packages" not in frame.filename and "torchmem/estimate" not in frame.filename:
+                where = f" (at {frame.filename}:{frame.lineno})"
+                break
+        self.finish("error", error=message + where)
+        if not isinstance(err, EstimateUnsupported):
+            sys.__excepthook__(etype, value, tb)
+        sys.stderr.flush()
+
+
+def start_from_env() -> None:
+    raw = os.environ.pop("TORCHMEM_ESTIMATE", None)
+    if not raw:
+        return
+    cfg = json.loads(raw)
+    run = _ScriptRun(cfg)
+    try:
+        run.session.__enter__()
+    except EstimateUnsupported as e:
+        run.done = True
+        with open(cfg["summary"], "w") as f:
+            json.dump({"reason": "error", "error": str(e), "steps_traced": 0}, f)
+        raise SystemExit(3) from None
+    atexit.register(run.at_exit)
+    sys.excepthook = run.excepthook

@@ -1,0 +1,203 @@
+"""One estimate's tracing session: puts the process on an emulated CUDA device (fake tensors, the backward fix,
+`torch.cuda` answers for the target GPU), records the storage trace with phases (forward, backward, optimizer)
+and optimizer steps, and takes it all down again. Used by `torchmem.estimate()` and by the script runner that
+`torchmem estimate -- COMMAND` injects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+
+from . import _device, _rules
+from ._tracer import Tracer
+
+
+class StopTrace(BaseException):
+    """Raised from the optimizer's step hook once the requested number of steps has been traced (a
+    BaseException, so a program's `except Exception` does not swallow it)."""
+
+
+class _EmulatedFakeMode(FakeTensorMode):
+    """FakeTensorMode that keeps its no-device behaviour (no real CUDA init, CPU-only constant lifting) while
+    `torch.cuda.is_available()` answers True for the program."""
+
+    @property
+    def avoid_device_init(self) -> bool:  # type: ignore[override]
+        return True
+
+
+def _new_mode() -> FakeTensorMode:
+    return _EmulatedFakeMode(allow_non_fake_inputs=True)
+
+
+class Session:
+    """Enter to trace; `tracer` holds the events. `steps_limit` stops the program (StopTrace) after that many
+    optimizer steps; None never stops."""
+
+    def __init__(self, gpu: _device.GpuSpec, *, steps_limit: int | None = None, frames_min_bytes: int = 1 << 20):
+        self.gpu = gpu
+        self.steps_limit = steps_limit
+        self.rules = _rules.CudaRules(gpu)
+        self.tracer = Tracer(frames_min_bytes=frames_min_bytes, rules=self.rules)
+        self.mode: FakeTensorMode | None = None
+        self._stack = contextlib.ExitStack()
+        self._shim = _device.CudaShim(gpu, self.tracer)
+        self._handles: list[Any] = []
+        self._patches: list[tuple[Any, str, Any]] = []
+        self._in_backward = 0
+        self._in_optimizer = 0
+        # Called once `steps_limit` steps are traced (the script runner writes the trace and exits); without
+        # it the hook raises StopTrace.
+        self.on_limit = None
+
+    # ------------------------------------------------------------------ patches
+    def _patch(self, obj, name: str, value) -> None:
+        self._patches.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def _install(self) -> None:
+        self._shim.install()
+        _device.install_backward_fix(_new_mode)
+        import torch.optim.optimizer as optim_mod
+
+        # The default optimizer picks foreach/fused only for `type(p) in (Tensor, Parameter)`; a fake parameter
+        # is a FakeTensor, so without this the trace would take the per-tensor loop a real CUDA run never takes.
+        if FakeTensor not in optim_mod._foreach_supported_types:
+            self._patches.append((optim_mod, "_foreach_supported_types", list(optim_mod._foreach_supported_types)))
+            optim_mod._foreach_supported_types.append(FakeTensor)
+        self._patch_swap_tensors()
+        self._patch_backward()
+        tr = self.tracer
+        session = self
+
+        def forward_pre(_module, _args):
+            if session._in_backward == 0 and session._in_optimizer == 0 and tr.phase != "forward":
+                session._set_phase("forward")
+
+        def opt_pre(_opt, _args, _kwargs):
+            session._in_optimizer += 1
+            session._set_phase("optimizer")
+
+        def opt_post(_opt, _args, _kwargs):
+            session._in_optimizer -= 1
+            if session._in_optimizer == 0:
+                tr.step += 1
+                session._set_phase("between steps")
+                if session.steps_limit is not None and tr.step >= session.steps_limit:
+                    if session.on_limit is not None:
+                        session.on_limit()
+                    raise StopTrace
+
+        self._handles.append(torch.nn.modules.module.register_module_forward_pre_hook(forward_pre))
+        self._handles.append(optim_mod.register_optimizer_step_pre_hook(opt_pre))
+        self._handles.append(optim_mod.register_optimizer_step_post_hook(opt_post))
+
+    def _set_phase(self, phase: str) -> None:
+        tr = self.tracer
+        if tr.phase == phase:
+            return
+        if tr.phase not in ("setup", "between steps"):
+            tr.mark(tr.phase, "END")
+        tr.phase = phase
+        if phase not in ("between steps",):
+            tr.mark(phase, "START")
+
+    def _patch_swap_tensors(self) -> None:
+        # `module.to("cuda")` swaps fake parameters (torch >= 2.5 always swaps FakeTensors), and swapping refuses
+        # a tensor with weak references; the only one is the fake mode's own memo entry, which we drop first.
+        original = torch.utils.swap_tensors
+        session = self
+
+        def swap_tensors(t1, t2):
+            mode = session.mode
+            if mode is not None:
+                memo = mode.fake_tensor_converter.meta_converter.tensor_memo
+                for k, v in list(memo.items()):
+                    if v is t1 or v is t2:
+                        del memo[k]
+            return original(t1, t2)
+
+        self._patch(torch.utils, "swap_tensors", swap_tensors)
+
+    def _patch_backward(self) -> None:
+        import torch.autograd as autograd_mod
+        import torch.autograd.graph as graph_mod
+
+        original = graph_mod._engine_run_backward
+        session = self
+
+        def run_backward(*args, **kwargs):
+            session._in_backward += 1
+            if session._in_backward == 1:
+                session._set_phase("backward")
+            try:
+                return original(*args, **kwargs)
+            finally:
+                session._in_backward -= 1
+                if session._in_backward == 0:
+                    session._set_phase("after backward")
+
+        self._patch(graph_mod, "_engine_run_backward", run_backward)
+        self._patch(autograd_mod, "_engine_run_backward", run_backward)
+
+    # ------------------------------------------------------------------ context
+    def __enter__(self) -> Session:
+        try:
+            self._install()
+            self.mode = _new_mode()
+            self._stack.enter_context(self.mode)
+            self._stack.enter_context(self.tracer)
+            self._stack.enter_context(self.rules.function_mode())
+            _rules.calibrate_accumulation(self.mode)
+            self.tracer.events.clear()
+            self.tracer.annotations.clear()
+            self.tracer.phase = "setup"
+            self.tracer.step = 0
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.tracer.close()
+        self._stack.close()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for obj, name, old in reversed(self._patches):
+            if isinstance(old, list) and name == "_foreach_supported_types":
+                getattr(obj, name)[:] = old
+            else:
+                setattr(obj, name, old)
+        self._patches.clear()
+        self._shim.uninstall()
+        self.mode = None
+
+
+def translate_error(e: BaseException) -> BaseException | None:
+    """A fake-tensor error turned into the estimate's message naming the call, or None if it is not one."""
+    if isinstance(e, DynamicOutputShapeException):
+        return _device.EstimateUnsupported(
+            f"the program calls {e.func}, whose output shape depends on tensor values; an estimate on an "
+            "emulated device has no values. Give the op a fixed size (e.g. a padded mask) for the estimate"
+        )
+    if isinstance(e, DataDependentOutputException):
+        return _device.EstimateUnsupported(
+            f"the program reads a tensor value ({e.func}); an estimate on an emulated device has no values"
+        )
+    if isinstance(e, UnsupportedOperatorException):
+        return _device.EstimateUnsupported(
+            f"the operator {e.func} has no fake (shape-only) kernel, typically a custom CUDA extension; the "
+            "estimate cannot run it without a GPU"
+        )
+    return None

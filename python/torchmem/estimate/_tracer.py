@@ -1,0 +1,202 @@
+"""The storage-lifetime tracer of `torchmem estimate`: a dispatch mode under `FakeTensorMode` that records, in
+program order, every new CUDA storage an operator returns (an allocator request of the storage's byte size) and
+the moment the storage dies (a weakref callback: the free), plus the synthetic requests of CUDA libraries that no
+operator makes (cuBLAS/cuDNN workspaces, see `_rules`). Its events become an allocator snapshot's
+`device_traces` (see `_snapshot`), which the allocator simulator replays.
+
+Names carry units; sizes are the bytes requested (the simulator does the allocator's rounding).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+_ADDR_BASE = 0x7F0000000000
+_ADDR_STEP = 1 << 12
+_ROUND_BYTES = 512
+_FRAMES_MAX = 24
+_SKIP_FILES = (
+    "torchmem/estimate/",
+    "torch/utils/_python_dispatch.py",
+    "torch/_subclasses/",
+    "torch/_dynamo/",
+    "torch/_compile.py",
+    "torch/_ops.py",
+)
+
+
+def round512(n: int) -> int:
+    return (n + _ROUND_BYTES - 1) // _ROUND_BYTES * _ROUND_BYTES
+
+
+@dataclass
+class Event:
+    """One allocator request (`alloc`) or release (`free`) in program order."""
+
+    action: str  # "alloc" | "free"
+    addr: int
+    size_bytes: int
+    phase: str
+    step: int
+    frames: list[dict] | None = None
+    what: str = ""  # operator (or library workspace) that made the request
+
+
+@dataclass
+class Notes:
+    """What the trace could not follow exactly: shown with the estimate, never silent."""
+
+    messages: list[str] = field(default_factory=list)
+
+    def add(self, message: str) -> None:
+        if message not in self.messages:
+            self.messages.append(message)
+
+
+def _python_frames() -> list[dict]:
+    frames: list[dict] = []
+    f = sys._getframe(2)
+    while f is not None and len(frames) < _FRAMES_MAX:
+        name = f.f_code.co_filename
+        if not any(s in name for s in _SKIP_FILES):
+            frames.append({"filename": name, "line": f.f_lineno, "name": f.f_code.co_name})
+        f = f.f_back
+    return frames
+
+
+class Tracer(TorchDispatchMode):
+    """Records allocator requests of CUDA storages under a FakeTensorMode (enter the fake mode first)."""
+
+    def __init__(self, *, frames_min_bytes: int = 1 << 20, rules=None) -> None:
+        super().__init__()
+        self.events: list[Event] = []
+        self.frames_min_bytes = frames_min_bytes
+        self.rules = rules
+        self.phase = "setup"
+        self.step = 0
+        self.notes = Notes()
+        self._tracked: dict[int, tuple[weakref.ref, int, int]] = {}  # storage cdata -> (ref, addr, bytes)
+        self._next_addr = _ADDR_BASE
+        self._lock = threading.RLock()
+        self._live_bytes = 0
+        self._peak_bytes = 0
+        self.enabled = True
+        self.annotations: list[tuple[str, str, int]] = []  # (name, START|END, event index)
+
+    # ------------------------------------------------------------------ counters (torch.cuda.* answers)
+    def live_bytes_rounded(self) -> int:
+        return self._live_bytes
+
+    def peak_bytes_rounded(self) -> int:
+        return self._peak_bytes
+
+    def reset_peak(self) -> None:
+        self._peak_bytes = self._live_bytes
+
+    def note(self, message: str) -> None:
+        self.notes.add(message)
+
+    # ------------------------------------------------------------------ events
+    def alloc(self, size_bytes: int, what: str, frames: list[dict] | None = None) -> int:
+        """Records a request of `size_bytes` (also used for synthetic library requests); returns its address."""
+        with self._lock:
+            addr = self._next_addr
+            self._next_addr += _ADDR_STEP
+            if frames is None and size_bytes >= self.frames_min_bytes:
+                frames = _python_frames()
+            self.events.append(Event("alloc", addr, size_bytes, self.phase, self.step, frames, what))
+            self._live_bytes += round512(size_bytes)
+            self._peak_bytes = max(self._peak_bytes, self._live_bytes)
+            return addr
+
+    def free(self, addr: int, size_bytes: int) -> None:
+        with self._lock:
+            self.events.append(Event("free", addr, size_bytes, self.phase, self.step))
+            self._live_bytes -= round512(size_bytes)
+
+    def mark(self, name: str, stage: str) -> None:
+        with self._lock:
+            self.annotations.append((name, stage, len(self.events)))
+
+    def _storage_died(self, key: int, _ref) -> None:
+        entry = self._tracked.pop(key, None)
+        if entry is not None and self.enabled:
+            self.free(entry[1], entry[2])
+
+    def track(self, t: torch.Tensor, what: str) -> None:
+        if t.device.type != "cuda":
+            return
+        try:
+            st = t.untyped_storage()
+        except (NotImplementedError, RuntimeError):
+            return
+        nbytes = st.nbytes()
+        key = st._cdata
+        entry = self._tracked.get(key)
+        if entry is not None:
+            if entry[2] == nbytes:
+                return
+            # Resized in place (out= variants, resize_): the allocator hands a new block, then frees the old one.
+            addr = self.alloc(nbytes, what) if nbytes > 0 else 0
+            self.free(entry[1], entry[2])
+            if nbytes > 0:
+                self._tracked[key] = (entry[0], addr, nbytes)
+            else:
+                self._tracked.pop(key, None)
+            return
+        if nbytes == 0:
+            return
+        addr = self.alloc(nbytes, what)
+        self._tracked[key] = (weakref.ref(st, lambda r, k=key: self._storage_died(k, r)), addr, nbytes)
+
+    def track_existing(self, tensors) -> None:
+        """Tracks storages made before the trace started (e.g. by a `.to('cuda')` outside the mode)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self.track(t, "existing")
+
+    def close(self) -> None:
+        """Stops recording: storages still alive stay allocated at the end of the trace."""
+        self.enabled = False
+
+    # ------------------------------------------------------------------ dispatch
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rules = self.rules
+        if rules is not None:
+            replaced = rules.before(self, func, args, kwargs)
+            if replaced is not None:
+                return replaced[0]
+        out = func(*args, **kwargs)
+        if self.enabled:
+            flat, _ = tree_flatten(out)
+            name = str(func)
+            for t in flat:
+                if isinstance(t, torch.Tensor):
+                    self.track(t, name)
+            if rules is not None:
+                rules.after(self, func, args, kwargs, out)
+        return out
+
+
+def phase_of(events: list[Event]) -> dict[str, Any]:
+    """Peak live bytes (512-rounded) per phase name, over the whole trace."""
+    live = 0
+    peaks: dict[str, int] = {}
+    sizes: dict[int, int] = {}
+    for e in events:
+        if e.action == "alloc":
+            sizes[e.addr] = round512(e.size_bytes)
+            live += sizes[e.addr]
+        else:
+            live -= sizes.pop(e.addr, round512(e.size_bytes))
+        peaks[e.phase] = max(peaks.get(e.phase, 0), live)
+    return peaks
