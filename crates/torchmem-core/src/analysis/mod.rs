@@ -44,6 +44,9 @@ pub struct Summary {
     pub journey: Vec<JourneyStage>,
 }
 
+/// One epoch of one process: (pid, rank, epoch index).
+type EpochOf = (Option<u32>, Option<u32>, Option<i64>);
+
 /// What a summary is computed from, borrowed (a Monitor's markers need no copied profile around them).
 struct Inputs<'a> {
     meta: &'a RunMeta,
@@ -83,7 +86,8 @@ impl Summary {
         let sp = spans(p.markers);
         let totals = epoch_totals(&sp, p.aggregates);
         let mut epochs = epoch_rows(&sp, MarkerKind::Epoch, p.torch, p.cpu);
-        let mut steps_in: HashMap<(Option<u32>, Option<u32>, Option<i64>), u64> = HashMap::new();
+        // (pid, rank, epoch) -> steps started in it
+        let mut steps_in: HashMap<EpochOf, u64> = HashMap::new();
         for t in totals.iter().filter(|t| t.kind == MarkerKind::Step) {
             *steps_in.entry((t.pid, t.rank, t.epoch)).or_default() += t.count;
         }
