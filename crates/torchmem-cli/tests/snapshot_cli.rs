@@ -44,12 +44,37 @@ fn top_sites_and_at() {
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("top allocation sites at the traced peak"), "{out}");
     assert!(out.contains("/home/user/train/probe.py:"), "{out}");
+    assert!(out.contains("into the trace)") && !out.contains(" us)"), "times since the trace start: {out}");
     let (code, out, _) = torchmem(&["snapshot", f.to_str().unwrap(), "--top", "3", "--at", "0"]);
     assert_eq!(code, 0);
-    assert!(out.contains("at t=0 us"), "{out}");
+    assert!(out.contains("at +0.000 ms into the trace"), "{out}");
+    let (code, out, _) = torchmem(&["snapshot", f.to_str().unwrap(), "--top", "3", "--at", "2.5ms"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("at +2.500 ms into the trace"), "{out}");
+    // Before the trace start, or past its end: an error naming the range.
+    for at in ["-5", "1h", "99999s"] {
+        let arg = format!("--at={at}");
+        let (code, _, err) = torchmem(&["snapshot", f.to_str().unwrap(), "--top", "3", &arg]);
+        assert_eq!(code, 1, "--at {at}: {err}");
+        assert!(err.contains("--at"), "{err}");
+    }
+    let (_, _, err) = torchmem(&["snapshot", f.to_str().unwrap(), "--top", "3", "--at=-5"]);
+    assert!(err.contains("before the trace start: the trace spans 0 to 7238.106 ms (time_us 1796056079995649 to 1796056087233755)"), "{err}");
     let (code, _, err) = torchmem(&["snapshot", f.to_str().unwrap(), "--at", "5"]);
-    assert_eq!(code, 1);
+    assert_ne!(code, 0);
     assert!(err.contains("--at needs --top"), "{err}");
+}
+
+#[test]
+fn empty_and_null_json_are_not_snapshots() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, text) in [("e.json", "{}"), ("n.json", "null")] {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        let (code, _, err) = torchmem(&["snapshot", p.to_str().unwrap()]);
+        assert_eq!(code, 1, "{name}");
+        assert!(err.contains("not an allocator snapshot"), "{name}: {err}");
+    }
 }
 
 #[test]

@@ -33,6 +33,23 @@ pub fn pct(part: u64, whole: u64) -> f64 {
     }
 }
 
+/// A moment as time since the trace start (`start_us`): `+12.345 ms`, or `+12.345 s` from 10 s on.
+pub fn since_start(time_us: i64, start_us: i64) -> String {
+    let d_us = time_us - start_us;
+    let sign = if d_us < 0 { "-" } else { "+" };
+    let a = d_us.unsigned_abs() as f64;
+    if a >= 10_000_000.0 {
+        format!("{sign}{:.3} s", a / 1e6)
+    } else {
+        format!("{sign}{:.3} ms", a / 1e3)
+    }
+}
+
+/// A duration in microseconds as ms (or s from 10 s on), three decimals.
+pub fn duration_us(d_us: i64) -> String {
+    since_start(d_us, 0).trim_start_matches('+').to_string()
+}
+
 /// Escapes text for HTML.
 pub fn html_escape(s: &str) -> String {
     let mut o = String::with_capacity(s.len());
@@ -59,5 +76,9 @@ mod tests {
         assert_eq!(bytes(1024 * 1024), "1.00 MiB");
         assert_eq!(bytes(64424509440), "60.00 GiB");
         assert_eq!(signed_bytes(-2048), "-2.00 KiB");
+        assert_eq!(since_start(1_000_012_345, 1_000_000_000), "+12.345 ms");
+        assert_eq!(since_start(1_012_000_000, 1_000_000_000), "+12.000 s");
+        assert_eq!(since_start(5, 10), "-0.005 ms");
+        assert_eq!(duration_us(2500), "2.500 ms");
     }
 }

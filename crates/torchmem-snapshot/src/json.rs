@@ -88,9 +88,9 @@ struct JAnnotation {
 #[derive(Deserialize)]
 struct JSnapshot {
     #[serde(default)]
-    segments: Vec<JSegment>,
+    segments: Option<Vec<JSegment>>,
     #[serde(default)]
-    device_traces: Vec<Option<Vec<JTrace>>>,
+    device_traces: Option<Vec<Option<Vec<JTrace>>>>,
     #[serde(default)]
     allocator_settings: serde_json::Map<String, serde_json::Value>,
     #[serde(default)]
@@ -118,12 +118,35 @@ fn state(s: &str) -> Result<BlockState, String> {
     })
 }
 
+/// Why a JSON file is not read.
+#[derive(Debug, Clone, PartialEq)]
+pub enum JsonError {
+    /// Not valid JSON, or values of the wrong type (serde's message, with line and column).
+    Syntax(String),
+    /// Valid JSON that is not an allocator snapshot (`null`, `{}`).
+    NotASnapshot(String),
+}
+
 /// Reads a JSON snapshot.
-pub fn read_json<R: Read>(reader: R) -> Result<Snapshot, String> {
-    let j: JSnapshot = serde_json::from_reader(reader).map_err(|e| e.to_string())?;
+pub fn read_json<R: Read>(reader: R) -> Result<Snapshot, JsonError> {
+    let j: Option<JSnapshot> = serde_json::from_reader(reader).map_err(|e| JsonError::Syntax(e.to_string()))?;
+    let Some(j) = j else {
+        return Err(JsonError::NotASnapshot(
+            "the JSON is null, not an object with 'segments' and 'device_traces'. Was it written by json.dump(torch.cuda.memory._snapshot())?".into(),
+        ));
+    };
+    if j.segments.is_none() && j.device_traces.is_none() {
+        return Err(JsonError::NotASnapshot(
+            "the top-level object has neither 'segments' nor 'device_traces'. Was it written by json.dump(torch.cuda.memory._snapshot())?".into(),
+        ));
+    }
+    read_parsed(j).map_err(JsonError::Syntax)
+}
+
+fn read_parsed(j: JSnapshot) -> Result<Snapshot, String> {
     let mut it = Interner::new();
     let mut snap = Snapshot::default();
-    for (si, s) in j.segments.into_iter().enumerate() {
+    for (si, s) in j.segments.unwrap_or_default().into_iter().enumerate() {
         let mut blocks = Vec::with_capacity(s.blocks.len());
         for b in s.blocks {
             blocks.push(Block {
@@ -148,7 +171,7 @@ pub fn read_json<R: Read>(reader: R) -> Result<Snapshot, String> {
             blocks,
         });
     }
-    for dev in j.device_traces {
+    for dev in j.device_traces.unwrap_or_default() {
         let mut entries = Vec::new();
         for t in dev.unwrap_or_default() {
             let stack = stack(&mut it, t.frames);

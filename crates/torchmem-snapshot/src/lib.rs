@@ -70,13 +70,17 @@ enum Form {
 fn first_byte(b: Option<u8>, name: &str) -> Result<Form, SnapshotError> {
     match b {
         None => Err(SnapshotError::Schema { path: name.into(), msg: "the file is empty".into() }),
-        Some(b'{' | b'[' | b' ' | b'\n' | b'\r' | b'\t') => Ok(Form::Json),
+        // JSON starts with these; none of them begins a pickle (`n`, `"`, `f`, `-` are no opcodes).
+        Some(b'{' | b'[' | b' ' | b'\n' | b'\r' | b'\t' | b'n' | b'"' | b'f' | b'-') => Ok(Form::Json),
         Some(_) => Ok(Form::Pickle),
     }
 }
 
 fn read_json<R: Read>(reader: R, name: &str) -> Result<Snapshot, SnapshotError> {
-    json::read_json(reader).map_err(|msg| SnapshotError::Json { path: name.into(), msg })
+    json::read_json(reader).map_err(|e| match e {
+        json::JsonError::Syntax(msg) => SnapshotError::Json { path: name.into(), msg },
+        json::JsonError::NotASnapshot(msg) => SnapshotError::Schema { path: name.into(), msg },
+    })
 }
 
 /// Reads a pickle with the generic decoder (`pickle` + `decode`), the reference the fast one follows.
@@ -85,4 +89,25 @@ pub fn read_pickle_generic<R: Read>(reader: R, name: &str) -> Result<Snapshot, S
         error::PickleOrSchema::Pickle(error) => SnapshotError::Pickle { path: name.into(), error },
         error::PickleOrSchema::Schema(msg) => SnapshotError::Schema { path: name.into(), msg },
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_or_null_json_is_not_a_snapshot_like_the_pickled_empty_dict() {
+        for text in ["{}", "null", " {}\n"] {
+            let e = read_bytes(text.as_bytes(), "e.json").unwrap_err();
+            assert!(matches!(e, SnapshotError::Schema { .. }), "{text}: {e}");
+            assert!(e.to_string().starts_with("e.json: not an allocator snapshot: "), "{e}");
+        }
+        // pickle.dumps({}, protocol=4)
+        let e = read_bytes(b"\x80\x04}\x94.", "e.pickle").unwrap_err();
+        assert!(e.to_string().starts_with("e.pickle: not an allocator snapshot: "), "{e}");
+        let e = read_bytes(b"{ this is not json", "bad.json").unwrap_err();
+        assert!(matches!(e, SnapshotError::Json { .. }), "{e}");
+        let ok = read_bytes(br#"{"segments": [], "device_traces": [[]]}"#, "ok.json").unwrap();
+        assert_eq!(ok.device_traces.len(), 1);
+    }
 }

@@ -147,8 +147,49 @@ pub struct TopSites {
     /// "peak", "time" or "end".
     pub moment: String,
     pub time_us: Option<i64>,
+    /// The device trace's first `time_us` (text shows times since it); not in the JSON.
+    #[serde(skip)]
+    pub trace_start_us: Option<i64>,
     pub total_bytes: u64,
     pub rows: Vec<SiteRow>,
+}
+
+/// Reads `--at`: a time since the trace start (the earliest first entry of any device), in ms, or with a
+/// unit (`250us`, `12.5ms`, `1.5s`); returns the trace's `time_us` for it. A moment outside the trace is
+/// an error naming its range.
+pub fn resolve_at(snap: &Snapshot, text: &str) -> Result<i64, String> {
+    let t = text.trim();
+    let (num, scale_us) = if let Some(n) = t.strip_suffix("us") {
+        (n, 1.0)
+    } else if let Some(n) = t.strip_suffix("ms") {
+        (n, 1e3)
+    } else if let Some(n) = t.strip_suffix('s') {
+        (n, 1e6)
+    } else {
+        (t, 1e3)
+    };
+    let v: f64 = num.trim().parse().map_err(|_| {
+        format!("--at {text:?} is not a time: give the time since the trace start in ms (12.5), or with a unit (250us, 12.5ms, 1.5s)")
+    })?;
+    if !v.is_finite() {
+        return Err(format!("--at {text:?} is not a finite time"));
+    }
+    let ranges: Vec<(i64, i64)> =
+        (0..snap.device_traces.len()).filter_map(|d| crate::replay::time_range_us(snap, d)).collect();
+    let (Some(start), Some(end)) = (ranges.iter().map(|r| r.0).min(), ranges.iter().map(|r| r.1).max()) else {
+        return Err(
+            "--at needs a trace, and this snapshot has none (record with _record_memory_history(enabled='all'))".into(),
+        );
+    };
+    let at_us = start as f64 + v * scale_us;
+    let span = crate::fmt::duration_us(end - start);
+    if at_us < start as f64 - 0.5 || at_us > end as f64 + 0.5 {
+        let side = if at_us < start as f64 { "before the trace start" } else { "after the trace end" };
+        return Err(format!(
+            "--at {text} is {side}: the trace spans 0 to {span} (time_us {start} to {end}); give a time in that range"
+        ));
+    }
+    Ok(at_us.round() as i64)
 }
 
 /// Top `n` sites for every device in `peaks` (`Summary::peaks`), at its traced peak or at `at_time_us`
@@ -174,7 +215,14 @@ pub fn top_sites(snap: &Snapshot, peaks: &[DevicePeak], n: usize, at_time_us: Op
                 let total = blocks.iter().map(|b| b.size_bytes).sum();
                 let mut rows = group_sites(snap, &blocks);
                 rows.truncate(n);
-                out.push(TopSites { device, moment: "end".into(), time_us: None, total_bytes: total, rows });
+                out.push(TopSites {
+                    device,
+                    moment: "end".into(),
+                    time_us: None,
+                    trace_start_us: None,
+                    total_bytes: total,
+                    rows,
+                });
                 continue;
             }
         };
@@ -182,7 +230,8 @@ pub fn top_sites(snap: &Snapshot, peaks: &[DevicePeak], n: usize, at_time_us: Op
         let total = blocks.iter().map(|b| b.size_bytes).sum();
         let mut rows = group_sites(snap, &blocks);
         rows.truncate(n);
-        out.push(TopSites { device, moment: moment.into(), time_us, total_bytes: total, rows });
+        let trace_start_us = crate::replay::time_range_us(snap, device).map(|r| r.0);
+        out.push(TopSites { device, moment: moment.into(), time_us, trace_start_us, total_bytes: total, rows });
     }
     out
 }
@@ -192,10 +241,11 @@ pub fn render_top_text(tops: &[TopSites]) -> String {
     use std::fmt::Write;
     let mut o = String::new();
     for t in tops {
+        let since = |us: i64| crate::fmt::since_start(us, t.trace_start_us.unwrap_or(us));
         let when = match (t.moment.as_str(), t.time_us) {
-            ("peak", Some(us)) => format!("at the traced peak (t={us} us)"),
+            ("peak", Some(us)) => format!("at the traced peak ({} into the trace)", since(us)),
             ("peak", None) => "at the start of the trace (the peak)".to_string(),
-            ("time", Some(us)) => format!("at t={us} us"),
+            ("time", Some(us)) => format!("at {} into the trace", since(us)),
             _ => "at the end (no trace recorded)".to_string(),
         };
         let _ =
@@ -221,4 +271,45 @@ pub fn render_top_text(tops: &[TopSites]) -> String {
         o.push('\n');
     }
     o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mlp() -> Snapshot {
+        let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/snapshots/snapshot_mlp_adam_pystacks.pickle");
+        crate::read_path(&p).unwrap()
+    }
+
+    #[test]
+    fn at_is_time_since_the_trace_start_and_must_fall_in_the_trace() {
+        let s = mlp();
+        let (start, end) = crate::replay::time_range_us(&s, 0).unwrap();
+        assert_eq!(resolve_at(&s, "0"), Ok(start));
+        assert_eq!(resolve_at(&s, "1.5"), Ok(start + 1500));
+        assert_eq!(resolve_at(&s, "250us"), Ok(start + 250));
+        assert_eq!(resolve_at(&s, "2ms"), Ok(start + 2000));
+        let span_s = (end - start) as f64 / 1e6;
+        assert_eq!(resolve_at(&s, &format!("{span_s}s")), Ok(end));
+        let e = resolve_at(&s, "-5").unwrap_err();
+        assert!(e.contains("before the trace start") && e.contains(&format!("time_us {start} to {end}")), "{e}");
+        let e = resolve_at(&s, &format!("{}ms", (end - start) / 1000 + 10)).unwrap_err();
+        assert!(e.contains("after the trace end"), "{e}");
+        assert!(resolve_at(&s, "soon").unwrap_err().contains("is not a time"));
+        let empty = Snapshot::default();
+        assert!(resolve_at(&empty, "0").unwrap_err().contains("has none"));
+    }
+
+    #[test]
+    fn top_text_shows_times_since_the_trace_start() {
+        let s = mlp();
+        let sum = crate::summary::summarize(&s);
+        let start = crate::replay::time_range_us(&s, 0).unwrap().0;
+        let tops = top_sites(&s, &sum.peaks(), 3, Some(start + 2500));
+        let text = render_top_text(&tops);
+        assert!(text.contains("at +2.500 ms into the trace"), "{text}");
+        assert!(!text.contains(&start.to_string()), "no absolute time_us in the text: {text}");
+    }
 }

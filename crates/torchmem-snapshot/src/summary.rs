@@ -7,7 +7,7 @@ use std::fmt::Write;
 
 use serde::Serialize;
 
-use crate::fmt::{bytes, pct};
+use crate::fmt::{bytes, pct, since_start};
 use crate::model::*;
 use crate::replay::{replay, DevicePeak};
 
@@ -308,12 +308,17 @@ pub fn render_text(s: &Summary, name: &str) -> String {
                 (Some(a), Some(b)) => (b - a) as f64 / 1000.0,
                 _ => 0.0,
             };
-            let _ = writeln!(o, "  trace: {} entries over {:.1} ms", d.trace_entries, span_ms);
             let _ = writeln!(
                 o,
-                "  traced peak {} requested at t={} us (entry {}); at the end {}",
+                "  trace: {} entries over {:.1} ms (times below are since its first entry)",
+                d.trace_entries, span_ms
+            );
+            let start = d.first_time_us.unwrap_or(0);
+            let _ = writeln!(
+                o,
+                "  traced peak {} requested at {} (entry {}); at the end {}",
                 bytes(d.peak_requested_bytes),
-                d.peak_time_us.map(|t| t.to_string()).unwrap_or_else(|| "start".into()),
+                d.peak_time_us.map(|t| since_start(t, start)).unwrap_or_else(|| "the start".into()),
                 d.peak_index.map(|i| i.to_string()).unwrap_or_else(|| "-".into()),
                 bytes(d.end_requested_bytes)
             );
@@ -322,8 +327,8 @@ pub fn render_text(s: &Summary, name: &str) -> String {
         for oom in &d.ooms {
             let _ = writeln!(
                 o,
-                "  OOM at t={} us: tried to allocate {} with {} free on the device",
-                oom.time_us,
+                "  OOM at {}: tried to allocate {} with {} free on the device",
+                since_start(oom.time_us, d.first_time_us.unwrap_or(oom.time_us)),
                 bytes(oom.size_bytes),
                 oom.device_free_bytes.map(bytes).unwrap_or_else(|| "?".into())
             );
