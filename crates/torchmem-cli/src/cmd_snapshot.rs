@@ -14,9 +14,9 @@ pub struct SnapshotArgs {
     /// Show the N allocation sites holding the most memory (at the traced peak unless --at).
     #[arg(long, value_name = "N")]
     pub top: Option<usize>,
-    /// With --top: the moment to look at, in the trace's microseconds (time_us).
-    #[arg(long, value_name = "TIME_US")]
-    pub at: Option<i64>,
+    /// With --top: the moment to look at, as time since the trace start: ms (12.5), or 250us, 12.5ms, 1.5s.
+    #[arg(long, value_name = "TIME")]
+    pub at: Option<String>,
     /// Print everything as JSON instead of text.
     #[arg(long)]
     pub json: bool,
@@ -64,7 +64,8 @@ pub fn run(args: SnapshotArgs) -> anyhow::Result<i32> {
     let sum = summary::summarize(&snap);
     let name = path.display().to_string();
     let top_n = args.top.unwrap_or(10);
-    let tops = sites::top_sites(&snap, &sum.peaks(), top_n, args.at);
+    let at_us = args.at.as_deref().map(|t| sites::resolve_at(&snap, t)).transpose().map_err(anyhow::Error::msg)?;
+    let tops = sites::top_sites(&snap, &sum.peaks(), top_n, at_us);
     if let Some(out) = &args.html {
         let page = html::render(&snap, &sum, &name);
         std::fs::write(out, &page).with_context(|| format!("cannot write {}", out.display()))?;
