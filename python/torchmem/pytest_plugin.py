@@ -215,7 +215,8 @@ def pytest_runtest_setup(item: Any) -> None:
         if limit.on_cuda:
             reason = _cuda_skip_reason(limit.device)
             if reason is not None:
-                pytest.skip(reason)
+                # Reported at the test's own location, as a skip marker would be.
+                raise pytest.skip.Exception(reason, _use_item_location=True)
     item.stash[_limits_key] = limits
 
 
