@@ -19,7 +19,7 @@ import time
 import torch
 import torchmem
 import torchmem._bootstrap  # noqa: F401  (as the injected sitecustomize does; harmless when already loaded)
-from torchmem import _events, _native
+from torchmem import _events, _ledger, _native
 
 
 def main() -> None:
@@ -132,7 +132,7 @@ def _profile(mon: torchmem.Monitor, block, device: str) -> None:  # noqa: ANN001
         "self_memory (/proc/self/status)": _native.self_memory,
         "self_rss_bytes (statm)": _native.self_rss_bytes,
         "reset_peak_rss (clear_refs)": _native.reset_peak_rss,
-        "_PEAKS.open+close": lambda: api._PEAKS.close(api._PEAKS.open(dev)[0]),
+        "ledger open+close": lambda: _ledger.close_window(api._torch(), _ledger.open_window(api._torch(), dev)[0]),
         "_Span open+close (phase)": lambda: api._Span("phase", "x", None, dev).close(),
         "mon._dev()": mon._dev,
     }

@@ -67,6 +67,146 @@ def time_us(fn, n: int = 2000) -> float:
     return (time.perf_counter_ns() - t) / n / 1000
 
 
+# --- no observer effect (issue 8 §1): the program's own readings equal a run without torchmem ------------
+
+OBSERVER_CHILD = r"""
+import json, sys
+import torch
+import torchmem
+from torch import nn
+
+GIB, MIB = 1 << 30, 1 << 20
+kind = sys.argv[1]
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(2048, 2048), nn.GELU(), nn.Linear(2048, 10)).cuda()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+x = torch.randn(512, 2048, device="cuda")
+y = torch.randint(0, 10, (512,), device="cuda")
+loss_fn = nn.CrossEntropyLoss()
+
+def step(i):
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if i == 0:  # a 2 GiB temporary in epoch 0
+        t = torch.empty(2 * GIB, dtype=torch.uint8, device="cuda")
+        del t
+    torch.cuda.synchronize()
+
+torch.cuda.reset_peak_memory_stats()  # the memory guide's pattern: reset before training ...
+windows = []  # torchmem's per-step window peaks (allocated, reserved)
+truth = []  # torch's own per-step peaks (kind "truth": reset before each step)
+if kind in ("none", "truth"):
+    for i in range(6):
+        if kind == "truth":
+            torch.cuda.reset_peak_memory_stats()
+        step(i)
+        if kind == "truth":
+            truth.append((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
+elif kind == "monitor":
+    mon = torchmem.Monitor(model, opt, verbose=False)
+    for epoch in range(2):
+        with mon.epoch():
+            for j in range(3):
+                with mon.step():
+                    step(epoch * 3 + j)
+    ends = [m for m in mon.markers if m["kind"] == "step" and m["edge"] == "end"]
+    windows = [(m["memory"]["peak_allocated_bytes"], m["memory"]["peak_reserved_bytes"]) for m in ends]
+elif kind == "peak":
+    for i in range(6):
+        with torchmem.peak() as p:
+            step(i)
+        windows.append((p.allocated_bytes, p.reserved_bytes))
+elif kind == "track":
+    t = torchmem.track("step")
+    for i in range(6):
+        with t:
+            step(i)
+        windows.append((t.result.peak_allocated_bytes, t.result.peak_reserved_bytes))
+elif kind == "line":
+    @torchmem.profile
+    def train():
+        for i in range(6):
+            step(i)
+    train()
+out = {
+    "max_allocated": torch.cuda.max_memory_allocated(),  # ... and read after it
+    "max_reserved": torch.cuda.max_memory_reserved(),
+    "max_cached": torch.cuda.max_memory_cached(),
+    "peaks": {k: v for k, v in torch.cuda.memory_stats().items() if k.endswith(".peak")},
+    "nested_peak": torch.cuda.memory_stats_as_nested_dict()["allocated_bytes"]["all"]["peak"],
+    "summary": torch.cuda.memory_summary(),
+    "windows": windows,
+    "truth": truth,
+}
+if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "max_memory_allocated"):
+    out["accelerator_max_allocated"] = torch.accelerator.max_memory_allocated()
+# The program resets its peak itself: it reads the new period only, as without torchmem.
+torch.cuda.reset_max_memory_allocated()
+t = torch.empty(256 * MIB, dtype=torch.uint8, device="cuda")
+del t
+out["after_own_reset"] = torch.cuda.max_memory_allocated()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def observer_effect_checks() -> None:
+    """Each torchmem window kind in a fresh process against the same program without torchmem: what the
+    program reads from torch is unchanged, and torchmem's window peaks equal torch's own per-step peaks."""
+
+    def run(kind: str) -> dict:
+        proc = subprocess.run(
+            [sys.executable, "-W", "ignore", "-c", OBSERVER_CHILD, kind], capture_output=True, text=True, timeout=600
+        )
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(f"{kind}: rc {proc.returncode}: {proc.stderr[-1500:]}")
+        return json.loads(lines[-1][len("RESULT ") :])
+
+    base, truth = run("none"), run("truth")["truth"]
+    report(
+        base["max_allocated"] >= 2 * GIB,
+        "observer: the pattern without torchmem sees the 2 GiB temporary",
+        f"max_memory_allocated() {base['max_allocated']} B",
+    )
+    for kind in ("monitor", "peak", "track", "line"):
+        r = run(kind)
+        for key in (
+            "max_allocated",
+            "max_reserved",
+            "max_cached",
+            "nested_peak",
+            "after_own_reset",
+            "accelerator_max_allocated",
+        ):
+            if key in base:
+                report(
+                    r.get(key) == base[key],
+                    f"observer [{kind}]: program's {key} as without torchmem",
+                    f"{r.get(key)} vs {base[key]} B",
+                )
+        diff = {k: (r["peaks"].get(k), v) for k, v in base["peaks"].items() if r["peaks"].get(k) != v}
+        report(
+            not diff and len(base["peaks"]) > 10,
+            f"observer [{kind}]: every *.peak key of memory_stats() as without torchmem",
+            f"{len(base['peaks'])} keys, differing: {diff}",
+        )
+        report(
+            r["summary"] == base["summary"],
+            f"observer [{kind}]: memory_summary() as without torchmem",
+            "identical" if r["summary"] == base["summary"] else "differs",
+        )
+        if kind != "line":
+            got = [tuple(w) for w in r["windows"]]
+            want = [tuple(t) for t in truth]
+            report(
+                got == want,
+                f"observer [{kind}]: torchmem's per-step window peaks == torch's true per-step peaks",
+                f"{got} vs {want}",
+            )
+
+
 def main() -> int:
     import torch
     import torchmem
@@ -171,9 +311,15 @@ def main() -> int:
                 del t
                 torch_inner = torch.cuda.max_memory_allocated(0)
         report(
-            inner.allocated_bytes == torch_inner == base + 512 * MIB,
+            inner.allocated_bytes == base + 512 * MIB,
             "with peak(): inner window",
-            f"{mib(inner.allocated_bytes)} vs torch {mib(torch_inner)}, expected {mib(base + 512 * MIB)}",
+            f"{mib(inner.allocated_bytes)}, expected {mib(base + 512 * MIB)}",
+        )
+        # The program's own reading is not changed by the windows' resets: the 3 GiB of the outer window.
+        report(
+            torch_inner >= base + 3 * GIB,
+            "max_memory_allocated() inside nested windows reads as without torchmem",
+            f"{mib(torch_inner)} >= {mib(base + 3 * GIB)}",
         )
         report(
             outer.allocated_bytes == base + 3 * GIB,
@@ -383,6 +529,12 @@ def main() -> int:
         )
 
     sampler_in_a_child_under_a_pipe()
+
+    @check
+    def no_observer_effect():
+        observer_effect_checks()
+
+    no_observer_effect()
 
     @check
     def example_leak_warning_on_gpu():

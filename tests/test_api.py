@@ -426,3 +426,12 @@ def test_sampler_streams_counters_of_used_devices(stop):
 
 def test_read_allocator_once_is_empty_without_cuda():
     assert _native.read_allocator_once() == [] or torch.cuda.is_initialized()
+
+
+def test_track_repr_names_the_phase_and_its_runs():
+    t = torchmem.track("load")
+    assert repr(t) == "<torchmem.track 'load': 0 runs>"
+    with t:
+        pass
+    assert repr(t).startswith("<torchmem.track 'load': 1 run, last load (")
+

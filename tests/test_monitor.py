@@ -347,3 +347,23 @@ def test_monitor_markers_reach_the_recorder_on_the_same_clock():
     ], seq
     assert all(t0 <= m["t_ns"] <= t1 for m in markers)
     assert markers[-1]["index"] == 0 and markers[-1]["memory"]["peak_rss_bytes"] > 0
+
+
+def test_repr_and_in_process_dict_say_only_what_was_measured():
+    """Finding #27: a readable repr; "1 step", not "1 steps"; `to_dict()` in-process carries no report-only
+    run/sample fields (command, exit code, sample counts, sample peaks, processes) reading as zeros."""
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = torchmem.Monitor(model, opt, verbose=False)
+    assert repr(mon) == "<torchmem.Monitor CPU, model and optimizer: 0 epochs, 0 steps, 2 markers kept>"
+    with mon.epoch():
+        with mon.step():
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+    assert repr(mon).startswith("<torchmem.Monitor CPU, model and optimizer: 1 epoch, 1 step, ")
+    assert "\n1 step\n" in mon.summary() and "1 steps" not in mon.summary()
+    data = mon.to_dict()
+    for key in ("command", "exit_code", "duration_ns", "samples", "torch_samples", "gpu_samples", "peak", "processes"):
+        assert key not in data, key
+    assert data["steps"] == 1 and len(data["epochs"]) == 1 and data["phases"] and data["journey"]
+    assert repr(torchmem.Monitor(verbose=False)).startswith("<torchmem.Monitor CPU, no hooks: 0 epochs")

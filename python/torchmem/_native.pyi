@@ -86,6 +86,10 @@ def program_peaks_apply(device: int, nested: dict[str, Any]) -> dict[str, Any]:
 def program_peaks_clear(device: int) -> None:
     """Forgets the program's view of device `device` (the program reset its peaks itself)."""
 
+def sampler_fold_peak(device: int, peak_allocated_bytes: int, peak_reserved_bytes: int) -> None:
+    """The peak ledger's fold for the allocator sampler: device `device`'s peaks read just before a reset;
+    the sampler's next line for that device reports peaks at least these."""
+
 def read_allocator_once() -> list[str]:
     """One allocator-sampler read: a wire line {"type":"torch",...} per CUDA device whose allocator was used;
     [] when torch is not imported or CUDA not initialised (never initialises CUDA)."""

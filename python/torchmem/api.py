@@ -627,6 +627,11 @@ class track:
     def __str__(self) -> str:
         return str(self.result) if self.result else f"{self.name}: not run yet"
 
+    def __repr__(self) -> str:
+        runs = len(self.history)
+        last = f", last {self.result}" if self.result else ""
+        return f"<torchmem.track {self.name!r}: {runs} run{'' if runs == 1 else 's'}{last}>"
+
 
 class _TrackedFunction:
     """A function decorated with `track`: calls it inside the phase; `.last` is the last run's result."""

@@ -341,6 +341,10 @@ class Monitor:
         data = json.loads(
             _native.summary_json(self._journey_markers(), self._capacity_bytes(), self._aggregates_json())
         )
+        # The summary is the profile report's: its run and sample fields (command, exit code, sample counts,
+        # peaks from samples, processes) are not measured in-process and would read as zeros or blanks.
+        for key in _REPORT_ONLY_KEYS:
+            data.pop(key, None)
         data["epoch_lines"] = list(self.epoch_lines)
         data["markers"] = list(self.markers)
         return data
@@ -366,6 +370,17 @@ class Monitor:
 
         return monitor_html(self)
 
+    def __repr__(self) -> str:
+        steps = self._seen.get(("step", "step"), 0) + len(self._open.get(("step", "step"), []))
+        dev = self._dev()
+        where = "CPU" if dev is None else f"cuda:{dev}"
+        hooked = [what for what, obj in (("model", self.model), ("optimizer", self.optimizer)) if obj is not None]
+        hooks = " and ".join(hooked) or "no hooks"
+        return (
+            f"<torchmem.Monitor {where}, {hooks}: {self._epoch_index} epoch{'' if self._epoch_index == 1 else 's'}, "
+            f"{steps} step{'' if steps == 1 else 's'}, {len(self.markers)} markers kept>"
+        )
+
     def __enter__(self) -> Monitor:
         return self
 
@@ -379,6 +394,17 @@ class Monitor:
         except Exception:
             pass
 
+
+_REPORT_ONLY_KEYS = (
+    "command",
+    "exit_code",
+    "duration_ns",
+    "samples",
+    "torch_samples",
+    "gpu_samples",
+    "peak",
+    "processes",
+)
 
 _PEAK_KEYS = (
     ("peak_allocated_bytes", "allocated_bytes"),

@@ -266,7 +266,7 @@ pub fn summary_text(markers: &[Marker], capacity_bytes: Option<u64>, agg: Option
         out.push_str(&table::render_epochs(&s.epochs));
     }
     if s.steps > 0 {
-        out.push_str(&format!("{} steps\n", s.steps));
+        out.push_str(&format!("{} step{}\n", s.steps, if s.steps == 1 { "" } else { "s" }));
     }
     if !s.phases.is_empty() {
         out.push_str(&table::render_phases(&s.phases));

@@ -13,7 +13,8 @@ use state::{Gpu, Profiler, PROFILER};
 
 /// Start (or restart) the profiler. `hook` is "settrace" or "monitoring"; `gate_ns` overrides the
 /// calibrated gate (0 reads memory at every event); `gpu_probe()` returns `None` until CUDA is
-/// initialised, then `(device, torch._C._cuda_memoryStats, torch._C._cuda_resetPeakMemoryStats)`.
+/// initialised, then `(device, stats, reset)`: the allocator's own `_cuda_memoryStats` and the peak ledger's
+/// reset for the line profiler.
 #[pyfunction]
 #[pyo3(signature = (hook, gate_ns=None, gpu_probe=None))]
 fn line_start<'py>(
@@ -60,6 +61,17 @@ fn line_start<'py>(
     d.set_item("gate_ns", gate_ticks as f64 * 1e9 / tps)?;
     d.set_item("min_page_fault_ns", fault_ticks as f64 * 1e9 / tps)?;
     Ok(d)
+}
+
+/// The peak ledger's fold: another torchmem reader read `peak_bytes` as CUDA device `device`'s allocated
+/// peak just before resetting the counters; the profiler's next read of that device counts it.
+#[pyfunction]
+fn line_fold_gpu_peak(device: i64, peak_bytes: i64) {
+    state::with(|p| {
+        if matches!(p.gpu, Gpu::Ready { device: d, .. } if d == device) {
+            p.gpu_folded_peak_bytes = p.gpu_folded_peak_bytes.max(peak_bytes);
+        }
+    });
 }
 
 /// Stop accounting (hooks may still call in; they return at once).
@@ -185,6 +197,7 @@ fn line_to_json(json: &str) -> PyResult<String> {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(line_start, m)?)?;
     m.add_function(wrap_pyfunction!(line_stop, m)?)?;
+    m.add_function(wrap_pyfunction!(line_fold_gpu_peak, m)?)?;
     m.add_function(wrap_pyfunction!(line_clear, m)?)?;
     m.add_function(wrap_pyfunction!(line_add_code, m)?)?;
     m.add_function(wrap_pyfunction!(line_set_matcher, m)?)?;

@@ -169,8 +169,9 @@ fn drive_inner(code_ptr: *mut ffi::PyObject, frame: usize, raw: Raw) -> Verdict 
     Verdict::Profiled
 }
 
-/// `(allocated, peak since our last reset, reserved)` of one device from the nested stats dict (~13 µs);
-/// resets the allocator's peak when it is above allocated, so the next segment's peak is its own.
+/// `(allocated, peak since our last read, reserved)` of one device from the nested stats dict (~13 µs);
+/// resets the allocator's peak (through the peak ledger, which folds it into torchmem's other readers and
+/// the program's view) when it is above allocated, so the next segment's peak is its own.
 fn read_gpu(py: Python<'_>, device: i64, stats: &Py<PyAny>, reset: &Py<PyAny>) -> PyResult<(i64, i64, i64)> {
     let d = stats.call1(py, (device,))?;
     let d = d.bind(py);
@@ -178,6 +179,9 @@ fn read_gpu(py: Python<'_>, device: i64, stats: &Py<PyAny>, reset: &Py<PyAny>) -
     let alloc: i64 = all.get_item("current")?.extract()?;
     let peak: i64 = all.get_item("peak")?.extract()?;
     let reserved: i64 = d.get_item("reserved_bytes")?.get_item("all")?.get_item("current")?.extract()?;
+    // What other readers' resets took from the counter since our last read (the peak ledger folded it in).
+    let folded = state::with(|p| std::mem::take(&mut p.gpu_folded_peak_bytes)).unwrap_or(0);
+    let peak = peak.max(folded);
     if peak > alloc {
         reset.call1(py, (device,))?;
     }

@@ -157,6 +157,9 @@ pub struct Profiler {
     statm: Statm,
     pub gpu: Gpu,
     pub gpu_seen: bool,
+    /// The allocator's peak read by another torchmem reader just before it reset the counters (the peak
+    /// ledger folds it in here), since the profiler's own last read: the next read's peak is at least this.
+    pub gpu_folded_peak_bytes: i64,
     last_probe_tick: u64,
     pub warnings: Vec<String>,
     pub reads: u64,
@@ -198,6 +201,7 @@ impl Profiler {
             statm: Statm::open(),
             gpu,
             gpu_seen: false,
+            gpu_folded_peak_bytes: 0,
             last_probe_tick: 0,
             warnings: Vec::new(),
             reads: 0,

@@ -1,0 +1,302 @@
+"""The peak ledger: the one place where torchmem resets peak counters, so that no reset is seen by any other
+reader. Exact window peaks need resets (PyTorch's allocator peaks, the kernel's peak RSS `VmHWM`): a window
+opening at time t must read "the peak since t". Without a ledger each reset changes what the program itself
+reads afterwards (`torch.cuda.max_memory_allocated()`, `resource.getrusage(...).ru_maxrss`).
+
+Readers and what each sees:
+- torchmem's open windows (`with peak()`, `track`, Monitor phases/steps/epochs): the peak since they opened;
+- `torchmem.peak()` / `Stats.peak_*`: the peak since `torchmem.reset_peak()` (or start);
+- the line profiler (Rust, `line_fold_gpu_peak`): the peak since its own last read;
+- `torchmem run`'s allocator sampler (Rust, `sampler_fold_peak`): a sample's peak includes what resets took
+  since the previous sample;
+- the program: the peak since its own last `torch.cuda.reset_peak_memory_stats()` (or start), for every `peak`
+  stat of every pool (Rust, `program_peaks_*`), and the lifetime peak RSS through `resource.getrusage`.
+Each reader sees `max(what was folded into it, the counter now)`. Before any real reset (torchmem's or the
+program's) the current peaks are folded into every reader; the program's reset clears only the program's.
+
+Python readers of the allocator all call `torch._C._cuda_memoryStats` / `_cuda_resetPeakMemoryStats` (and
+`torch.accelerator`'s `_accelerator_getDeviceStats` / `_accelerator_resetPeakStats`) by attribute at call time,
+so those attributes are wrapped once, when torchmem first resets a GPU peak; `resource.getrusage` likewise at
+the first RSS reset. torchmem itself always calls the allocator's own functions (`raw_stats`). What cannot be
+kept (a C++ reader, `VmHWM` in /proc/self/status, a function bound before the wrap) is listed in
+docs/python-api.md, "What torchmem changes in your process".
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import os
+import resource
+import threading
+from typing import Any
+
+from . import _native
+
+#: Serialises folds and resets (the program's wrapped reset takes it too).
+lock = threading.RLock()
+
+
+class Window:
+    """The maxima folded into one open peak window (values read before a counter reset)."""
+
+    __slots__ = ("dev", "alloc", "reserved", "rss")
+
+    def __init__(self, dev: int | None) -> None:
+        self.dev = dev
+        self.alloc = 0
+        self.reserved = 0
+        self.rss = 0
+
+
+#: torchmem's open windows.
+windows: list[Window] = []
+#: `torchmem.peak()`'s reader: device -> (allocated, reserved) folded since `torchmem.reset_peak()`.
+gpu_acc: dict[int, tuple[int, int]] = {}
+rss_acc = 0
+#: False once the kernel refused a peak-RSS reset (VmHWM then is the lifetime peak: windows use what they saw).
+rss_reset_works = True
+
+# --- the allocator's own functions ------------------------------------------------------------------------
+
+_RAW_ATTR = "_torchmem_raw"
+
+
+def _raw(fn: Any) -> Any:
+    return getattr(fn, _RAW_ATTR, fn)
+
+
+def raw_stats(torch: Any) -> Any:
+    """The allocator's own `torch._C._cuda_memoryStats` (never the program's view)."""
+    return _raw(torch._C._cuda_memoryStats)
+
+
+def cuda_initialized(torch: Any) -> bool:
+    try:
+        return bool(torch.cuda.is_initialized())
+    except Exception:
+        return False
+
+
+def counters(torch: Any, dev: int) -> tuple[int, int, int, int, int, int, int, int] | None:
+    """(allocated, reserved, peak_allocated, peak_reserved, active, inactive_split, retries, ooms) as the
+    allocator holds them now, or None before CUDA is initialised (the allocator then holds nothing)."""
+    if not cuda_initialized(torch):
+        return None
+    return _native.allocator_counters(raw_stats(torch)(dev))
+
+
+# --- folding and resetting --------------------------------------------------------------------------------
+
+
+def _fold_gpu_into_torchmem(dev: int, c: tuple, *, line_profiler: bool = True) -> None:
+    for w in windows:
+        if w.dev == dev:
+            w.alloc = max(w.alloc, c[2])
+            w.reserved = max(w.reserved, c[3])
+    a, r = gpu_acc.get(dev, (0, 0))
+    gpu_acc[dev] = (max(a, c[2]), max(r, c[3]))
+    _native.sampler_fold_peak(dev, c[2], c[3])  # `torchmem run`'s allocator timeline keeps the spike
+    if line_profiler:
+        _native.line_fold_gpu_peak(dev, c[2])
+
+
+def _fold_and_reset_gpu(torch: Any, dev: int, *, line_profiler: bool = True) -> tuple | None:
+    """Folds device `dev`'s peaks into every reader, then resets the allocator's peak counters. Returns the
+    counters read before the reset (None before CUDA is initialised: nothing to reset)."""
+    # Wrapped from the first window on a CUDA device, even before CUDA starts: a program reset inside it
+    # must be folded into the window too.
+    _install_gpu_wrappers(torch)
+    if not cuda_initialized(torch):
+        return None
+    nested = raw_stats(torch)(dev)
+    c = _native.allocator_counters(nested)
+    _native.program_peaks_fold(dev, nested)
+    _fold_gpu_into_torchmem(dev, c, line_profiler=line_profiler)
+    _raw(torch._C._cuda_resetPeakMemoryStats)(dev)
+    return c
+
+
+def _reset_rss(rss: int | None, rss_peak: int) -> None:
+    """Resets VmHWM after keeping, for the program's `getrusage`, what the kernel said the lifetime peak was."""
+    global rss_reset_works, _rss_lifetime_kib, _rss_pid
+    # Resetting VmHWM takes the process's mmap lock for writing (it waits for any reader, such as a recorder
+    # walking smaps): skip it when the peak is the current RSS, where it would change nothing.
+    if not rss_reset_works or rss is None or rss_peak <= rss:
+        return
+    pid = os.getpid()
+    if _rss_pid != pid:  # a forked child: the parent's history is not its own
+        _rss_pid, _rss_lifetime_kib = pid, 0
+    _rss_lifetime_kib = max(_rss_lifetime_kib, _raw_getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    _install_rusage_wrapper()
+    rss_reset_works = _native.reset_peak_rss()
+
+
+def fold_and_reset(torch: Any, dev: int | None) -> tuple[int | None, tuple | None]:
+    """Folds the current peaks (device `dev` and the peak RSS) into every reader, then resets the counters.
+    Returns the (rss, counters) read before the reset."""
+    global rss_acc
+    with lock:
+        mem = _native.self_memory()
+        rss, rss_peak = (mem[0], mem[1]) if mem else (None, 0)
+        for w in windows:
+            w.rss = max(w.rss, rss_peak)
+        rss_acc = max(rss_acc, rss_peak)
+        c = _fold_and_reset_gpu(torch, dev) if (torch is not None and dev is not None) else None
+        _reset_rss(rss, rss_peak)
+        return rss, c
+
+
+def line_profiler_reset(dev: int) -> None:
+    """The line profiler's reset: folds into every reader but the line profiler (which has just read the
+    peak itself), then resets."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        with lock:
+            _fold_and_reset_gpu(torch, dev, line_profiler=False)
+
+
+def open_window(torch: Any, dev: int | None) -> tuple[Window, int | None, tuple | None]:
+    with lock:
+        rss, c = fold_and_reset(torch, dev)
+        w = Window(dev)
+        if rss is not None:
+            w.rss = rss
+        if c is not None:
+            w.alloc, w.reserved = c[0], c[1]
+        windows.append(w)
+        return w, rss, c
+
+
+def close_window(torch: Any, w: Window) -> tuple[int | None, int | None, int | None, int | None, tuple | None]:
+    """Ends a window: (peak_rss, peak_allocated, peak_reserved, rss now, counters now)."""
+    with lock:
+        mem = _native.self_memory()
+        c = counters(torch, w.dev) if (torch is not None and w.dev is not None) else None
+        if w in windows:
+            windows.remove(w)
+        rss = mem[0] if mem else None
+        peak_rss = None
+        if mem:
+            # Without a working peak-RSS reset, VmHWM is the peak since start: use only what we saw.
+            peak_rss = max(w.rss, mem[1] if rss_reset_works else mem[0])
+        peak_alloc = max(w.alloc, c[2]) if c else (None if w.dev is None else w.alloc)
+        peak_reserved = max(w.reserved, c[3]) if c else (None if w.dev is None else w.reserved)
+        return peak_rss, peak_alloc, peak_reserved, rss, c
+
+
+def reset_torchmem_peak(torch: Any, dev: int | None) -> None:
+    """`torchmem.reset_peak()`: a new period for `torchmem.peak()` only (windows and the program keep theirs)."""
+    global rss_acc
+    with lock:
+        fold_and_reset(torch, dev)
+        if dev is not None:
+            gpu_acc.pop(dev, None)
+        mem = _native.self_memory()
+        rss_acc = mem[0] if mem else 0
+
+
+# --- the program's view: wrapped allocator bindings -------------------------------------------------------
+
+_gpu_wrapped = False
+
+
+def _device_key(device: Any) -> int | None:
+    try:
+        return operator.index(device)
+    except TypeError:
+        return None
+
+
+def _stats_wrapper(raw: Any) -> Any:
+    @functools.wraps(raw)
+    def stats(device: Any) -> Any:
+        nested = raw(device)
+        dev = _device_key(device)
+        return nested if dev is None else _native.program_peaks_apply(dev, nested)
+
+    setattr(stats, _RAW_ATTR, raw)
+    return stats
+
+
+def _reset_wrapper(raw: Any, raw_stats_fn: Any) -> Any:
+    @functools.wraps(raw)
+    def reset(device: Any) -> Any:
+        dev = _device_key(device)
+        if dev is None:
+            return raw(device)
+        with lock:
+            try:
+                nested = raw_stats_fn(dev)
+            except Exception:
+                return raw(device)  # the allocator's own error for this device, as without torchmem
+            # The program's reset: torchmem's readers keep what the counters held; the program starts over.
+            _fold_gpu_into_torchmem(dev, _native.allocator_counters(nested))
+            result = raw(device)
+            _native.program_peaks_clear(dev)
+            return result
+
+    setattr(reset, _RAW_ATTR, raw)
+    return reset
+
+
+def _install_gpu_wrappers(torch: Any) -> None:
+    """Wraps torch's allocator bindings once, so every Python reader sees the program's view."""
+    global _gpu_wrapped
+    if _gpu_wrapped:
+        return
+    _gpu_wrapped = True
+    C = torch._C
+    if not (hasattr(C, "_cuda_memoryStats") and hasattr(C, "_cuda_resetPeakMemoryStats")):
+        return  # a torch built without CUDA: nothing of ours to hide
+    raw_cuda_stats = _raw(C._cuda_memoryStats)
+    C._cuda_memoryStats = _stats_wrapper(raw_cuda_stats)
+    C._cuda_resetPeakMemoryStats = _reset_wrapper(_raw(C._cuda_resetPeakMemoryStats), raw_cuda_stats)
+    # torch.accelerator's readers (torch >= 2.8) reach the same CUDA counters through their own bindings.
+    acc_stats = getattr(C, "_accelerator_getDeviceStats", None)
+    acc_reset = getattr(C, "_accelerator_resetPeakStats", None)
+    if acc_stats is not None and acc_reset is not None and _accelerator_is_cuda(torch):
+        C._accelerator_getDeviceStats = _stats_wrapper(_raw(acc_stats))
+        C._accelerator_resetPeakStats = _reset_wrapper(_raw(acc_reset), raw_cuda_stats)
+
+
+def _accelerator_is_cuda(torch: Any) -> bool:
+    try:
+        acc = torch.accelerator.current_accelerator()
+        return acc is not None and acc.type == "cuda"
+    except Exception:
+        return False
+
+
+# --- the program's view: getrusage -----------------------------------------------------------------------
+
+_raw_getrusage = resource.getrusage
+#: The highest `ru_maxrss` (KiB) the kernel reported just before each of torchmem's peak-RSS resets.
+_rss_lifetime_kib = 0
+_rss_pid = os.getpid()
+_rusage_wrapped = False
+# RUSAGE_THREAD's ru_maxrss is the process's too (the mm's high-water mark).
+_SELF_WHO = {resource.RUSAGE_SELF} | ({resource.RUSAGE_THREAD} if hasattr(resource, "RUSAGE_THREAD") else set())
+_MAXRSS_INDEX = 2  # ru_utime, ru_stime, ru_maxrss, ...
+
+
+@functools.wraps(_raw_getrusage)
+def _getrusage(who: int, /) -> resource.struct_rusage:
+    r = _raw_getrusage(who)
+    if who in _SELF_WHO and _rss_lifetime_kib > r.ru_maxrss and _rss_pid == os.getpid():
+        fields = list(r)
+        fields[_MAXRSS_INDEX] = _rss_lifetime_kib
+        r = resource.struct_rusage(fields)
+    return r
+
+
+setattr(_getrusage, _RAW_ATTR, _raw_getrusage)
+
+
+def _install_rusage_wrapper() -> None:
+    global _rusage_wrapped
+    if not _rusage_wrapped:
+        _rusage_wrapped = True
+        resource.getrusage = _getrusage
