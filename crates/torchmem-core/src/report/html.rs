@@ -84,7 +84,7 @@ const SCRIPT: &str = r#"
     var html = '<span class="t">t = ' + tm.toFixed(3) + ' s</span>';
     var e = band(D.epochs, tm), p = band(D.phase_mix, tm);
     if (e !== null) html += '<span class="epoch">' + esc(e) + '</span>';
-    if (p !== null) html += '<span class="phase">phases ' + p.map(function (q) { return esc(q[0]) + ' ' + q[1] + '%'; }).join(', ') + '</span>';
+    if (p !== null) html += '<span class="phase">phases ' + p.map(function (q) { return esc(q[0]) + ' ' + (q[1] === 0 ? '<1' : q[1]) + '%'; }).join(', ') + '</span>';
     D.series.forEach(function (s, k) {
       var v = at(s, i), dot = dots[k];
       var text = "-";

@@ -210,7 +210,8 @@ pub const MIX_LEVELS: u32 = 7;
 pub struct MixBand {
     pub start_ns: u64,
     pub end_ns: u64,
-    /// (phase, steps of `MIX_LEVELS`, percent of the columns' time), innermost phases, in first-seen order.
+    /// (phase, steps of `MIX_LEVELS`, percent of the columns' time), innermost phases, in the order they
+    /// first appear in the run.
     /// A phase present at all gets at least one step, so a short optimizer step stays visible.
     pub parts: Vec<(String, u32, u32)>,
 }
@@ -219,12 +220,21 @@ pub struct MixBand {
 fn mix_lane(list: &[&Span], t_end_ns: u64, n: usize) -> Vec<MixBand> {
     let cover = coverage(list, t_end_ns, n);
     let key = |i: usize| list[i].name.to_string();
+    // Stack order: the order in which phases first appear in the run, the same in every column.
+    let mut order: Vec<&str> = Vec::new();
+    for sp in list {
+        if !order.contains(&sp.name) {
+            order.push(sp.name);
+        }
+    }
+    let rank = |name: &str| order.iter().position(|o| *o == name).unwrap_or(usize::MAX);
     let mut out: Vec<MixBand> = Vec::new();
     for (k, slot) in cover.iter().enumerate() {
         let start = bucket_start_ns(k, t_end_ns, n);
         let end = bucket_start_ns(k + 1, t_end_ns, n);
         let width = end.saturating_sub(start).max(1);
-        let shares = by_key(slot, &key);
+        let mut shares = by_key(slot, &key);
+        shares.sort_by_key(|sh| rank(&sh.0));
         if shares.is_empty() {
             continue;
         }
