@@ -8,6 +8,8 @@ check never stops the others; the exit code is non-zero when any check failed. C
   - HF GPT-2 (built from GPT2Config, no network) with gradient checkpointing trains under the profiler;
   - the CPU correctness cases (64 MiB line, alloc/free loop, sum rule, threads, recursion, generators,
     exceptions, FILE:FUNCTION spec) on this interpreter: on Python >= 3.12 that is the sys.monitoring path;
+  - `torchmem run --line` of a GPU script records an allocator timeline whose peak equals torch's (and plain
+    `torchmem run` of the same script, side by side);
   - bench/line_overhead (with the GPU resnet18 step).
 Flags: --no-bench skips the benchmark.
 """
@@ -85,6 +87,75 @@ def guarded(name: str, fn) -> None:
 
 def near(v: float, e: float, rel: float = 0.05) -> bool:
     return abs(v - e) <= rel * abs(e)
+
+
+# ---------------------------------------------------------------- torchmem run --line on a GPU script
+RUN_LINE_SCRIPT = """
+import json, sys, time
+import torch
+from torchmem import _native
+
+def work():
+    keep = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    time.sleep(0.3)
+    t = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")  # a 2 GiB temporary, freed on the next line
+    del t
+    torch.cuda.synchronize()
+    time.sleep(0.3)
+    return keep
+
+try:
+    profile  # noqa: B018 - the builtin `torchmem run --line` injects
+except NameError:
+    profile = lambda f: f  # noqa: E731
+keep = profile(work)()
+print("TRUTH " + json.dumps({
+    "max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved(),
+    "allocated": torch.cuda.memory_allocated(), "sampler_running": _native.allocator_sampler_running(),
+    "sampler_lines_now": len(_native.read_allocator_once())}))
+"""
+
+
+def run_line_timeline() -> None:
+    """`torchmem run --line` of a GPU script records the allocator timeline as plain `torchmem run` does, and
+    its peak equals torch's `max_memory_allocated()` (the line profiler's resets included)."""
+    import shutil
+    import sqlite3
+
+    exe = shutil.which("torchmem") or os.path.join(os.path.dirname(sys.executable), "torchmem")
+    with tempfile.TemporaryDirectory() as d:
+        script = os.path.join(d, "gpu_line.py")
+        with open(script, "w") as f:
+            f.write(RUN_LINE_SCRIPT)
+        for args in ([], ["--line"]):
+            mode = "run " + " ".join(args)
+            prof = os.path.join(d, f"p{len(args)}.sqlite")
+            p = subprocess.run([exe, "run", "-q", "-o", prof, *args, "--", sys.executable, script],
+                               capture_output=True, text=True, timeout=600, cwd=d)
+            truth_lines = [ln for ln in p.stdout.splitlines() if ln.startswith("TRUTH ")]
+            if p.returncode != 0 or not truth_lines:
+                check(f"{mode}: GPU script", False, f"rc {p.returncode}: {p.stderr[-1500:]}")
+                continue
+            truth = json.loads(truth_lines[-1][6:])
+            con = sqlite3.connect(prof)
+            n, peak_a, peak_r = con.execute(
+                "select count(*), max(max(peak_allocated_bytes, allocated_bytes)), "
+                "max(max(peak_reserved_bytes, reserved_bytes)) from torch_samples").fetchone()
+            check(f"{mode}: allocator timeline recorded", n >= 2,
+                  f"{n} torch samples; in the child: sampler running {truth['sampler_running']}, "
+                  f"{truth['sampler_lines_now']} device line(s) readable at exit; stderr {p.stderr[-400:]!r}")
+            check(f"{mode}: timeline peak == torch.cuda.max_memory_allocated()", peak_a == truth["max_allocated"],
+                  f"{peak_a} vs {truth['max_allocated']} B (incl. a 2 GiB temporary)")
+            check(f"{mode}: timeline peak reserved == max_memory_reserved()", peak_r == truth["max_reserved"],
+                  f"{peak_r} vs {truth['max_reserved']} B")
+            rep = subprocess.run([exe, "report", "--format", "json", prof], capture_output=True, text=True)
+            gpus = json.loads(rep.stdout)["peak"]["gpus"] if rep.returncode == 0 else []
+            alloc = gpus[0]["allocated_bytes"] if gpus else None
+            check(f"{mode}: report's GPU allocated peak", alloc == truth["max_allocated"],
+                  f"{alloc} vs {truth['max_allocated']} B")
+            if args:
+                check(f"{mode}: line table printed", "Function: work" in p.stdout, p.stdout[-600:])
 
 
 # ---------------------------------------------------------------- GPU
@@ -342,6 +413,7 @@ def main() -> int:
         guarded("gpu temporary", gpu_temporary_peak)
         guarded("gpu CUDA init inside", gpu_init_inside)
         guarded("gpu GPT-2 + gradient checkpointing", gpu_gpt2_checkpointing)
+        guarded("torchmem run --line timeline", run_line_timeline)
     else:
         check("gpu available", False, "torch.cuda.is_available() is False: GPU checks not run")
     cpu_cases()

@@ -41,6 +41,17 @@ _atexit_done = False
 _run_info: dict[str, Any] = {}
 
 
+_realpaths: dict[str, str] = {}
+
+
+def _realpath(filename: str) -> str:
+    """os.path.realpath, once per file (the matcher sees every code object of the program once)."""
+    real = _realpaths.get(filename)
+    if real is None:
+        real = _realpaths[filename] = os.path.realpath(filename)
+    return real
+
+
 class _Spec:
     """One `--line=FILE_OR_MODULE:FUNCTION` target, matched against code objects as they first run."""
 
@@ -63,14 +74,32 @@ class _Spec:
             rel = target.replace(".", os.sep)
             self.module_suffixes = (os.sep + rel + ".py", os.sep + rel + os.sep + "__init__.py")
 
+        self.matched = False
+        #: Functions seen running in the target file, in first-call order (for "no function matched").
+        self.seen: dict[str, None] = {}
+
+    def in_target(self, code: types.CodeType) -> bool:
+        filename = _realpath(code.co_filename)
+        if self.path is not None:
+            return filename == self.path
+        return filename.endswith(self.module_suffixes)
+
     def matches(self, code: types.CodeType) -> bool:
+        if not self.in_target(code):
+            return False
         qualname = getattr(code, "co_qualname", code.co_name)
+        if code.co_name != "<module>" and len(self.seen) < 50:
+            self.seen.setdefault(qualname, None)
         if self.func != qualname and self.func != code.co_name:
             return False
-        filename = code.co_filename
-        if self.path is not None:
-            return os.path.realpath(filename) == self.path
-        return os.path.realpath(filename).endswith(self.module_suffixes)
+        self.matched = True
+        return True
+
+    def unmatched_message(self) -> str:
+        where = os.path.basename(self.path) if self.path else self.text.rpartition(":")[0]
+        if self.seen:
+            return f"no function matched --line={self.text}; functions seen in {where}: {', '.join(self.seen)}"
+        return f"no function matched --line={self.text}; no code from {self.path or where} ran"
 
 
 def _gpu_probe() -> Optional[tuple[int, Callable[..., Any], Callable[..., Any]]]:
@@ -78,10 +107,11 @@ def _gpu_probe() -> Optional[tuple[int, Callable[..., Any], Callable[..., Any]]]
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
         return None
-    # Resets go through the API's peak bookkeeping so open `torchmem.peak()`/`track()` windows stay exact.
-    from .api import _fold_and_reset_gpu_peak
+    # Reads use the allocator's own binding; resets go through the peak ledger, so open `torchmem.peak()` /
+    # `track()` windows stay exact and the program's own `max_memory_allocated()` does not change.
+    from . import _ledger
 
-    return (torch.cuda.current_device(), torch._C._cuda_memoryStats, _fold_and_reset_gpu_peak)
+    return (torch.cuda.current_device(), _ledger.raw_stats(torch), _ledger.line_profiler_reset)
 
 
 def _monitoring_masks() -> tuple[int, int]:
@@ -209,22 +239,30 @@ def profile(func: Any = None, stream: Optional[TextIO] = None, precision: int = 
 
 
 def _matcher(code: types.CodeType) -> bool:
-    for spec in _specs:
-        if spec.matches(code):
-            with _lock:
-                _add_code(code)
-            return True
-    return False
+    hit = False
+    for spec in _specs:  # every spec sees the code (each records what ran in its file)
+        hit = spec.matches(code) or hit
+    if hit:
+        with _lock:
+            _add_code(code)
+    return hit
 
 
 def _noop_profile(func: Any = None, **_kwargs: Any) -> Any:
     return (lambda f: f) if func is None else func
 
 
+_bootstrapped = False
+_decorated_mode = False
+
+
 def _bootstrap_line(specs: list[str], script_path: str) -> None:
     """Called by `torchmem run --line[=SPEC]` before the user's script runs."""
-    decorated = "" in specs or not specs
+    global _bootstrapped, _decorated_mode
+    _bootstrapped = True
+    decorated = _decorated_mode = "" in specs or not specs
     builtins.profile = profile if decorated else _noop_profile  # type: ignore[attr-defined]
+    _install_memory_profiler_shim(builtins.profile)  # type: ignore[attr-defined]
     for text in specs:
         if not text:
             continue
@@ -236,6 +274,105 @@ def _bootstrap_line(specs: list[str], script_path: str) -> None:
         _native.line_set_matcher(_matcher)
         if _MONITORING and _tool_id is not None:
             sys.monitoring.set_events(_tool_id, _monitoring_masks()[1])
+
+
+# --- `from memory_profiler import profile` under `torchmem run --line` ---------------------------------------
+
+_MP = "memory_profiler"
+_mp_told = False
+
+
+def _tell_memory_profiler() -> None:
+    global _mp_told
+    if not _mp_told:
+        _mp_told = True
+        print(
+            "torchmem: `memory_profiler.profile` is torchmem's line profiler under `torchmem run --line` "
+            "(torchmem's tables replace memory_profiler's)",
+            file=sys.stderr,
+        )
+
+
+class _MemoryProfilerShim:
+    """A meta-path finder for `memory_profiler` under `torchmem run --line`: the installed module with its
+    `profile` replaced by torchmem's, or, without memory_profiler, a module that has only `profile`."""
+
+    def __init__(self, profile_fn: Callable[..., Any]) -> None:
+        self.profile_fn = profile_fn
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != _MP:
+            return None
+        import importlib.machinery
+        import importlib.util
+
+        real = None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            try:
+                real = finder.find_spec(fullname, path, target)
+            except ImportError:
+                real = None  # a finder that says it is not installed
+                break
+            if real is not None:
+                break
+        shim = self
+        if real is None or real.loader is None:
+
+            class _ShimLoader:
+                def create_module(self, spec: Any) -> None:
+                    return None
+
+                def exec_module(self, module: types.ModuleType) -> None:
+                    shim._fill(module, installed=False)
+
+            return importlib.machinery.ModuleSpec(fullname, _ShimLoader(), origin="torchmem (memory_profiler shim)")
+        real_loader = real.loader
+
+        class _PatchingLoader:
+            def create_module(self, spec: Any) -> Any:
+                return real_loader.create_module(spec) if hasattr(real_loader, "create_module") else None
+
+            def exec_module(self, module: types.ModuleType) -> None:
+                try:
+                    real_loader.exec_module(module)
+                except ModuleNotFoundError as exc:  # installed but broken, or deliberately absent
+                    if exc.name not in (None, _MP):
+                        raise
+                    shim._fill(module, installed=False)
+                    return
+                shim._fill(module, installed=True)
+
+        real.loader = _PatchingLoader()
+        return real
+
+    def _fill(self, module: types.ModuleType, installed: bool) -> None:
+        module.profile = self.profile_fn  # type: ignore[attr-defined]
+        if not installed:
+            module.__doc__ = "torchmem's stand-in for memory_profiler under `torchmem run --line`: only `profile`."
+        _tell_memory_profiler()
+
+
+def _install_memory_profiler_shim(profile_fn: Callable[..., Any]) -> None:
+    existing = sys.modules.get(_MP)
+    if existing is not None:  # imported before the bootstrap (a sitecustomize of the environment)
+        existing.profile = profile_fn  # type: ignore[attr-defined]
+        return
+    sys.meta_path.insert(0, _MemoryProfilerShim(profile_fn))
+
+
+def _report_unmatched() -> None:
+    """At exit of a `torchmem run --line` program: say when nothing was profiled, and why."""
+    for spec in _specs:
+        if not spec.matched:
+            print(f"torchmem: {spec.unmatched_message()}", file=sys.stderr)
+    if _decorated_mode and not _specs and not _codes:
+        print(
+            "torchmem: --line: no function was decorated with @profile in this run; decorate one, or name it: "
+            "--line=FILE_OR_MODULE:FUNCTION",
+            file=sys.stderr,
+        )
 
 
 def _source(code: types.CodeType) -> tuple[list[str], int]:
@@ -328,6 +465,8 @@ def _at_exit() -> None:
     _atexit_done = True
     _native.line_stop()
     try:
+        if _bootstrapped:
+            _report_unmatched()
         data = profile_data()
         if data["functions"] and data["events"] != _events_at_print:
             print_profile()

@@ -59,7 +59,7 @@ pub struct RunArgs {
     pub keep_spans: u64,
     /// Line-by-line profile: `--line` profiles functions decorated with @profile; `--line=FILE_OR_MODULE:FUNCTION`
     /// (repeatable) picks functions by name.
-    #[arg(long = "line", num_args = 0..=1, require_equals = true, default_missing_value = "", action = clap::ArgAction::Append, value_name = "FILE_OR_MODULE:FUNCTION")]
+    #[arg(long = "line", num_args = 0..=1, require_equals = true, default_missing_value = "", action = clap::ArgAction::Append, value_name = "FILE_OR_MODULE:FUNCTION", value_parser = line_spec)]
     pub line: Vec<String>,
     /// Do not read NVML even when a GPU is present.
     #[arg(long)]
@@ -78,6 +78,18 @@ pub struct RunArgs {
     /// anything else runs as given.
     #[arg(required_unless_present = "module", trailing_var_arg = true, allow_hyphen_values = true, value_name = "COMMAND")]
     pub command: Vec<String>,
+}
+
+/// A `--line` value: empty (the @profile functions) or `FILE_OR_MODULE:FUNCTION`, both parts non-empty (the
+/// target is all before the last ':'), checked before the program runs (a usage error, exit 2).
+fn line_spec(value: &str) -> Result<String, String> {
+    match value.rsplit_once(':') {
+        _ if value.is_empty() => Ok(String::new()),
+        Some((target, func)) if !target.is_empty() && !func.is_empty() => Ok(value.to_string()),
+        _ => Err("expected FILE_OR_MODULE:FUNCTION, e.g. --line=train.py:step or --line=mypkg.data:collate \
+             (or --line alone for the functions decorated with @profile)"
+            .into()),
+    }
 }
 
 /// The Python interpreter for bare scripts: `TORCHMEM_PYTHON` (set by the wheel's entry point to the
