@@ -313,7 +313,7 @@ def test_line_profile_frees_are_not_shaded_like_allocations(tmp_path: Path) -> N
     assert "rgba(220,60,40" in alloc and "data-freed" not in alloc, rows
     assert 'data-freed="1"' in rows["del a"] and "rgba(40,160,90" in rows["del a"], rows
     # one heading for the line profile; no epoch/phase note on a run without them
-    assert html.count("Line-by-line memory") == 1 and "Line profile</h2>" not in html
+    assert html.count("Line profile</h2>") == 1 and "Line-by-line memory" not in html
     assert "Epochs are the shaded bands" not in html and "coloured lane" not in html
     dom = chromium("--dump-dom", page.as_uri()).stdout
     assert 'data-freed="1"' in dom

@@ -239,8 +239,9 @@ pub fn render(profile: &Profile, summary: &Summary) -> String {
     }
     let line_html = lines::render_html(&profile.line_profiles);
     if !line_html.trim().is_empty() {
-        // The fragment has its own heading ("Line-by-line memory").
-        h.push_str(&line_html);
+        // One heading: the page's section heading replaces the fragment's own.
+        h.push_str("<h2>Line profile</h2>\n");
+        h.push_str(&line_html.replacen("<h2>Line-by-line memory</h2>\n", "", 1));
         h.push('\n');
     }
     h.push_str(&format!("<script type=\"application/json\" id=\"tm-data\">{data_text}</script>\n"));
