@@ -31,6 +31,7 @@ KINDS = ["monitor", "peak", "track", "line"]
 
 RSS_PROGRAM = r"""
 import json, mmap, resource, sys
+from resource import getrusage as early_getrusage  # bound before torchmem's first reset: not wrapped
 import torch
 import torchmem
 
@@ -100,6 +101,7 @@ print(json.dumps({
     "after_kib": ru.ru_maxrss,
     "after_type": type(ru).__name__,
     "thread_kib": resource.getrusage(resource.RUSAGE_THREAD).ru_maxrss,
+    "early_bound_kib": early_getrusage(resource.RUSAGE_SELF).ru_maxrss,
     "hwm_before": hwm_before,
     "hwm_after": vm_hwm_bytes(),
     "window_rss": window_rss,
@@ -155,6 +157,16 @@ def test_vm_hwm_in_proc_cannot_be_kept() -> None:
     assert r["hwm_after"] < r["hwm_before"] - 300 * MIB, r
     doc = (ROOT / "docs" / "python-api.md").read_text()
     assert "What torchmem changes in your process" in doc and "VmHWM" in doc
+
+
+def test_getrusage_bound_before_the_wrap_is_not_kept() -> None:
+    """Documented limitation: `from resource import getrusage` done before torchmem's first reset keeps the
+    unwrapped function, which reads the kernel's reset value."""
+    r = run_rss_program("peak")
+    assert r["early_bound_kib"] * 1024 < r["hwm_before"] - 300 * MIB, r
+    assert r["after_kib"] >= r["before_kib"], r
+    doc = (ROOT / "docs" / "python-api.md").read_text()
+    assert "from resource import getrusage" in doc
 
 
 def test_getrusage_wrapper_is_transparent() -> None:
