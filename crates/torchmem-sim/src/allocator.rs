@@ -127,6 +127,17 @@ impl Allocator {
     }
 
     pub(crate) fn emit(&mut self, kind: SegKind, addr: u64, size_bytes: u64) {
+        if self.follow_hints {
+            // The driver sees only the sequence of calls: once it differs from the recording's, the recorded
+            // addresses say nothing more.
+            let same = self
+                .hints
+                .get(self.events_emitted)
+                .is_some_and(|h| h.kind == kind && h.size_bytes == size_bytes && h.addr == addr);
+            if !same {
+                self.follow_hints = false;
+            }
+        }
         if self.keep_events {
             self.events.push(SegEvent { kind, addr, size_bytes, entry: self.entry });
         }

@@ -340,6 +340,9 @@ impl<'a> Prepared<'a> {
                 a.device.recorded_by_size.entry(ev.size_bytes).or_default().push(ev.addr);
             }
         }
+        // Under the recorded settings new segments take the recording's addresses (while the device calls are
+        // the recording's). Not in a what-if: following the recording there, even up to the first different
+        // call, matched the GPU less often (105 of 132 rows exact) than the synthetic addresses (111).
         if same_settings {
             a.hints = self.recorded_events.clone();
             a.follow_hints = true;
