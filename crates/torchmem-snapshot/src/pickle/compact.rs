@@ -5,7 +5,7 @@
 use std::io::Read;
 use std::rc::Rc;
 
-use super::value::{drop_iteratively, is_container, Value, NO_MEMO};
+use super::value::{is_container, Value, NO_MEMO};
 use super::vm::Unpickler;
 use crate::error::PickleError;
 
@@ -98,7 +98,7 @@ impl<R: Read> Unpickler<R> {
                 _ => {}
             }
         }
-        drop_iteratively(nested);
+        self.discard(nested);
         self.replaced = replaced;
         Ok(())
     }

@@ -50,17 +50,13 @@ impl Drop for Document {
 
 /// Reads one pickle from `reader` with the given compactor.
 pub fn unpickle<R: Read, C: Compactor>(reader: R, compactor: &mut C) -> Result<Document, PickleError> {
-    let mut u = Unpickler {
-        input: input::Input::new(reader),
-        stack: Vec::new(),
-        marks: Vec::new(),
-        memo: Vec::new(),
-        replaced: Vec::new(),
-    };
+    let mut u = Unpickler::new(input::Input::new(reader));
     let root = u.run(compactor)?;
     let mut memo = std::mem::take(&mut u.memo);
-    // Values left on the stack may share containers with the root: the document owns them too.
+    // Values left on the stack, or thrown away while they were still shared, may share containers with
+    // the root: the document owns them too.
     memo.extend(std::mem::take(&mut u.stack).into_iter().map(Some));
+    memo.extend(std::mem::take(&mut u.discarded).into_iter().map(Some));
     Ok(Document { root, memo })
 }
 
@@ -142,6 +138,22 @@ mod tests {
         };
         drop(doc);
         assert!(weak.upgrade().is_none(), "the self-referencing list was freed");
+    }
+
+    #[test]
+    fn a_popped_dict_that_contains_itself_is_freed() {
+        // The fuzzer's leak: EMPTY_DICT, DUP, DUP, SETITEM (d[d] = d), POP, then an error; and the same
+        // with a STOP, so both the error path and the document free it.
+        for data in [&b"\x80\x04}22s0N9"[..], &b"\x80\x04}22s0N."[..]] {
+            let weak = {
+                let mut u = Unpickler::new(input::Input::new(&data[..7]));
+                let _ = u.run(&mut KeepAll);
+                let Some(Value::Dict(d)) = u.discarded.first().cloned() else { panic!("the popped dict is kept") };
+                std::rc::Rc::downgrade(&d)
+            };
+            assert!(weak.upgrade().is_none(), "the self-containing dict was freed");
+            let _ = unpickle_bytes(data);
+        }
     }
 
     #[test]

@@ -167,6 +167,34 @@ pub(super) fn drop_iteratively(mut work: Vec<Value>) {
     }
 }
 
+/// Drops values a pickle threw away. Containers owned only here are emptied and dropped; a container
+/// still shared with something else is moved to `keep` instead (it may sit in a cycle, e.g. a dict that
+/// contains itself, that only the final `teardown` can break).
+pub(super) fn drop_keeping_shared(mut work: Vec<Value>, keep: &mut Vec<Value>) {
+    while let Some(v) = work.pop() {
+        match v {
+            Value::List(rc) => match Rc::try_unwrap(rc) {
+                Ok(mut obj) => work.append(obj.items.get_mut()),
+                Err(rc) => keep.push(Value::List(rc)),
+            },
+            Value::Dict(rc) => match Rc::try_unwrap(rc) {
+                Ok(mut obj) => {
+                    for (k, v) in obj.items.get_mut().drain(..) {
+                        work.push(k);
+                        work.push(v);
+                    }
+                }
+                Err(rc) => keep.push(Value::Dict(rc)),
+            },
+            Value::Tuple(rc) => match Rc::try_unwrap(rc) {
+                Ok(items) => work.extend(items),
+                Err(rc) => keep.push(Value::Tuple(rc)),
+            },
+            _ => {}
+        }
+    }
+}
+
 pub(super) fn new_list(items: Vec<Value>) -> Value {
     Value::List(Rc::new(ListObj { items: RefCell::new(items), memo_idx: Cell::new(NO_MEMO) }))
 }

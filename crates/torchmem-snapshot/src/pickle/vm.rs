@@ -7,7 +7,7 @@ use std::rc::Rc;
 use super::compact::Compactor;
 use super::input::Input;
 use super::opcodes::{self as op, forbidden_name};
-use super::value::{drop_iteratively, new_dict, new_list, teardown, Value};
+use super::value::{drop_keeping_shared, new_dict, new_list, teardown, Value};
 use super::HIGHEST_PROTOCOL;
 use crate::error::PickleError;
 
@@ -18,12 +18,17 @@ pub(super) struct Unpickler<R: Read> {
     pub(super) memo: Vec<Option<Value>>,
     /// Scratch list reused by `compact_dict`.
     pub(super) replaced: Vec<(Value, Value)>,
+    /// Values taken off the stack and thrown away (POP, POP_MARK, error paths, containers a compactor
+    /// took over). Kept until the end and torn down with the rest: one may be part of a cycle (a dict
+    /// that contains itself) that a plain drop would leak.
+    pub(super) discarded: Vec<Value>,
 }
 
 impl<R: Read> Drop for Unpickler<R> {
     fn drop(&mut self) {
         let mut work = std::mem::take(&mut self.stack);
         work.extend(std::mem::take(&mut self.memo).into_iter().flatten());
+        work.append(&mut self.discarded);
         teardown(work);
     }
 }
@@ -32,6 +37,22 @@ impl<R: Read> Drop for Unpickler<R> {
 const MAX_MEMO_GAP: usize = 1 << 16;
 
 impl<R: Read> Unpickler<R> {
+    pub(super) fn new(input: Input<R>) -> Self {
+        Unpickler {
+            input,
+            stack: Vec::new(),
+            marks: Vec::new(),
+            memo: Vec::new(),
+            replaced: Vec::new(),
+            discarded: Vec::new(),
+        }
+    }
+
+    /// Throws values away without leaking cycles (see `discarded`).
+    pub(super) fn discard(&mut self, values: Vec<Value>) {
+        drop_keeping_shared(values, &mut self.discarded);
+    }
+
     fn malformed(&self, offset: u64, msg: impl Into<String>) -> PickleError {
         PickleError::Malformed { offset, msg: msg.into() }
     }
@@ -164,11 +185,12 @@ impl<R: Read> Unpickler<R> {
                 }
                 op::MARK => self.marks.push(self.stack.len()),
                 op::POP => {
-                    self.pop(op::name(code), offset)?;
+                    let v = self.pop(op::name(code), offset)?;
+                    self.discard(vec![v]);
                 }
                 op::POP_MARK => {
                     let items = self.pop_mark(op::name(code), offset)?;
-                    drop_iteratively(items);
+                    self.discard(items);
                 }
                 op::DUP => {
                     let v = self.top(op::name(code), offset)?.clone();
@@ -315,7 +337,7 @@ impl<R: Read> Unpickler<R> {
                         Value::List(l) => l.items.borrow_mut().push(item),
                         other => {
                             let t = other.type_name();
-                            drop_iteratively(vec![item]);
+                            self.discard(vec![item]);
                             return Err(self.malformed(offset, format!("{} to a {t}, not a list", op::name(code))));
                         }
                     }
@@ -347,7 +369,7 @@ impl<R: Read> Unpickler<R> {
                         vec![k, v]
                     };
                     if items.len() % 2 != 0 {
-                        drop_iteratively(items);
+                        self.discard(items);
                         return Err(self.malformed(offset, format!("{} with an odd number of items", op::name(code))));
                     }
                     let target = self
@@ -364,7 +386,7 @@ impl<R: Read> Unpickler<R> {
                         }
                         other => {
                             let t = other.type_name();
-                            drop_iteratively(items);
+                            self.discard(items);
                             return Err(self.malformed(offset, format!("{} on a {t}, not a dict", op::name(code))));
                         }
                     }
