@@ -113,7 +113,7 @@ def test_out_of_memory_in_train_writes_a_post_mortem(tmp_path, capsys):
 
 FIND_BS = """
 import json, resource, torch
-from torchmem.integrations.transformers import find_executable_batch_size
+from torchmem.integrations.batch_size import find_executable_batch_size
 
 torch.ones(1024).sum()  # start torch's threads before the cap
 with open("/proc/self/status") as f:
@@ -127,7 +127,9 @@ def train(batch_size):
     return float(x[0, 0]) * batch_size
 
 result = train()
+import sys
 print(json.dumps({"result": result, "attempts": [a.__dict__ for a in train.attempts],
+                  "frameworks": sorted(m for m in ("transformers", "lightning", "accelerate") if m in sys.modules),
                   "text": [str(a) for a in train.attempts]}))
 """
 
@@ -136,6 +138,7 @@ def test_find_executable_batch_size_records_every_try(tmp_path):
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(FIND_BS)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert data["frameworks"] == []  # framework-free
     attempts = data["attempts"]
     sizes = [a["batch_size"] for a in attempts]
     assert sizes[0] == 128 and sizes == sorted(sizes, reverse=True)

@@ -11,7 +11,14 @@ import textwrap
 
 import pytest
 import torch
+import torchmem.api  # noqa: F401
+import torchmem.monitor  # noqa: F401
+import torchmem.snapshot  # noqa: F401
 from torchmem.pytest_plugin import parse_size
+
+# pytester's in-process runs drop from sys.modules what was first imported inside them: torchmem's modules are
+# loaded above so that every later test of this session shares one torchmem.api (its peak windows and marker
+# sinks are module state; a second copy would split a Monitor from the phases it should see).
 
 pytest_plugins = ["pytester"]
 
