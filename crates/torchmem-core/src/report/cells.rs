@@ -407,6 +407,80 @@ pub fn all_tables(summary: &Summary) -> Vec<Table> {
 mod tests {
     use super::*;
 
+    #[test]
+    fn process_roles_tell_forked_and_spawned_workers_apart() {
+        let row = |pid: u32, ppid: u32, cmd: &str| ProcessRow {
+            pid,
+            ppid,
+            cmdline: cmd.into(),
+            peak_rss_bytes: None,
+            peak_pss_bytes: None,
+            peak_uss_bytes: None,
+            peak_gpu_bytes: None,
+            lifetime_ns: 0,
+        };
+        let rows = vec![
+            row(10, 1, "python train.py"),
+            row(11, 10, "python train.py"),
+            row(12, 10, "python -c from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5, pipe_handle=7) --multiprocessing-fork"),
+            row(13, 10, "nvidia-smi"),
+        ];
+        let roles: Vec<String> = rows.iter().map(|r| process_role(r, &rows)).collect();
+        assert_eq!(
+            roles,
+            [
+                "main",
+                "fork of 10 (DataLoader worker?)",
+                "spawned by 10 (multiprocessing; DataLoader worker?)",
+                "child of 10"
+            ]
+        );
+    }
+
+    #[test]
+    fn one_pss_read_is_not_a_peak_and_a_high_water_mark_raises_the_sampled_peak() {
+        use crate::model::*;
+        let mut p = Profile::default();
+        p.meta.interval_ms = 10.0;
+        for (i, pss) in [(0u64, Some(50 << 10)), (1, None), (2, None)] {
+            p.cpu.push(CpuSample {
+                t_ns: i * 10_000_000,
+                rss_bytes: 80 << 20,
+                pss_bytes: pss,
+                uss_bytes: pss,
+                process_count: 1,
+            });
+        }
+        p.processes.push(ProcessInfo {
+            pid: 7,
+            ppid: 1,
+            cmdline: "python x.py".into(),
+            first_t_ns: 0,
+            last_t_ns: 20_000_000,
+        });
+        p.process_samples.push(ProcessSample {
+            t_ns: 0,
+            pid: 7,
+            rss_bytes: 200 << 10,
+            pss_bytes: Some(50 << 10),
+            uss_bytes: Some(30 << 10),
+            gpu_bytes: None,
+        });
+        p.blobs.push(("vmhwm".into(), serde_json::json!({"pids": {"7": 91u64 << 20}})));
+        let s = Summary::from_profile(&p);
+        let tables = all_tables_of(&p, &s);
+        let peaks = tables.iter().find(|t| t.title == "Peaks").unwrap();
+        let row = |name: &str| peaks.rows.iter().find(|r| r[0] == name).unwrap().clone();
+        assert_eq!(row("CPU PSS, process tree")[1], "-");
+        assert!(row("CPU PSS, process tree")[2].contains("1 sample only"));
+        assert_eq!(row("CPU RSS, process tree")[1], "≥ 91.0 MiB");
+        assert!(row("CPU RSS, process tree")[2].contains("VmHWM) of pid 7"));
+        let procs = tables.iter().find(|t| t.title == "Processes").unwrap();
+        let r = &procs.rows[0];
+        assert!(r.contains(&"91.0 MiB (VmHWM)".to_string()) && r.contains(&"- (1 sample)".to_string()), "{r:?}");
+        assert!(r.contains(&"main".to_string()));
+    }
+
     const MIB: u64 = 1 << 20;
 
     fn cpu_epoch(index: i64, rss: u64) -> EpochRow {
