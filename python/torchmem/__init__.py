@@ -35,9 +35,12 @@ _EXPORTS = {
     "on_oom": "snapshot",
     "Simulation": "simulate",
     "simulate": "simulate",
+    "Estimate": "estimate",
+    "estimate": "estimate",
 }
 
 __all__ = [
+    "Estimate",
     "MemoryGrowthWarning",
     "Monitor",
     "ProfileError",
@@ -49,6 +52,7 @@ __all__ = [
     "capture",
     "device_info",
     "empty_cache",
+    "estimate",
     "on_oom",
     "peak",
     "print_profile",
@@ -62,6 +66,7 @@ __all__ = [
 if TYPE_CHECKING:
     from ._native import ProfileError, SnapshotError, TorchmemError
     from .api import Stats, device_info, empty_cache, peak, reset_peak, stats, track
+    from .estimate import Estimate, estimate
     from .line_profiler import print_profile, profile
     from .monitor import MemoryGrowthWarning, Monitor
     from .simulate import Simulation, simulate

@@ -124,7 +124,13 @@ pub fn run(args: EstimateArgs) -> anyhow::Result<i32> {
             args.summary.as_ref().ok_or_else(|| anyhow!("--trace needs --summary (the JSON written with it)"))?;
         crate::existing_file(trace, "trace")?;
         crate::existing_file(summary, "summary")?;
-        let summary: Value = serde_json::from_str(&std::fs::read_to_string(summary)?)?;
+        let text = std::fs::read_to_string(summary).map_err(|e| anyhow!("cannot read {}: {e}", summary.display()))?;
+        let summary: Value = serde_json::from_str(&text).map_err(|e| {
+            anyhow!(
+                "{} is not the summary JSON written with the trace ({e}); pass the file torchmem wrote",
+                summary.display()
+            )
+        })?;
         let report = report(trace, &summary, &target, args.alloc_conf.as_deref())?;
         return print_report(&report, args.json);
     }

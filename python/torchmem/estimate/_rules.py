@@ -21,8 +21,8 @@ from __future__ import annotations
 import threading
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
 from torch._subclasses.fake_tensor import DataDependentOutputException
-from torch.overrides import TorchFunctionMode
 
 _MIB = 2**20
 _GEMM_OPS = {
@@ -121,7 +121,7 @@ class CudaRules:
             return False
         if a.shape != b.shape or a.dtype != b.dtype or a.stride() != b.stride():
             return False
-        if not a.is_contiguous() and not a.is_non_overlapping_and_dense():
+        if not a.is_contiguous() and not is_non_overlapping_and_dense(a):
             return False
         if not _called_from_cpp():
             return False
@@ -155,9 +155,6 @@ class CudaRules:
         return out
 
     # ------------------------------------------------------------------ Python-level rules
-    def function_mode(self):
-        return _SdpaMode(self)
-
     def sdpa_backend(self, q, k, v, attn_mask, dropout_p, is_causal, enable_gqa) -> int:
         """The backend CUDA's `_fused_sdp_choice` picks on the target GPU (torch 2.11 order on sm90/sm100:
         cuDNN, flash, efficient, math; elsewhere flash, efficient, math, cuDNN), honouring the sdpa_kernel /
@@ -246,22 +243,21 @@ def calibrate_accumulation(session_mode) -> None:
     CudaRules.accumulate_use_count = min(seen) if seen else None
 
 
-class _SdpaMode(TorchFunctionMode):
-    """Routes `F.scaled_dot_product_attention` to the backend CUDA would pick on the target GPU."""
+def sdpa_wrapper(rules: CudaRules, original):
+    """`F.scaled_dot_product_attention` routed to the backend CUDA would pick on the target GPU. Installed as
+    the module attribute, not a TorchFunctionMode: the mode stack is per thread, and activation checkpointing
+    recomputes the forward on the autograd engine's thread, where a mode would be missing (the recomputation
+    then took the math path and saved other tensors than the forward: CheckpointError)."""
 
-    def __init__(self, rules: CudaRules) -> None:
-        super().__init__()
-        self.rules = rules
+    def scaled_dot_product_attention(query, key, value, *args, **kwargs):
+        if isinstance(query, torch.Tensor) and query.device.type == "cuda":
+            out = _sdpa(rules, query, key, value, *args, **kwargs)
+            if out is not None:
+                return out
+        return original(query, key, value, *args, **kwargs)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            q = args[0]
-            if isinstance(q, torch.Tensor) and q.device.type == "cuda":
-                out = _sdpa(self.rules, *args, **kwargs)
-                if out is not None:
-                    return out
-        return func(*args, **kwargs)
+    scaled_dot_product_attention.__doc__ = original.__doc__
+    return scaled_dot_product_attention
 
 
 def _sdpa(rules, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):

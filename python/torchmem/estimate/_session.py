@@ -77,6 +77,9 @@ class Session:
             optim_mod._foreach_supported_types.append(FakeTensor)
         self._patch_swap_tensors()
         self._patch_backward()
+        import torch.nn.functional as F
+
+        self._patch(F, "scaled_dot_product_attention", _rules.sdpa_wrapper(self.rules, F.scaled_dot_product_attention))
         tr = self.tracer
         session = self
 
@@ -157,7 +160,6 @@ class Session:
             self.mode = _new_mode()
             self._stack.enter_context(self.mode)
             self._stack.enter_context(self.tracer)
-            self._stack.enter_context(self.rules.function_mode())
             _rules.calibrate_accumulation(self.mode)
             self.tracer.events.clear()
             self.tracer.annotations.clear()
