@@ -7,7 +7,7 @@
 //!
 //! Layering: `model` ← `replay` ← {`summary`, `sites`} ← {`diff`, `html`, text rendering}.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use crate::model::*;
 
@@ -200,24 +200,26 @@ pub fn replay(snap: &Snapshot, device: usize) -> Replay {
 /// history that are still alive then (freed later, in trace order, then alive at the end, in segment order).
 pub fn live_at(snap: &Snapshot, device: usize, upto: Option<usize>) -> Vec<LiveBlock> {
     let mut live = LiveSet::new();
-    // Which addresses get allocated inside the trace (to tell pre-history blocks apart).
-    let mut seen_alloc: HashSet<u64, FxBuild> = HashSet::default();
-    // Alive at the end of the trace: end-state blocks not among these predate the history (as in `replay`).
-    let mut live_end: HashSet<u64, FxBuild> = HashSet::default();
+    // Per address: allocated inside the trace (to tell pre-history blocks apart), and alive at the end
+    // of the trace (end-state blocks not alive then predate the history, as in `replay`). One map, one
+    // lookup per event.
+    const SEEN: u8 = 1;
+    const LIVE_END: u8 = 2;
+    let mut state: HashMap<u64, u8, FxBuild> = HashMap::default();
     let mut ghosts: Vec<LiveBlock> = Vec::new();
     for (i, e) in device_entries(snap, device).enumerate() {
         let before = upto.is_some_and(|u| i <= u);
         match e.action() {
             Action::Alloc => {
-                seen_alloc.insert(e.addr);
-                live_end.insert(e.addr);
+                *state.entry(e.addr).or_insert(0) = SEEN | LIVE_END;
                 if before {
                     live.apply(e);
                 }
             }
             Action::FreeCompleted => {
-                let had_alloc = seen_alloc.contains(&e.addr);
-                live_end.remove(&e.addr);
+                let st = state.entry(e.addr).or_insert(0);
+                let had_alloc = *st & SEEN != 0;
+                *st = SEEN;
                 if before {
                     live.apply(e);
                 } else if !had_alloc {
@@ -229,13 +231,13 @@ pub fn live_at(snap: &Snapshot, device: usize, upto: Option<usize>) -> Vec<LiveB
                         before_history: true,
                     });
                 }
-                seen_alloc.insert(e.addr);
             }
             _ => {}
         }
     }
+    let alive_at_end = |addr: u64| state.get(&addr).is_some_and(|s| s & LIVE_END != 0);
     for b in end_blocks(snap, device) {
-        if !live_end.contains(&b.address) {
+        if !alive_at_end(b.address) {
             ghosts.push(LiveBlock {
                 addr: b.address,
                 size_bytes: b.requested_bytes,

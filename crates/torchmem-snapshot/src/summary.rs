@@ -152,10 +152,12 @@ pub fn summarize(snap: &Snapshot) -> Summary {
     let segments: Vec<SegmentInfo> = snap.segments.iter().map(segment_info).collect();
     let max_seg_dev = snap.segments.iter().map(|s| s.device.max(0) as usize + 1).max().unwrap_or(0);
     let n_dev = max_seg_dev.max(snap.device_traces.len());
-    let mut action_counts = BTreeMap::new();
+    let mut by_action = [0u64; Action::ALL.len()];
     for t in snap.device_traces.iter().flatten() {
-        *action_counts.entry(t.action().name().to_string()).or_insert(0u64) += 1;
+        by_action[t.action() as usize] += 1;
     }
+    let action_counts: BTreeMap<String, u64> =
+        Action::ALL.iter().zip(by_action).filter(|(_, n)| *n > 0).map(|(a, n)| (a.name().to_string(), n)).collect();
     let overflowed = snap.allocator_settings.get("trace_alloc_overflowed").and_then(|v| v.as_bool());
     let max_entries = snap.allocator_settings.get("trace_alloc_max_entries").and_then(|v| v.as_u64());
     let mut devices = Vec::new();
