@@ -65,7 +65,9 @@ pub fn run(args: SnapshotArgs) -> anyhow::Result<i32> {
     let name = path.display().to_string();
     let top_n = args.top.unwrap_or(10);
     let at_us = args.at.as_deref().map(|t| sites::resolve_at(&snap, t)).transpose().map_err(anyhow::Error::msg)?;
-    let tops = sites::top_sites(&snap, &sum.peaks(), top_n, at_us);
+    // The sites replay the whole trace again: only when they are shown.
+    let tops =
+        if args.top.is_some() || args.json { sites::top_sites(&snap, &sum.peaks(), top_n, at_us) } else { Vec::new() };
     if let Some(out) = &args.html {
         let page = html::render(&snap, &sum, &name);
         std::fs::write(out, &page).with_context(|| format!("cannot write {}", out.display()))?;
