@@ -130,3 +130,59 @@ def test_bad_input_is_refused_clearly(tmp_path: Path) -> None:
     r = cli("simulate", str(SNAPS / "snapshot_mlp_adam_pystacks.pickle"), "--alloc-conf", "roundup_power2_divisions:3")
     assert r.returncode == 1 and "power of two" in r.stderr
     assert not os.path.exists("x")
+
+
+def _synthetic(alloc_bytes: int, pool_id: tuple[int, int] = (1, 1)) -> dict[str, Any]:
+    """A synthetic two-device snapshot (not a recording): device 0 allocates and frees one 3 MiB tensor in a
+    20 MiB segment the trace creates; device 1 has a segment of a private pool; the settings predate 2.9."""
+    seg0 = 0x7F00_0000_0000
+    seg1 = 0x7E00_0000_0000
+    mb = 1 << 20
+    trace0 = [
+        {"action": "segment_alloc", "addr": seg0, "size": 20 * mb, "stream": 0, "time_us": 1, "frames": []},
+        {"action": "alloc", "addr": seg0, "size": alloc_bytes, "stream": 0, "time_us": 2, "frames": []},
+        {"action": "free_requested", "addr": seg0, "size": alloc_bytes, "stream": 0, "time_us": 3, "frames": []},
+        {"action": "free_completed", "addr": seg0, "size": alloc_bytes, "stream": 0, "time_us": 3, "frames": []},
+    ]
+
+    def segment(device: int, addr: int, pool: tuple[int, int], small: bool) -> dict[str, Any]:
+        size = 2 * mb if small else 20 * mb
+        return {
+            "device": device,
+            "address": addr,
+            "total_size": size,
+            "allocated_size": 0,
+            "active_size": 0,
+            "requested_size": 0,
+            "stream": 0,
+            "segment_type": "small" if small else "large",
+            "segment_pool_id": pool,
+            "is_expandable": False,
+            "frames": [],
+            "blocks": [{"address": addr, "size": size, "requested_size": 0, "state": "inactive", "frames": []}],
+        }
+
+    return {
+        "segments": [segment(0, seg0, (0, 0), False), segment(1, seg1, pool_id, True)],
+        "device_traces": [trace0, []],
+        "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1, "expandable_segments": False},
+    }
+
+
+def test_multi_device_private_pool_and_old_version_are_reported() -> None:
+    r = torchmem.simulate(_synthetic(3 << 20))
+    assert [d["device"] for d in r.devices] == [0]
+    assert r.matches_recording is True
+    assert len(r.refused) == 1 and r.refused[0]["device"] == 1
+    assert "private pool (1, 1)" in r.refused[0]["reason"] and "CUDA graph" in r.refused[0]["reason"]
+    assert r.version_note and "older than 2.9" in r.version_note and "2.11 rules" in r.version_note
+    assert "device 1: not simulated" in str(r)
+
+
+def test_divergence_names_the_entry_and_both_events() -> None:
+    # The trace says a 20 MiB segment served a 30 MiB request: the model needs a 30 MiB segment.
+    r = torchmem.simulate(_synthetic(30 << 20, pool_id=(0, 0)))
+    assert r.matches_recording is False
+    d = r.devices[0]["comparison"]["divergence"]
+    assert d["entry"] == 1 and d["expected"]["size_bytes"] == 20 << 20 and d["got"]["size_bytes"] == 30 << 20
+    assert "replay diverges from the recording at entry 1" in str(r)

@@ -70,6 +70,10 @@ class Simulation:
     """With the recorded settings: whether the replay reproduced the recording; None for a what-if."""
     settings: str
     devices: list[dict[str, Any]] = field(repr=False)
+    refused: list[dict[str, Any]] = field(repr=False)
+    """Devices not simulated, each with its `reason` (e.g. a CUDA-graph private pool)."""
+    version_note: str | None = field(repr=False)
+    """Set when the snapshot comes from a torch older than the rules used (2.11)."""
     min_memory: list[dict[str, Any]] | None = field(repr=False)
     """With `min_memory=True`: per device, the smallest memory limit without OOM per setting."""
     text: str = field(repr=False)
@@ -130,6 +134,8 @@ def simulate(
         matches_recording=raw.get("matches_recording"),
         settings=raw.get("settings", ""),
         devices=raw.get("devices", []),
+        refused=raw.get("refused") or [],
+        version_note=raw.get("version_note"),
         min_memory=raw.get("min_memory"),
         text=raw.get("text", ""),
         raw=raw,
