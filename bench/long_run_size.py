@@ -2,10 +2,13 @@
 read it back (issue 8 §4). The loop is newcomer-probe finding #9's: Linear(16, 32)-ReLU-Linear(32, 4), batch 8,
 `Monitor(model, opt, verbose=False)`, an epoch every 1000 steps, ~2,300 steps/s (8 markers per step).
 
-It records the loop for `--seconds` twice, side by side:
-  - `all markers`: `--keep-spans` above any count, i.e. every marker in the file, as before folding;
-  - `folded`: the default (the first 100 occurrences of each step/phase per process keep their markers, the
-    rest are exact per-epoch aggregate rows).
+It records the loop for `--seconds` with each of, side by side:
+  - `before` (with `--old-torchmem CMD`, e.g. a build of the previous commit): today's approach, every marker
+    in the file, read back by that torchmem;
+  - `all markers`: this torchmem with `--keep-spans` above any count (every marker in the file; the reader
+    folds while streaming);
+  - `folded`: this torchmem's default (the first 100 occurrences of each step/phase per process keep their
+    markers, the rest are exact per-epoch aggregate rows).
 Then it copies every timed row N times, shifted by the run's length (as the probe did with its 5x file), to
 stand for an N-times longer run (`--scale` for the folded file, `--scale-all` for the all-markers one, whose
 copies grow by 1.1 M markers a minute), and times `report` and `plot` on each file (wall seconds and max RSS
@@ -113,6 +116,7 @@ def main() -> None:
     ap.add_argument("--scale", type=int, default=60, help="read the folded file back as an N-times longer run")
     ap.add_argument("--scale-all", type=int, default=5, help="read the all-markers file back as an N-times longer run")
     ap.add_argument("--torchmem", help="the torchmem command (default: the one next to this Python)")
+    ap.add_argument("--old-torchmem", help="a torchmem command from before folding, for the `before` row")
     args = ap.parse_args()
     torchmem = args.torchmem or shutil.which("torchmem", path=str(Path(sys.executable).parent))
     if torchmem is None:
@@ -121,9 +125,12 @@ def main() -> None:
     loop = tmp / "loop.py"
     loop.write_text(LOOP)
     rows = []
-    for label, keep, times in (("all markers", str(10**15), args.scale_all), ("folded", None, args.scale)):
+    runs = [("all markers", torchmem, str(10**15), args.scale_all), ("folded", torchmem, None, args.scale)]
+    if args.old_torchmem:
+        runs.insert(0, ("before", args.old_torchmem, None, args.scale_all))
+    for label, tool, keep, times in runs:
         prof = tmp / f"{label.replace(' ', '_')}.sqlite"
-        cmd = [torchmem, "run", "-q", "-o", str(prof)] + (["--keep-spans", keep] if keep else [])
+        cmd = [*tool.split(), "run", "-q", "-o", str(prof)] + (["--keep-spans", keep] if keep else [])
         out = subprocess.run([*cmd, "--", sys.executable, str(loop), str(args.seconds)], capture_output=True, text=True)
         if out.returncode != 0:
             raise SystemExit(f"torchmem run failed: {out.stderr}")
@@ -134,8 +141,8 @@ def main() -> None:
         mb_per_min = prof.stat().st_size / 1e6 / (args.seconds / 60)
         scale(prof, times)
         big_mb = prof.stat().st_size / 1e6
-        rep = timed_child([torchmem, "report", str(prof)])
-        plot = timed_child([torchmem, "plot", str(prof), "-o", str(tmp / "p.html")])
+        rep = timed_child([*tool.split(), "report", str(prof)])
+        plot = timed_child([*tool.split(), "plot", str(prof), "-o", str(tmp / f"{label}.html")])
         rows.append((label, steps / args.seconds, markers, mb_per_min, args.seconds / 60 * times, big_mb, *rep, *plot))
     print(f"loop recorded for {args.seconds:.0f} s, twice; each file read back as a longer run (rows copied)")
     print(

@@ -361,20 +361,22 @@ mod tests {
 
     #[test]
     fn two_processes_marking_the_same_phase_at_once_never_cross_pair() {
-        // Process 1's forward runs 0..100, process 2's 10..30: by (kind, name) alone the first end (process 2's
-        // at 30) would close process 1's span.
+        // Process 1's forward runs 0..50, process 2's 10..100: by (kind, name) alone process 1's end (at 50)
+        // would close the latest start, process 2's.
         let m = vec![
             of(1, mk(0, MarkerKind::Phase, Edge::Start, "forward", None, 0, None)),
             of(2, mk(10, MarkerKind::Phase, Edge::Start, "forward", None, 0, None)),
-            of(2, mk(30, MarkerKind::Phase, Edge::End, "forward", None, 0, None)),
-            of(1, mk(100, MarkerKind::Phase, Edge::End, "forward", None, 0, None)),
+            of(1, mk(50, MarkerKind::Phase, Edge::End, "forward", None, 0, None)),
+            of(2, mk(100, MarkerKind::Phase, Edge::End, "forward", None, 0, None)),
         ];
         let sp = spans(&m);
         let by_pid = |pid| sp.iter().find(|s| s.origin.pid == Some(pid)).unwrap();
-        assert_eq!((by_pid(1).start_t_ns, by_pid(1).end_t_ns), (0, Some(100)));
-        assert_eq!((by_pid(2).start_t_ns, by_pid(2).end_t_ns), (10, Some(30)));
+        assert_eq!((by_pid(1).start_t_ns, by_pid(1).end_t_ns), (0, Some(50)));
+        assert_eq!((by_pid(2).start_t_ns, by_pid(2).end_t_ns), (10, Some(100)));
         let s = Summary::from_markers(&m, None);
-        assert_eq!(s.phases[0].total_ns, 120);
+        let per_pid: Vec<(Option<u32>, u64, Option<u64>)> =
+            s.epoch_totals.iter().map(|t| (t.pid, t.total_ns, t.max_ns)).collect();
+        assert_eq!(per_pid, [(Some(1), 50, Some(50)), (Some(2), 90, Some(90))]);
     }
 
     #[test]
