@@ -12,6 +12,9 @@ use crate::model::{opt_max, AggregateKey, Edge, Marker, MarkerKind, MarkerMemory
 
 /// How many occurrences of each step and phase keep their markers unless told otherwise.
 pub const DEFAULT_KEEP_SPANS: u64 = 100;
+/// The most occurrences the reader keeps as markers, whatever the recorder kept (`--keep-spans` above this
+/// keeps more in the file, for SQL): reading stays bounded however long the run.
+pub const MAX_KEEP_SPANS_READ: u64 = 1000;
 
 type Stream = (Option<u32>, Option<u32>);
 

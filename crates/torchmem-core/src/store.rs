@@ -610,7 +610,8 @@ fn load(conn: &Connection, path: &Path, meta: RunMeta) -> Result<Profile> {
 
 fn load_tables(conn: &Connection, path: &Path, meta: RunMeta, version: i64) -> rusqlite::Result<Profile> {
     let ids = origin_columns(version);
-    let keep_spans = meta.keep_spans.unwrap_or(crate::fold::DEFAULT_KEEP_SPANS);
+    let keep_spans =
+        meta.keep_spans.unwrap_or(crate::fold::DEFAULT_KEEP_SPANS).min(crate::fold::MAX_KEEP_SPANS_READ);
     let mut p = Profile { path: path.into(), meta, schema_version: version, ..Default::default() };
     let mut st =
         conn.prepare("SELECT t_ns, rss_bytes, pss_bytes, uss_bytes, process_count FROM cpu_samples ORDER BY t_ns")?;
@@ -1054,6 +1055,35 @@ mod tests {
         assert_eq!((p.markers[0].origin, p.markers[0].device), (origin, Some(1)));
         assert_eq!(p.aggregates, vec![row]);
         assert_eq!(p.line_profile_origins, vec![origin]);
+    }
+
+    #[test]
+    fn the_reader_keeps_at_most_its_own_cap_of_markers() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.sqlite");
+        let meta = RunMeta { keep_spans: Some(u64::MAX), ..meta() };
+        let mut w = ProfileWriter::create(&path, &meta).unwrap();
+        let n = crate::fold::MAX_KEEP_SPANS_READ + 500;
+        for i in 0..n {
+            for (dt, edge) in [(0, Edge::Start), (3, Edge::End)] {
+                w.push(Record::Marker(Marker {
+                    t_ns: i * 10 + dt,
+                    kind: MarkerKind::Step,
+                    edge,
+                    name: "step".into(),
+                    index: Some(i as i64),
+                    memory: MarkerMemory::default(),
+                    origin: Origin::default(),
+                    device: None,
+                }));
+            }
+        }
+        w.flush().unwrap();
+        drop(w);
+        let p = Profile::open(&path).unwrap();
+        assert_eq!(p.markers.len() as u64, 2 * crate::fold::MAX_KEEP_SPANS_READ);
+        let s = crate::analysis::Summary::from_profile(&p);
+        assert_eq!(s.steps as u64, n);
     }
 
     #[test]
