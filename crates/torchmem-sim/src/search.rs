@@ -67,6 +67,8 @@ pub fn common_settings() -> Vec<(&'static str, AllocConf)> {
         ("max_split_size_mb:512", "max_split_size_mb:512"),
         ("roundup_power2_divisions:4", "roundup_power2_divisions:4"),
         ("roundup_power2_divisions:[256:1,512:2,1024:4,>:8]", "roundup_power2_divisions:[256:1,512:2,1024:4,>:8]"),
+        // Inert without a memory limit (--memory-limit); with one it frees old cached blocks first.
+        ("garbage_collection_threshold:0.6", "garbage_collection_threshold:0.6"),
     ]
     .into_iter()
     .map(|(n, s)| (n, AllocConf::parse(s).expect("built-in settings parse")))
