@@ -610,8 +610,7 @@ fn load(conn: &Connection, path: &Path, meta: RunMeta) -> Result<Profile> {
 
 fn load_tables(conn: &Connection, path: &Path, meta: RunMeta, version: i64) -> rusqlite::Result<Profile> {
     let ids = origin_columns(version);
-    let keep_spans =
-        meta.keep_spans.unwrap_or(crate::fold::DEFAULT_KEEP_SPANS).min(crate::fold::MAX_KEEP_SPANS_READ);
+    let keep_spans = meta.keep_spans.unwrap_or(crate::fold::DEFAULT_KEEP_SPANS).min(crate::fold::MAX_KEEP_SPANS_READ);
     let mut p = Profile { path: path.into(), meta, schema_version: version, ..Default::default() };
     let mut st =
         conn.prepare("SELECT t_ns, rss_bytes, pss_bytes, uss_bytes, process_count FROM cpu_samples ORDER BY t_ns")?;
