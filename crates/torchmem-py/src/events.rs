@@ -68,9 +68,8 @@ pub fn read_identity() -> Origin {
 /// The identity to announce; re-read from the environment at most once a second by callers holding the
 /// interpreter (`fresh`), and whenever the pid changed (fork). The first read comes from a caller holding
 /// the interpreter too (the queueing path, or starting the sampler).
-fn identity(fresh: bool) -> Origin {
+fn identity(me: u32, fresh: bool) -> Origin {
     let mut guard = IDENTITY.lock().expect("identity");
-    let me = std::process::id();
     let stale = match guard.as_ref() {
         None => true,
         Some((o, at)) => o.pid != Some(me) || (fresh && at.elapsed() >= IDENTITY_REFRESH),
@@ -97,7 +96,7 @@ fn hello_line(origin: &Origin) -> String {
 fn connection_fd() -> Option<i32> {
     let path = socket_path()?;
     let me = std::process::id();
-    let origin = identity(false);
+    let origin = identity(me, false);
     let mut guard = CONNECTION.lock().expect("event connection");
     if guard.as_ref().is_some_and(|c| c.pid != me) {
         // Inherited through fork: the parent's connection; close our copy and make our own.
@@ -256,9 +255,9 @@ fn emit_marker(
 }
 
 fn queue_line(py: Python<'_>, line: &str) -> bool {
-    // The interpreter is attached here: the one safe place to re-read the rank variables.
-    identity(true);
     let me = std::process::id();
+    // The interpreter is attached here: the one safe place to re-read the rank variables.
+    identity(me, true);
     let sampler_runs = crate::api::sampler_running_in(me);
     let full = {
         let mut buf = BUFFER.lock().expect("event buffer");
