@@ -9,7 +9,8 @@ check never stops the others; the exit code is non-zero when any check failed. C
   - the CPU correctness cases (64 MiB line, alloc/free loop, sum rule, threads, recursion, generators,
     exceptions, FILE:FUNCTION spec) on this interpreter: on Python >= 3.12 that is the sys.monitoring path;
   - `torchmem run --line` of a GPU script records an allocator timeline whose peak equals torch's (and plain
-    `torchmem run` of the same script, side by side);
+    `torchmem run` of the same script, side by side), also when the GPU work is short and ends with
+    `empty_cache()` (the case that recorded no timeline at all);
   - bench/line_overhead (with the GPU resnet18 step).
 Flags: --no-bench skips the benchmark.
 """
@@ -105,11 +106,22 @@ def work():
     time.sleep(0.3)
     return keep
 
+def short():
+    # CUDA starts here; the GPU work is over, and the cache emptied, well within the sampler's idle cadence.
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    t = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    del t, x
+    torch.cuda.empty_cache()
+
 try:
     profile  # noqa: B018 - the builtin `torchmem run --line` injects
 except NameError:
     profile = lambda f: f  # noqa: E731
-keep = profile(work)()
+if sys.argv[1:] == ["short"]:
+    profile(short)()
+    time.sleep(0.3)
+else:
+    keep = profile(work)()
 print("TRUTH " + json.dumps({
     "max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved(),
     "allocated": torch.cuda.memory_allocated(), "sampler_running": _native.allocator_sampler_running(),
@@ -128,10 +140,10 @@ def run_line_timeline() -> None:
         script = os.path.join(d, "gpu_line.py")
         with open(script, "w") as f:
             f.write(RUN_LINE_SCRIPT)
-        for args in ([], ["--line"]):
-            mode = "run " + " ".join(args)
-            prof = os.path.join(d, f"p{len(args)}.sqlite")
-            p = subprocess.run([exe, "run", "-q", "-o", prof, *args, "--", sys.executable, script],
+        for args, variant in (([], []), (["--line"], []), ([], ["short"]), (["--line"], ["short"])):
+            mode = " ".join(["run", *args, *(["(short GPU life, cache emptied)"] if variant else [])])
+            prof = os.path.join(d, f"p{len(args)}{len(variant)}.sqlite")
+            p = subprocess.run([exe, "run", "-q", "-o", prof, *args, "--", sys.executable, script, *variant],
                                capture_output=True, text=True, timeout=600, cwd=d)
             truth_lines = [ln for ln in p.stdout.splitlines() if ln.startswith("TRUTH ")]
             if p.returncode != 0 or not truth_lines:
@@ -142,7 +154,7 @@ def run_line_timeline() -> None:
             n, peak_a, peak_r = con.execute(
                 "select count(*), max(max(peak_allocated_bytes, allocated_bytes)), "
                 "max(max(peak_reserved_bytes, reserved_bytes)) from torch_samples").fetchone()
-            check(f"{mode}: allocator timeline recorded", n >= 2,
+            check(f"{mode}: allocator timeline recorded", n >= (1 if variant else 2),
                   f"{n} torch samples; in the child: sampler running {truth['sampler_running']}, "
                   f"{truth['sampler_lines_now']} device line(s) readable at exit; stderr {p.stderr[-400:]!r}")
             check(f"{mode}: timeline peak == torch.cuda.max_memory_allocated()", peak_a == truth["max_allocated"],
@@ -155,7 +167,8 @@ def run_line_timeline() -> None:
             check(f"{mode}: report's GPU allocated peak", alloc == truth["max_allocated"],
                   f"{alloc} vs {truth['max_allocated']} B")
             if args:
-                check(f"{mode}: line table printed", "Function: work" in p.stdout, p.stdout[-600:])
+                name = "short" if variant else "work"
+                check(f"{mode}: line table printed", f"Function: {name}" in p.stdout, p.stdout[-600:])
 
 
 # ---------------------------------------------------------------- GPU

@@ -88,7 +88,8 @@ def program_peaks_clear(device: int) -> None:
 
 def sampler_fold_peak(device: int, peak_allocated_bytes: int, peak_reserved_bytes: int) -> None:
     """The peak ledger's fold for the allocator sampler: device `device`'s peaks read just before a reset;
-    the sampler's next line for that device reports peaks at least these."""
+    the sampler thread's next line for that device reports peaks at least these (read_allocator_once
+    leaves them to it)."""
 
 def read_allocator_once() -> list[str]:
     """One allocator-sampler read: a wire line {"type":"torch",...} per CUDA device whose allocator was used;
@@ -155,6 +156,7 @@ def simulate_json(
     memory_limit_bytes: int | None = None,
     device_memory_bytes: int | None = None,
     min_memory: bool = False,
+    device_memory_recorded: bool = False,
 ) -> str:
     """Replays a snapshot (a path or its bytes) through the caching-allocator model: the JSON of
     `torchmem simulate --json` plus `text` (and `min_memory` when asked). Raises SnapshotError, ValueError."""

@@ -337,10 +337,10 @@ fn take_sampler_folded(dev: u32, c: &mut AllocatorCounters) {
     }
 }
 
-/// One sampler tick: the counters of every device whose allocator has been used, by torch's device index,
-/// or nothing when torch is not imported or CUDA not initialised (never initialises CUDA: that would cost
-/// ~500 MB of GPU memory).
-fn sample_devices(py: Python<'_>, cache: &mut Option<TorchFns>) -> Vec<(u32, AllocatorCounters)> {
+/// One sampler tick (`sampler`: the thread's, which takes the peaks folded for it): the counters of every
+/// device whose allocator has been used, by torch's device index, or nothing when torch is not imported or
+/// CUDA not initialised (never initialises CUDA: that would cost ~500 MB of GPU memory).
+fn sample_devices(py: Python<'_>, cache: &mut Option<TorchFns>, sampler: bool) -> Vec<(u32, AllocatorCounters)> {
     if cache.is_none() {
         *cache = lookup_torch(py);
     }
@@ -358,7 +358,9 @@ fn sample_devices(py: Python<'_>, cache: &mut Option<TorchFns>) -> Vec<(u32, All
             continue;
         };
         let mut c = counters_from_nested(&d);
-        take_sampler_folded(dev, &mut c);
+        if sampler {
+            take_sampler_folded(dev, &mut c);
+        }
         if !c.never_used() {
             out.push((dev, c));
         }
@@ -435,7 +437,7 @@ fn allocator_counters(nested: &Bound<'_, PyAny>) -> (u64, u64, u64, u64, u64, u6
 /// One sampler read, returned instead of sent (to time it and to test it): wire lines keyed by NVML index.
 #[pyfunction]
 fn read_allocator_once(py: Python<'_>) -> Vec<String> {
-    let devices = sample_devices(py, &mut None);
+    let devices = sample_devices(py, &mut None, false);
     let mut map = DeviceMap::default();
     let unknown = map.unknown_uuids(py, &devices);
     py.detach(|| map.learn(unknown));
@@ -480,7 +482,7 @@ fn sampler_loop(stop: Arc<AtomicBool>, fd: i32, interval: Duration) {
             if stop.load(Ordering::Acquire) {
                 None
             } else {
-                let devices = sample_devices(py, &mut cache);
+                let devices = sample_devices(py, &mut cache, true);
                 let t_ns = torchmem_core::clock::monotonic_ns();
                 let unknown = map.unknown_uuids(py, &devices);
                 Some((devices, t_ns, unknown))
