@@ -28,6 +28,7 @@ import functools
 import operator
 import os
 import resource
+import sys
 import threading
 from typing import Any
 
@@ -150,8 +151,6 @@ def fold_and_reset(torch: Any, dev: int | None) -> tuple[int | None, tuple | Non
 def line_profiler_reset(dev: int) -> None:
     """The line profiler's reset: folds into every reader but the line profiler (which has just read the
     peak itself), then resets."""
-    import sys
-
     torch = sys.modules.get("torch")
     if torch is not None:
         with lock:
