@@ -186,3 +186,37 @@ def test_divergence_names_the_entry_and_both_events() -> None:
     d = r.devices[0]["comparison"]["divergence"]
     assert d["entry"] == 1 and d["expected"]["size_bytes"] == 20 << 20 and d["got"]["size_bytes"] == 30 << 20
     assert "replay diverges from the recording at entry 1" in str(r)
+
+
+def test_device_memory_recorded_uses_the_capacity_at_the_recorded_oom() -> None:
+    # Synthetic: a 3 MiB tensor lives in a 20 MiB segment; then a 30 MiB request fails with 10 MiB free on the
+    # device, so the allocator could have had 30 MiB: a 30 MiB segment does not fit next to the 20 MiB one.
+    snap = _synthetic(3 << 20, pool_id=(0, 0))
+    trace = snap["device_traces"][0][:2]
+    oom = {"action": "oom", "addr": 0, "size": 30 << 20, "stream": 0, "time_us": 4, "frames": []}
+    trace.append({**oom, "device_free": 10 << 20})
+    snap["device_traces"][0] = trace
+    seg = snap["segments"][0]
+    seg["blocks"] = [
+        {
+            "address": seg["address"],
+            "size": 3 << 20,
+            "requested_size": 3 << 20,
+            "state": "active_allocated",
+            "frames": [],
+        },
+        {
+            "address": seg["address"] + (3 << 20),
+            "size": 17 << 20,
+            "requested_size": 0,
+            "state": "inactive",
+            "frames": [],
+        },
+    ]
+    r = torchmem.simulate(snap)
+    assert r.oom is None and "--device-memory recorded" in str(r)
+    assert r.matches_recording is False, "unlimited, the 30 MiB segment is one segment event more"
+    at = torchmem.simulate(snap, device_memory="recorded")
+    assert at.devices[0]["device_memory_bytes"] == 30 << 20
+    assert at.oom is not None and at.oom["recorded"] is True and at.oom["entry"] == 2
+    assert at.matches_recording is True

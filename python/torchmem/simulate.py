@@ -95,7 +95,8 @@ def simulate(
     `snapshot_or_path`: a snapshot file (pickle, JSON, or gzipped), its bytes, or the dict
     `torch.cuda.memory._snapshot()` returns. `alloc_conf`: a `PYTORCH_CUDA_ALLOC_CONF` string to simulate
     instead of the recorded settings. `memory_limit`: a per-process cap in bytes or as "14GiB" (what
-    `set_per_process_memory_fraction` does). `device_memory`: what the allocator can get from the device.
+    `set_per_process_memory_fraction` does). `device_memory`: what the allocator can get from the device, or
+    "recorded": what it could have had at the recording's out-of-memory error (held + free then).
     Raises `torchmem.SnapshotError` for an unreadable snapshot and `ValueError` for bad settings.
     """
     path: str | None = None
@@ -119,8 +120,9 @@ def simulate(
             data=data,
             alloc_conf=alloc_conf,
             memory_limit_bytes=_size(memory_limit, "memory_limit"),
-            device_memory_bytes=_size(device_memory, "device_memory"),
+            device_memory_bytes=None if device_memory == "recorded" else _size(device_memory, "device_memory"),
             min_memory=min_memory,
+            device_memory_recorded=device_memory == "recorded",
         )
     )
     return Simulation(

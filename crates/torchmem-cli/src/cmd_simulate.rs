@@ -20,7 +20,8 @@ pub struct SimulateArgs {
     /// A per-process cap (what set_per_process_memory_fraction does), e.g. 14GiB or 15000000000.
     #[arg(long, value_name = "SIZE")]
     pub memory_limit: Option<String>,
-    /// The memory the allocator can get from the device (a smaller card), e.g. 80GB.
+    /// The memory the allocator can get from the device (a smaller card), e.g. 80GB; `recorded`: what it
+    /// could have had at the recording's out-of-memory error (held + free then).
     #[arg(long, value_name = "SIZE")]
     pub device_memory: Option<String>,
     /// The smallest memory limit under which the trace runs without OOM, with these settings and with
@@ -54,7 +55,11 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<i32> {
     let opts = SimOptions {
         conf,
         memory_limit_bytes: size_arg("--memory-limit", &args.memory_limit)?,
-        device_memory_bytes: size_arg("--device-memory", &args.device_memory)?,
+        device_memory_bytes: match args.device_memory.as_deref() {
+            Some("recorded") => None,
+            _ => size_arg("--device-memory", &args.device_memory)?,
+        },
+        device_memory_from_oom: args.device_memory.as_deref() == Some("recorded"),
         detailed: true,
         ..Default::default()
     };

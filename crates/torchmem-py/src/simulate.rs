@@ -18,7 +18,7 @@ fn to_py(e: SimError) -> PyErr {
 /// Simulates a snapshot given as a path or as bytes; returns the JSON of `torchmem simulate --json` plus
 /// `text` (the text report) and, with `min_memory`, the smallest limit per setting.
 #[pyfunction]
-#[pyo3(signature = (path=None, data=None, alloc_conf=None, memory_limit_bytes=None, device_memory_bytes=None, min_memory=false))]
+#[pyo3(signature = (path=None, data=None, alloc_conf=None, memory_limit_bytes=None, device_memory_bytes=None, min_memory=false, device_memory_recorded=false))]
 fn simulate_json(
     py: Python<'_>,
     path: Option<String>,
@@ -27,6 +27,7 @@ fn simulate_json(
     memory_limit_bytes: Option<u64>,
     device_memory_bytes: Option<u64>,
     min_memory: bool,
+    device_memory_recorded: bool,
 ) -> PyResult<String> {
     let conf = match alloc_conf.as_deref() {
         Some(s) => Some(AllocConf::parse(s).map_err(|e| PyValueError::new_err(e.to_string()))?),
@@ -38,7 +39,14 @@ fn simulate_json(
             (None, Some(d)) => (torchmem_sim::read_snapshot_bytes(d, "<bytes>").map_err(to_py)?, "<bytes>".into()),
             (None, None) => return Err(PyValueError::new_err("give a snapshot path or its bytes")),
         };
-        let opts = SimOptions { conf, memory_limit_bytes, device_memory_bytes, detailed: true, ..Default::default() };
+        let opts = SimOptions {
+            conf,
+            memory_limit_bytes,
+            device_memory_bytes,
+            device_memory_from_oom: device_memory_recorded,
+            detailed: true,
+            ..Default::default()
+        };
         let result = torchmem_sim::simulate(&snap, &name, &opts);
         let mut v = render::json(&result);
         v["text"] = serde_json::Value::String(render::text(&result));

@@ -39,6 +39,9 @@ pub struct SimOptions {
     pub limits_as_recorded: bool,
     /// In a what-if, place new segments at the recording's addresses for that size when free.
     pub recorded_addresses: bool,
+    /// Give the allocator the device memory it could have had at the recording's OOM
+    /// (`recorded_oom_capacity_bytes`; overrides `device_memory_bytes` when the trace has one).
+    pub device_memory_from_oom: bool,
 }
 
 /// The first difference between the replay and the recording.
@@ -134,6 +137,8 @@ pub struct Entry {
     pub stream: i64,
     pub time_us: i64,
     pub stack: StackId,
+    /// Free device bytes an `oom` entry reports.
+    pub device_free_bytes: Option<u64>,
 }
 
 /// This device's trace entries.
@@ -149,6 +154,7 @@ pub fn entries_of(snap: &Snapshot, device: i64) -> Vec<Entry> {
                     stream: snap.info(e).stream,
                     time_us: e.time_us,
                     stack: e.stack,
+                    device_free_bytes: snap.info(e).device_free_bytes,
                 })
                 .collect()
         })
@@ -173,6 +179,9 @@ pub struct Prepared<'a> {
     pub slots: usize,
     /// Frees of addresses that no allocation (in the trace or before it) holds.
     pub unknown_frees: usize,
+    /// At the recording's first OOM: what the allocator held plus what the device still had free — the most
+    /// memory the allocator could have had there (`--device-memory recorded`).
+    pub recorded_oom_capacity_bytes: Option<u64>,
 }
 
 /// Devices with a trace or segments, in order.
@@ -286,6 +295,21 @@ impl<'a> Prepared<'a> {
                 _ => {}
             }
         }
+        let mut recorded_oom_capacity_bytes = None;
+        let mut reserved = start.reserved_bytes();
+        for e in &entries {
+            match e.action {
+                Action::SegmentAlloc | Action::SegmentMap => reserved += e.size_bytes,
+                Action::SegmentFree | Action::SegmentUnmap => reserved = reserved.saturating_sub(e.size_bytes),
+                Action::Oom => {
+                    if let Some(free) = e.device_free_bytes {
+                        recorded_oom_capacity_bytes = Some(reserved + free);
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
         let recorded_events = entries
             .iter()
             .enumerate()
@@ -311,6 +335,7 @@ impl<'a> Prepared<'a> {
             slot,
             slots: slots as usize,
             unknown_frees,
+            recorded_oom_capacity_bytes,
         })
     }
 
@@ -321,9 +346,10 @@ impl<'a> Prepared<'a> {
     /// Replays the trace under `opts`.
     pub fn run(&self, opts: &SimOptions) -> DeviceResult {
         let same_settings = opts.conf.as_ref().is_none_or(|c| *c == self.recorded_conf)
+            // (`device_memory_from_oom` is the recording's own capacity: still comparable.)
             && ((opts.memory_limit_bytes.is_none()
                 && opts.memory_fraction.is_none()
-                && opts.device_memory_bytes.is_none())
+                && (opts.device_memory_bytes.is_none() || opts.device_memory_from_oom))
                 || opts.limits_as_recorded);
         let conf = opts.conf.clone().unwrap_or_else(|| self.recorded_conf.clone());
         let total = opts.device_total_bytes.or(opts.device_memory_bytes).unwrap_or(DEFAULT_TOTAL_GLOBAL_BYTES);
@@ -333,7 +359,11 @@ impl<'a> Prepared<'a> {
             (None, Some(f)) => Some((f * total as f64) as u64),
             _ => None,
         };
-        let mut a = Allocator::new(conf.clone(), allowed, Device::new(opts.device_memory_bytes, total));
+        let device_memory = match (opts.device_memory_from_oom, self.recorded_oom_capacity_bytes) {
+            (true, Some(c)) => Some(c),
+            _ => opts.device_memory_bytes,
+        };
+        let mut a = Allocator::new(conf.clone(), allowed, Device::new(device_memory, total));
         a.keep_events = opts.detailed;
         if opts.recorded_addresses {
             for ev in self.recorded_events.iter().filter(|e| e.kind == SegKind::SegmentAlloc) {
@@ -405,6 +435,20 @@ impl<'a> Prepared<'a> {
                 avoided[0]
             ));
         }
+        if opts.device_memory_from_oom && self.recorded_oom_capacity_bytes.is_none() {
+            notes.push(
+                "--device-memory recorded: the trace has no out-of-memory entry with the device's free \
+                        memory; the device was left unlimited"
+                    .to_string(),
+            );
+        }
+        if let (Some(c), false) = (self.recorded_oom_capacity_bytes, opts.device_memory_from_oom) {
+            notes.push(format!(
+                "the recording ran out of memory with {} held by the allocator or free on the device; ask what-ifs \
+                 at that capacity with --device-memory recorded",
+                torchmem_snapshot::fmt::bytes(c)
+            ));
+        }
         if !self.start.is_empty() {
             notes.push(format!(
                 "the trace does not start from an empty allocator ({} segments, {} reserved at its start, \
@@ -441,7 +485,7 @@ impl<'a> Prepared<'a> {
             settings: conf.describe(),
             recorded_settings: self.recorded_conf.describe(),
             memory_limit_bytes: allowed,
-            device_memory_bytes: opts.device_memory_bytes,
+            device_memory_bytes: device_memory,
             peak_allocated_bytes: s.peak_allocated_bytes,
             peak_reserved_bytes: s.peak_reserved_bytes,
             peak_active_bytes: s.peak_active_bytes,
