@@ -1,20 +1,26 @@
 //! `torchmem plot PROFILE [-o report.html] [--svg]`: writes one self-contained HTML page that works offline
 //! (memory timeline with epochs and phases, hover read-out, the report's tables, the line profile), or with
-//! `--svg` the chart alone as a static SVG.
+//! `--svg` the chart alone as a static SVG. A profile holding ranks (torchrun, Slurm) gets the rank
+//! sections and one step-aligned chart per rank; several profiles or a directory give one merged page.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
+use torchmem_core::analysis::ranks::{is_distributed, RankReport};
 use torchmem_core::analysis::Summary;
 use torchmem_core::report;
+use torchmem_core::units::escape_html;
 
-use crate::cmd_report::open_profile;
+use crate::cmd_report::{expand_inputs, open_profile};
 
 #[derive(Debug, clap::Args)]
 pub struct PlotArgs {
-    /// The profile file written by `torchmem run -o PROFILE`.
-    pub profile: PathBuf,
-    /// Where to write the page (default: the profile's name with .html, or .svg with --svg).
+    /// The profile file written by `torchmem run -o PROFILE`; several files, or a directory of them (one per
+    /// node or `srun` task), give one merged page of every rank.
+    #[arg(required = true, num_args = 1..)]
+    pub profiles: Vec<PathBuf>,
+    /// Where to write the page (default: the profile's name with .html, or .svg with --svg; a directory
+    /// DIR gives DIR.html next to it).
     #[arg(long, short = 'o')]
     pub output: Option<PathBuf>,
     /// Write the chart alone as a static SVG image instead of the HTML page.
@@ -27,16 +33,74 @@ pub fn default_output(profile: &Path, svg: bool) -> PathBuf {
     profile.with_extension(if svg { "svg" } else { "html" })
 }
 
+/// The rank sections of the HTML page: tables, per-rank charts.
+fn rank_html(r: &RankReport) -> String {
+    let mut out = String::from("<section id=\"ranks\">\n<h2>Distributed: every rank</h2>\n<ul class=\"meta\">\n");
+    for (k, v) in report::ranks::header_lines(r) {
+        out.push_str(&format!("<li><b>{}</b>: {}</li>\n", escape_html(&k), escape_html(&v)));
+    }
+    out.push_str("</ul>\n");
+    let tables = report::ranks::tables(r);
+    // The ranks and imbalance tables, the per-rank charts, then the rest (matrix first).
+    for (i, t) in tables.iter().enumerate() {
+        out.push_str(&report::html::render_table(t));
+        if i == 1 {
+            out.push_str(&report::ranks::html_charts(r));
+        }
+    }
+    out.push_str("</section>\n");
+    out
+}
+
+/// A page of several profiles' ranks (the single-profile page's style, the rank sections only).
+fn merged_page(r: &RankReport) -> String {
+    format!(
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>torchmem: {} ranks</title>\n<style>body{{font-family:system-ui,sans-serif;margin:1.5em;}} table{{border-collapse:collapse;margin:.5em 0;}} th,td{{border:1px solid #ccc;padding:2px 8px;}} td.num,th.num{{text-align:right;}} .note{{color:#555;font-size:90%;}} .rank-charts{{display:flex;flex-wrap:wrap;gap:8px;}} figure{{margin:0;}}</style></head>\n<body>\n<h1>torchmem distributed report</h1>\n{}<p class=\"note\">Per-profile pages: <code>torchmem plot FILE</code>.</p>\n</body></html>\n",
+        r.ranks.len(),
+        rank_html(r)
+    )
+}
+
 pub fn run(args: PlotArgs) -> anyhow::Result<i32> {
-    let profile = open_profile(&args.profile)?;
-    let output = args.output.clone().unwrap_or_else(|| default_output(&args.profile, args.svg));
-    if output == args.profile {
+    let inputs = expand_inputs(&args.profiles)?;
+    let first = &args.profiles[0];
+    let several = inputs.len() > 1 || first.is_dir();
+    let output = match (&args.output, several) {
+        (Some(o), _) => o.clone(),
+        (None, false) => default_output(first, args.svg),
+        (None, true) if first.is_dir() && args.profiles.len() == 1 => {
+            let dir = first.components().collect::<PathBuf>();
+            dir.with_extension(if args.svg { "svg" } else { "html" })
+        }
+        (None, true) => anyhow::bail!("several profiles make one page: say where with -o PAGE.html"),
+    };
+    if inputs.contains(&output) {
         anyhow::bail!("{}: the output would overwrite the profile. Choose another path with -o", output.display());
     }
+    let profiles = inputs.iter().map(|p| open_profile(p)).collect::<anyhow::Result<Vec<_>>>()?;
     let text = if args.svg {
-        report::render_svg(&profile)
+        if profiles.len() > 1 {
+            anyhow::bail!("--svg draws one profile's chart: give one file (or drop --svg for the merged page)");
+        }
+        report::render_svg(&profiles[0])
+    } else if profiles.len() == 1 {
+        let mut page = report::render_html(&profiles[0], &Summary::from_profile(&profiles[0]));
+        if is_distributed(&profiles) {
+            let section = rank_html(&RankReport::build(&profiles));
+            match page.rfind("</body>") {
+                Some(i) => page.insert_str(i, &section),
+                None => page.push_str(&section),
+            }
+        }
+        page
     } else {
-        report::render_html(&profile, &Summary::from_profile(&profile))
+        if !is_distributed(&profiles) {
+            anyhow::bail!(
+                "these {} profiles hold no rank (not a torchrun or Slurm job), so there is nothing to merge: plot them one at a time",
+                profiles.len()
+            );
+        }
+        merged_page(&RankReport::build(&profiles))
     };
     // Write next to the target, then rename: a failed write never leaves half a page behind.
     let tmp = output.with_file_name(format!(".{}.tmp", output.file_name().and_then(|n| n.to_str()).unwrap_or("plot")));

@@ -1,13 +1,18 @@
-//! `torchmem report PROFILE [--format table|json|csv|markdown|mermaid]`: prints a profile's report on stdout
+//! `torchmem report PROFILE… [--format table|json|csv|markdown|mermaid]`: prints a profile's report on stdout
 //! (peaks, per-phase, per-epoch and per-process tables, growth warnings, the journey, line profiles; or the
 //! timeline as CSV, or the journey as a Mermaid diagram). Works on a profile whose run was killed.
+//!
+//! Distributed runs (torchrun, Slurm): a profile holding ranks gets the rank sections too (per-rank peaks,
+//! imbalance, the rank × GPU matrix, step-aligned peaks, the first rank to fail: `report::ranks`). Several
+//! profiles, or a directory of them (one per node or per `srun` task), are merged into one rank report.
 
 use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::Context;
+use torchmem_core::analysis::ranks::{is_distributed, RankReport};
 use torchmem_core::analysis::Summary;
-use torchmem_core::report::{self, Format};
+use torchmem_core::report::{self, cells::Table, Format};
 use torchmem_core::store::Profile;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -38,8 +43,10 @@ impl From<FormatArg> for Format {
 
 #[derive(Debug, clap::Args)]
 pub struct ReportArgs {
-    /// The profile file written by `torchmem run -o PROFILE`.
-    pub profile: PathBuf,
+    /// The profile file written by `torchmem run -o PROFILE`; several files, or directories of them (one
+    /// profile per node or per `srun` task), are merged by rank.
+    #[arg(required = true, num_args = 1..)]
+    pub profiles: Vec<PathBuf>,
     /// Output format.
     #[arg(long, short = 'f', value_enum, default_value_t = FormatArg::Table)]
     pub format: FormatArg,
@@ -56,10 +63,128 @@ pub fn open_profile(path: &std::path::Path) -> anyhow::Result<Profile> {
     Ok(Profile::open(path)?)
 }
 
+/// The profile files named: files as given, directories as the `*.sqlite` files in them (sorted).
+pub fn expand_inputs(paths: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    for p in paths {
+        if p.is_dir() {
+            let mut found: Vec<PathBuf> = std::fs::read_dir(p)
+                .with_context(|| format!("{}: cannot list this directory", p.display()))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|f| f.extension().is_some_and(|x| x == "sqlite") && f.is_file())
+                .collect();
+            found.sort();
+            if found.is_empty() {
+                anyhow::bail!(
+                    "{}: no profile (*.sqlite) in this directory. Give the profile files, or the directory `torchmem run -o DIR/NAME.sqlite` wrote them to",
+                    p.display()
+                );
+            }
+            out.extend(found);
+        } else {
+            out.push(p.clone());
+        }
+    }
+    Ok(out)
+}
+
+fn render_tables(tables: &[Table], format: Format) -> String {
+    tables
+        .iter()
+        .map(|t| match format {
+            Format::Markdown => report::markdown::render_table(t) + "\n",
+            _ => report::table::render_table(t),
+        })
+        .collect()
+}
+
+/// The rank sections of a distributed profile set in one format (table, markdown, json).
+fn rank_sections(r: &RankReport, format: Format) -> String {
+    let head: String = report::ranks::header_lines(r)
+        .into_iter()
+        .map(|(k, v)| match format {
+            Format::Markdown => format!("- **{k}**: {v}\n"),
+            _ => format!("  {k:<13} {v}\n"),
+        })
+        .collect();
+    let title = match format {
+        Format::Markdown => "## torchmem distributed report\n\n".to_string(),
+        _ => "torchmem distributed report\n".to_string(),
+    };
+    format!("{title}{head}\n{}", render_tables(&report::ranks::tables(r), format))
+}
+
+/// The merged report of several profiles.
+pub fn render_merged(profiles: &[Profile], format: Format) -> anyhow::Result<String> {
+    if !is_distributed(profiles) {
+        anyhow::bail!(
+            "these {} profiles hold no rank (RANK/SLURM_PROCID was not set: not a torchrun or Slurm job), so there is nothing to merge by rank. Report them one at a time: `torchmem report FILE`",
+            profiles.len()
+        );
+    }
+    let r = RankReport::build(profiles);
+    Ok(match format {
+        Format::Json => {
+            let (ranks, dist) = report::ranks::json_sections(&r);
+            let v = serde_json::json!({
+                "format": "torchmem-report",
+                "version": 1,
+                "profiles": r.profiles,
+                "ranks": ranks,
+                "distributed": dist,
+            });
+            serde_json::to_string_pretty(&v)? + "\n"
+        }
+        Format::Table | Format::Markdown => {
+            let mut text = rank_sections(&r, format);
+            text.push_str("Per-profile details (phases, epochs, processes, journey): `torchmem report FILE` for one of them.\n");
+            text
+        }
+        Format::Csv | Format::Mermaid => anyhow::bail!(
+            "--format {} shows one profile: give one file (it is per run, not per job), or use --format table|json|markdown for the merged report",
+            format.as_str()
+        ),
+    })
+}
+
+/// One profile's report, with the rank sections when it holds ranks.
+fn render_one(profile: &Profile, format: Format) -> anyhow::Result<String> {
+    let summary = Summary::from_profile(profile);
+    let mut text = report::render(profile, &summary, format);
+    let ranks = std::slice::from_ref(profile);
+    if !is_distributed(ranks) {
+        return Ok(text);
+    }
+    let r = RankReport::build(ranks);
+    match format {
+        Format::Json => {
+            let mut v: serde_json::Value = serde_json::from_str(&text)?;
+            let (ranks, dist) = report::ranks::json_sections(&r);
+            v["ranks"] = ranks;
+            v["distributed"] = dist;
+            text = serde_json::to_string_pretty(&v)? + "\n";
+        }
+        Format::Table | Format::Markdown => {
+            text.push('\n');
+            text.push_str(&rank_sections(&r, format));
+        }
+        Format::Csv | Format::Mermaid => {}
+    }
+    Ok(text)
+}
+
 pub fn run(args: ReportArgs) -> anyhow::Result<i32> {
-    let profile = open_profile(&args.profile)?;
-    let summary = Summary::from_profile(&profile);
-    let text = report::render(&profile, &summary, args.format.into());
+    let inputs = expand_inputs(&args.profiles)?;
+    let text = if inputs.len() == 1 && !args.profiles[0].is_dir() {
+        render_one(&open_profile(&inputs[0])?, args.format.into())?
+    } else {
+        let profiles = inputs.iter().map(|p| open_profile(p)).collect::<anyhow::Result<Vec<_>>>()?;
+        if profiles.len() == 1 {
+            render_one(&profiles[0], args.format.into())?
+        } else {
+            render_merged(&profiles, args.format.into())?
+        }
+    };
     let mut out = std::io::stdout().lock();
     match out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
         Ok(()) => Ok(0),

@@ -7,6 +7,7 @@ mod aggregate;
 mod growth;
 mod journey;
 mod peaks;
+pub mod ranks;
 mod spans;
 mod tables;
 

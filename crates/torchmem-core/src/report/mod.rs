@@ -11,6 +11,7 @@ pub mod html;
 pub mod json;
 pub mod markdown;
 pub mod mermaid;
+pub mod ranks;
 pub mod svg;
 pub mod table;
 pub mod timeline;

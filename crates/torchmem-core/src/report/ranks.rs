@@ -1,0 +1,341 @@
+//! The report's distributed sections, from `analysis::ranks::RankReport`: the job header, the per-rank
+//! table, imbalance, the rank × GPU matrix with foreign contexts, step-aligned peaks and the first rank to
+//! fail. Built as `cells::Table`s, so text, Markdown and HTML draw them like every other table; JSON gets
+//! the `ranks` list and the job-wide `distributed` object; HTML also one step-aligned chart per rank.
+
+use serde_json::{json, Value};
+
+use crate::analysis::ranks::{RankReport, StepPeak};
+use crate::report::cells::Table;
+use crate::units::{escape_html, format_bytes, format_opt_bytes};
+
+fn table(title: &str, empty: &str, headers: &[&str], numeric: &[bool]) -> Table {
+    Table {
+        title: title.into(),
+        headers: headers.iter().map(|h| h.to_string()).collect(),
+        numeric: numeric.to_vec(),
+        rows: Vec::new(),
+        notes: Vec::new(),
+        empty: empty.into(),
+    }
+}
+
+fn opt<T: ToString>(v: Option<T>) -> String {
+    v.map(|v| v.to_string()).unwrap_or_else(|| "-".into())
+}
+
+fn gpu_label(device: Option<u32>, uuid: Option<&str>) -> String {
+    match (device, uuid) {
+        (Some(d), Some(u)) => format!("GPU {d} ({})", u.chars().take(12).collect::<String>()),
+        (Some(d), None) => format!("GPU {d}"),
+        _ => "-".into(),
+    }
+}
+
+/// The job's facts as (key, value) lines.
+pub fn header_lines(r: &RankReport) -> Vec<(String, String)> {
+    let mut out = vec![
+        ("ranks".to_string(), format!("{} ({} of WORLD_SIZE {})", r.ranks.len(), r.ranks.len(), opt(r.world_size))),
+        ("hosts".to_string(), r.hosts.join(", ")),
+        ("profiles".to_string(), r.profiles.join(", ")),
+    ];
+    if let Some(f) = &r.first_failure {
+        out.push(("first to fail".into(), format!("rank {} (pid {}, {}): {}", f.rank, f.pid, f.host, f.what)));
+    }
+    out
+}
+
+/// Every table of the distributed sections, in report order.
+pub fn tables(r: &RankReport) -> Vec<Table> {
+    let gpu = r.ranks.iter().any(|x| x.device.is_some() || x.peak_allocated_bytes.is_some());
+    let mut out = Vec::new();
+    let mut t = if gpu {
+        table(
+            "Ranks",
+            "no rank in these profiles",
+            &[
+                "rank",
+                "local",
+                "host",
+                "pid",
+                "GPU",
+                "peak allocated",
+                "peak reserved",
+                "peak NVML",
+                "non-torch",
+                "foreign",
+                "peak RSS",
+                "steps",
+                "stopped inside",
+            ],
+            &[true, true, false, true, false, true, true, true, true, true, true, true, false],
+        )
+    } else {
+        table(
+            "Ranks",
+            "no rank in these profiles",
+            &["rank", "local", "host", "pid", "peak RSS", "steps", "stopped inside"],
+            &[true, true, false, true, true, true, false],
+        )
+    };
+    for x in &r.ranks {
+        let stopped = if x.stopped_inside.is_empty() { "-".to_string() } else { x.stopped_inside.join(", ") };
+        t.rows.push(if gpu {
+            vec![
+                x.rank.to_string(),
+                opt(x.local_rank),
+                x.host.clone(),
+                x.pid.to_string(),
+                gpu_label(x.device, x.gpu_uuid.as_deref()),
+                format_opt_bytes(x.peak_allocated_bytes),
+                format_opt_bytes(x.peak_reserved_bytes),
+                format_opt_bytes(x.peak_nvml_bytes),
+                format_opt_bytes(x.non_torch_bytes),
+                if x.foreign_nvml_bytes > 0 { format_bytes(x.foreign_nvml_bytes) } else { "-".into() },
+                format_opt_bytes(x.peak_rss_bytes),
+                x.steps.to_string(),
+                stopped,
+            ]
+        } else {
+            vec![
+                x.rank.to_string(),
+                opt(x.local_rank),
+                x.host.clone(),
+                x.pid.to_string(),
+                format_opt_bytes(x.peak_rss_bytes),
+                x.steps.to_string(),
+                stopped,
+            ]
+        });
+    }
+    if gpu {
+        t.notes.push("non-torch = peak NVML − peak reserved on the rank's own GPU: CUDA context + NCCL + library workspaces (cuBLAS, cuDNN). foreign = NVML memory on GPUs that are not the rank's own.".into());
+    } else {
+        t.notes.push("GPU: no CUDA device in these profiles, so there are no GPU columns (not zeros).".into());
+    }
+    t.notes.push("peak RSS: the rank's own process (kernel high-water mark), not the tree's sum.".into());
+    out.push(t);
+
+    let mut t = table(
+        "Imbalance",
+        "fewer than 2 ranks with a value",
+        &["memory", "max", "rank", "min", "rank", "median", "max/min", "max − min"],
+        &[false, true, true, true, true, true, true, true],
+    );
+    for i in &r.imbalance {
+        t.rows.push(vec![
+            i.what.clone(),
+            format_bytes(i.max_bytes),
+            i.max_rank.to_string(),
+            format_bytes(i.min_bytes),
+            i.min_rank.to_string(),
+            format_bytes(i.median_bytes),
+            i.max_over_min.map(|v| format!("{v:.2}×")).unwrap_or_else(|| "-".into()),
+            format_bytes(i.max_minus_min_bytes),
+        ]);
+    }
+    out.push(t);
+
+    if gpu || !r.matrix.is_empty() {
+        let mut t = table(
+            "Rank × GPU (NVML, per process)",
+            "no NVML per-process reading in these profiles (no GPU, or recorded before torchmem kept them)",
+            &["rank", "pid", "host", "GPU", "peak", "whose", "note"],
+            &[true, true, false, false, true, false, false],
+        );
+        for c in &r.matrix {
+            let whose = match (c.rank, c.own) {
+                (None, _) => "not a rank".to_string(),
+                (Some(_), true) => "own GPU".to_string(),
+                (Some(_), false) => "FOREIGN".to_string(),
+            };
+            t.rows.push(vec![
+                opt(c.rank),
+                c.pid.to_string(),
+                c.host.clone(),
+                gpu_label(Some(c.device), c.gpu_uuid.as_deref()),
+                format_bytes(c.peak_bytes),
+                whose,
+                if c.context_only { "no PyTorch memory here: context only".into() } else { String::new() },
+            ]);
+        }
+        for f in &r.foreign_contexts {
+            t.notes.push(format!(
+                "FOREIGN CONTEXT: rank {} (pid {}, {}) holds {} on GPU {}, its own is {}: {}",
+                f.rank,
+                f.pid,
+                f.host,
+                format_bytes(f.bytes),
+                f.device,
+                opt(f.own_device.map(|d| format!("GPU {d}"))),
+                f.cause
+            ));
+        }
+        out.push(t);
+    }
+
+    let mut t = step_table(r, gpu);
+    t.notes.push(if gpu {
+        "Peak PyTorch allocated inside each step, by step number (not wall clock: clocks differ across nodes).".into()
+    } else {
+        "Peak CPU RSS of each rank's process inside each step, by step number (not wall clock).".into()
+    });
+    out.push(t);
+
+    if let Some(f) = &r.first_failure {
+        let mut t = table("First rank to fail", "", &["rank", "pid", "host", "what"], &[true, true, false, false]);
+        t.rows.push(vec![f.rank.to_string(), f.pid.to_string(), f.host.clone(), f.what.clone()]);
+        if let Some(o) = &f.oom {
+            let b = |k: &str| o[k].as_u64().map(format_bytes).unwrap_or_else(|| "-".into());
+            t.notes.push(format!(
+                "OOM post-mortem: requested {}, allocated {}, reserved {}, device free {} of {}",
+                b("requested_bytes"),
+                b("allocated_bytes"),
+                b("reserved_bytes"),
+                b("device_free_bytes"),
+                b("device_total_bytes")
+            ));
+            if let Some(s) = o["snapshot"].as_str() {
+                t.notes.push(format!("its allocator snapshot: {s} (`torchmem snapshot {s} --top 20`)"));
+            }
+        }
+        out.push(t);
+    }
+    for w in &r.warnings {
+        let mut t = table("Warning", w, &[], &[]);
+        t.empty = w.clone();
+        out.push(t);
+    }
+    out
+}
+
+/// Steps × ranks: up to 12 step numbers, evenly spread, first and last included.
+fn step_table(r: &RankReport, gpu: bool) -> Table {
+    let mut headers = vec!["step".to_string()];
+    headers.extend(r.ranks.iter().map(|x| format!("rank {}", x.rank)));
+    let mut t = Table {
+        title: "Steps, aligned by step number".into(),
+        numeric: vec![true; headers.len()],
+        headers,
+        rows: Vec::new(),
+        notes: Vec::new(),
+        empty: "no steps marked (torchmem.Monitor's step())".into(),
+    };
+    let mut numbers: Vec<i64> = r.steps.iter().flatten().map(|s| s.step).collect();
+    numbers.sort_unstable();
+    numbers.dedup();
+    let shown: Vec<i64> = if numbers.len() <= 12 {
+        numbers
+    } else {
+        let n = numbers.len();
+        let mut v: Vec<i64> = (0..12).map(|i| numbers[i * (n - 1) / 11]).collect();
+        v.dedup();
+        v
+    };
+    let value = |s: &StepPeak| if gpu { s.peak_allocated_bytes } else { s.peak_rss_bytes };
+    for step in shown {
+        let mut row = vec![step.to_string()];
+        for steps in &r.steps {
+            row.push(format_opt_bytes(steps.iter().filter(|s| s.step == step).filter_map(value).max()));
+        }
+        t.rows.push(row);
+    }
+    t
+}
+
+/// The JSON sections: `ranks` (one entry per rank) and `distributed` (the job-wide facts).
+pub fn json_sections(r: &RankReport) -> (Value, Value) {
+    let ranks = serde_json::to_value(&r.ranks).unwrap_or(Value::Null);
+    let steps: Vec<Value> = r
+        .ranks
+        .iter()
+        .zip(&r.steps)
+        .map(|(x, s)| json!({"rank": x.rank, "pid": x.pid, "host": x.host, "steps": s}))
+        .collect();
+    let dist = json!({
+        "world_size": r.world_size,
+        "hosts": r.hosts,
+        "profiles": r.profiles,
+        "missing_ranks": r.missing_ranks,
+        "imbalance": r.imbalance,
+        "matrix": r.matrix,
+        "foreign_contexts": r.foreign_contexts,
+        "steps": steps,
+        "first_failure": r.first_failure,
+        "warnings": r.warnings,
+    });
+    (ranks, dist)
+}
+
+/// A chart line: label, colour, the value of one step.
+type Series = (&'static str, &'static str, fn(&StepPeak) -> Option<u64>);
+
+/// One small chart per rank, every one on the same axes (step number × bytes), so they line up.
+pub fn html_charts(r: &RankReport) -> String {
+    let gpu = r.ranks.iter().any(|x| x.peak_allocated_bytes.is_some());
+    let series: Vec<Series> = if gpu {
+        vec![("allocated", "#d62728", |s| s.peak_allocated_bytes), ("reserved", "#ff7f0e", |s| s.peak_reserved_bytes)]
+    } else {
+        vec![("CPU RSS", "#1f77b4", |s| s.peak_rss_bytes)]
+    };
+    let all: Vec<&StepPeak> = r.steps.iter().flatten().collect();
+    if all.is_empty() {
+        return String::new();
+    }
+    let x_min = all.iter().map(|s| s.step).min().unwrap_or(0);
+    let x_max = all.iter().map(|s| s.step).max().unwrap_or(0).max(x_min + 1);
+    let y_max = all.iter().flat_map(|s| series.iter().filter_map(move |f| (f.2)(s))).max().unwrap_or(1).max(1);
+    let (w, h, left, top) = (560.0f64, 120.0f64, 70.0f64, 10.0f64);
+    let mut out = String::from("<h3>Per rank, aligned by step</h3>\n<div class=\"rank-charts\">\n");
+    for (x, steps) in r.ranks.iter().zip(&r.steps) {
+        out.push_str(&format!(
+            "<figure class=\"rank-chart\" data-rank=\"{}\"><figcaption>rank {} (pid {}, {})</figcaption>\n<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{}\" role=\"img\">\n",
+            x.rank,
+            x.rank,
+            x.pid,
+            escape_html(&x.host),
+            w + left + 10.0,
+            h + top + 24.0
+        ));
+        out.push_str(&format!(
+            "<line x1=\"{left}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"#999\"/><text x=\"{}\" y=\"{}\" font-size=\"10\" text-anchor=\"end\">{}</text><text x=\"{}\" y=\"{}\" font-size=\"10\" text-anchor=\"end\">0</text><text x=\"{left}\" y=\"{}\" font-size=\"10\">step {x_min}</text><text x=\"{}\" y=\"{}\" font-size=\"10\" text-anchor=\"end\">step {x_max}</text>\n",
+            top + h,
+            left + w,
+            top + h,
+            left - 4.0,
+            top + 8.0,
+            escape_html(&format_bytes(y_max)),
+            left - 4.0,
+            top + h,
+            top + h + 14.0,
+            left + w,
+            top + h + 14.0
+        ));
+        for (label, color, f) in &series {
+            let pts: Vec<String> = steps
+                .iter()
+                .filter_map(|s| {
+                    let v = f(s)?;
+                    let px = left + (s.step - x_min) as f64 / (x_max - x_min) as f64 * w;
+                    let py = top + h - v as f64 / y_max as f64 * h;
+                    Some(format!("{px:.1},{py:.1}"))
+                })
+                .collect();
+            if !pts.is_empty() {
+                out.push_str(&format!(
+                    "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"1.5\" points=\"{}\"><title>{label}</title></polyline>\n",
+                    pts.join(" ")
+                ));
+            }
+        }
+        out.push_str("</svg></figure>\n");
+    }
+    out.push_str("</div>\n<p class=\"note\">");
+    out.push_str(&escape_html(&format!(
+        "Every chart has the same axes (steps {x_min}–{x_max}, 0–{}): {}.",
+        format_bytes(y_max),
+        series.iter().map(|s| format!("{} ({})", s.0, s.1)).collect::<Vec<_>>().join(", ")
+    )));
+    out.push_str("</p>\n");
+    out
+}
