@@ -144,7 +144,7 @@ def main() -> None:
         rep = timed_child([*tool.split(), "report", str(prof)])
         plot = timed_child([*tool.split(), "plot", str(prof), "-o", str(tmp / f"{label}.html")])
         rows.append((label, steps / args.seconds, markers, mb_per_min, args.seconds / 60 * times, big_mb, *rep, *plot))
-    print(f"loop recorded for {args.seconds:.0f} s, twice; each file read back as a longer run (rows copied)")
+    print(f"loop recorded for {args.seconds:.0f} s by each; each file read back as a longer run (rows copied)")
     print(
         "| profile | steps/s | markers in file | profile MB/min | read back as (min) | its MB | "
         "report s | report max RSS MiB | plot s | plot max RSS MiB |"
