@@ -32,6 +32,7 @@ use crate::oom_watch::OomWatch;
 use crate::output_path::{self, Existing};
 use crate::recorder::{Config, EventListener, Recorder};
 use crate::signals::Supervisor;
+use crate::sinks::{RunContext, Sinks};
 use crate::status_bar::StatusBar;
 
 #[derive(Debug, clap::Args)]
@@ -67,6 +68,9 @@ pub struct RunArgs {
     /// Do not load torchmem inside the profiled Python process (no allocator timeline, no API events).
     #[arg(long)]
     pub no_inject: bool,
+    /// Live outputs besides the profile: --metrics, --metrics-textfile, --tensorboard (`crate::sinks`).
+    #[command(flatten)]
+    pub sinks: crate::sinks::SinkArgs,
     /// Show a live status line in the terminal's bottom row (reserved, so it never mixes with the
     /// program's output). Off by default: only the summary at the end.
     #[arg(long, conflicts_with = "quiet")]
@@ -312,6 +316,15 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         keep_spans: Some(args.keep_spans),
         ..RunMeta::default()
     };
+    // Live outputs (a metrics port, event files) are opened here, after the sentinel's fork and before
+    // the profile, so a taken port or an unwritable directory stops the run with nothing left behind.
+    let sink_context = RunContext {
+        devices: gpu.as_ref().map(|g| g.devices().to_vec()).unwrap_or_default(),
+        hostname: meta.hostname.clone(),
+        command: meta.command.clone(),
+        started_unix_s: meta.started_unix_s,
+    };
+    let live_sinks = args.sinks.build(&sink_context)?;
     let start_ns = torchmem_core::clock::monotonic_ns();
     let meta = RunMeta { start_monotonic_ns: Some(start_ns), ..meta };
     let created = match existing {
@@ -362,7 +375,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         ..Config::default()
     };
     let interval = Duration::from_secs_f64(args.interval_ms / 1000.0);
-    let mut rec = Recorder::new(config, writer, gpu, child.id(), start_ns, Some(events));
+    let mut rec = Recorder::new(config, Sinks::new(writer, live_sinks), gpu, child.id(), start_ns, Some(events));
     let mut bar = if args.status { StatusBar::start() } else { None };
     let mut last_status: Option<Instant> = None;
     let mut next = Instant::now();

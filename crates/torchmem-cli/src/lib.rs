@@ -20,6 +20,7 @@ pub mod oom_watch;
 pub mod output_path;
 pub mod recorder;
 pub mod signals;
+pub mod sinks;
 pub mod status_bar;
 
 #[derive(Debug, Parser)]

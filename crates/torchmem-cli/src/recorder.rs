@@ -20,8 +20,10 @@ use torchmem_core::fold::{SpanFolder, DEFAULT_KEEP_SPANS};
 use torchmem_core::model::*;
 use torchmem_core::sources::gpu::{tree_bytes, GpuReading, GpuSource};
 use torchmem_core::sources::procfs;
-use torchmem_core::store::{ProfileWriter, Record};
+use torchmem_core::store::Record;
 use torchmem_core::wire::ChildMessage;
+
+use crate::sinks::{GpuProcessBytes, Sinks};
 
 /// How often each source is read.
 #[derive(Debug, Clone)]
@@ -186,7 +188,8 @@ pub struct Latest {
 
 pub struct Recorder {
     pub config: Config,
-    writer: ProfileWriter,
+    /// Where the records go: the profile, and the live sinks asked for (`crate::sinks`).
+    writer: Sinks,
     gpu: Option<Box<dyn GpuSource>>,
     root_pid: u32,
     start_ns: u64,
@@ -242,7 +245,7 @@ const HEARTBEAT_NS: u64 = 1_000_000_000;
 impl Recorder {
     pub fn new(
         config: Config,
-        writer: ProfileWriter,
+        writer: Sinks,
         gpu: Option<Box<dyn GpuSource>>,
         root_pid: u32,
         start_ns: u64,
@@ -295,6 +298,18 @@ impl Recorder {
             || pss_due_for_tree_change(self.tree_len_at_last_pss, self.tree.len(), since_pss_ms, self.pss_every_ms);
         let mut slowest_walk_ms = 0.0f64;
         let gpu_readings: Vec<GpuReading> = self.gpu.as_ref().map(|g| g.read()).unwrap_or_default();
+        if !gpu_readings.is_empty() {
+            let tree = &self.tree;
+            self.writer.saw_gpu_processes(|| {
+                let mut out = Vec::new();
+                for r in &gpu_readings {
+                    for (&pid, &used_bytes) in r.process_bytes.iter().filter(|(p, _)| tree.contains_key(p)) {
+                        out.push(GpuProcessBytes { device: r.index, pid, used_bytes });
+                    }
+                }
+                out
+            });
+        }
 
         let mut rss_total = 0u64;
         let mut pss_total = 0u64;
@@ -391,14 +406,18 @@ impl Recorder {
         self.drain_messages();
         if self.last_flush.elapsed().as_secs_f64() * 1000.0 >= self.config.flush_interval_ms {
             self.push_aggregates();
-            self.writer.flush()?;
+            self.writer.flush(t_ns)?;
             self.last_flush = Instant::now();
         }
         Ok(())
     }
 
     fn refresh_tree(&mut self, t_ns: u64) {
-        self.tree = procfs::process_tree(self.root_pid);
+        let tree = procfs::process_tree(self.root_pid);
+        for pid in self.tree.keys().filter(|p| !tree.contains_key(p)) {
+            self.writer.saw_exit(*pid);
+        }
+        self.tree = tree;
         self.last_tree = Some(Instant::now());
         for (&pid, &ppid) in &self.tree {
             let first = self.known.insert(pid);
@@ -478,6 +497,7 @@ impl Recorder {
             }
             ChildMessage::Marker { t_ns, kind, edge, name, index, memory, device } => {
                 let marker = Marker { t_ns: self.rel(t_ns), kind, edge, name, index, memory, origin, device };
+                self.writer.saw_marker(&marker);
                 match self.folder.push(marker) {
                     Some(kept) => Record::Marker(kept),
                     None => return,

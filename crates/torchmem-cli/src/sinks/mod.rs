@@ -1,0 +1,185 @@
+//! Where the recorder's records go (issue 9 item 5, py-spy's `Sampler` pattern): the recorder produces
+//! `Record`s and hands them, one `RecordBatch` per commit interval, to every `Sink`. The SQLite profile is
+//! one sink (`sqlite::SqliteSink`: it takes each batch last and by value, so the profile path costs one move
+//! per record and commits exactly where it always did); the live ones (`prometheus`, `tensorboard`) are
+//! built only when asked for (`SinkArgs`), and without them the recorder collects nothing extra.
+
+use std::path::PathBuf;
+
+use torchmem_core::model::{Marker, Profile, RunMeta};
+use torchmem_core::sources::gpu::GpuDevice;
+use torchmem_core::store::{ProfileWriter, Record};
+
+pub mod http;
+pub mod prometheus;
+pub mod sqlite;
+pub mod tensorboard;
+
+/// One process's NVML used memory on one device, as the last tick read it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuProcessBytes {
+    pub device: u32,
+    pub pid: u32,
+    pub used_bytes: u64,
+}
+
+/// What the recorder produced since the last batch.
+#[derive(Debug, Default)]
+pub struct RecordBatch {
+    /// What the profile stores, in order: samples, kept markers, folded-span rows, blobs.
+    pub records: Vec<Record>,
+    /// Every marker received, before the keep-or-fold rule (a live view needs each step, not the first
+    /// `--keep-spans`). Filled only when a live sink is attached.
+    pub markers: Vec<Marker>,
+    /// The last tick's NVML per-process readings for the profiled tree (live sinks only).
+    pub gpu_processes: Vec<GpuProcessBytes>,
+    /// Processes that left the tree since the last batch: their series end.
+    pub exited_pids: Vec<u32>,
+    /// The batch's time, ns since the run started.
+    pub t_ns: u64,
+}
+
+/// A consumer of the recorder's records.
+pub trait Sink {
+    /// Takes one batch (called from the recorder's loop: keep it short, never block on a client).
+    fn consume(&mut self, batch: &RecordBatch) -> anyhow::Result<()>;
+    /// The same, given the batch to keep; the last sink gets it this way.
+    fn consume_owned(&mut self, batch: RecordBatch) -> anyhow::Result<()> {
+        self.consume(&batch)
+    }
+    /// The run ended (`t_ns` since its start): write out what is left, stop serving.
+    fn finish(&mut self, t_ns: u64) -> anyhow::Result<()>;
+    /// For warnings.
+    fn name(&self) -> &'static str;
+}
+
+/// What the live sinks know about the run from its start.
+#[derive(Debug, Clone, Default)]
+pub struct RunContext {
+    pub devices: Vec<GpuDevice>,
+    pub hostname: String,
+    pub command: Vec<String>,
+    pub started_unix_s: f64,
+}
+
+/// The sinks of one run: the live ones, then the profile. The recorder pushes records here as it makes
+/// them; `flush` hands the batch on at the recorder's commit interval.
+pub struct Sinks {
+    batch: RecordBatch,
+    live: Vec<(Box<dyn Sink>, bool)>,
+    store: sqlite::SqliteSink,
+}
+
+impl Sinks {
+    pub fn new(store: ProfileWriter, live: Vec<Box<dyn Sink>>) -> Self {
+        Sinks {
+            batch: RecordBatch::default(),
+            live: live.into_iter().map(|s| (s, false)).collect(),
+            store: sqlite::SqliteSink::new(store),
+        }
+    }
+
+    /// Whether any sink besides the profile is attached (then markers and NVML per-process readings are
+    /// collected for it).
+    pub fn live(&self) -> bool {
+        !self.live.is_empty()
+    }
+
+    pub fn push(&mut self, record: Record) {
+        self.batch.records.push(record);
+    }
+
+    /// A marker as received, before folding (kept only for live sinks).
+    pub fn saw_marker(&mut self, marker: &Marker) {
+        if self.live() {
+            self.batch.markers.push(marker.clone());
+        }
+    }
+
+    /// The last tick's NVML per-process readings (live sinks only; replaces the previous tick's).
+    pub fn saw_gpu_processes(&mut self, readings: impl FnOnce() -> Vec<GpuProcessBytes>) {
+        if self.live() {
+            self.batch.gpu_processes = readings();
+        }
+    }
+
+    pub fn saw_exit(&mut self, pid: u32) {
+        if self.live() {
+            self.batch.exited_pids.push(pid);
+        }
+    }
+
+    /// Hands the batch to every sink: the live ones first (a failing one warns once and carries on), then
+    /// the profile, whose error is the caller's.
+    pub fn flush(&mut self, t_ns: u64) -> torchmem_core::Result<()> {
+        let mut batch = std::mem::take(&mut self.batch);
+        batch.t_ns = t_ns;
+        if !self.live.is_empty() {
+            for (sink, warned) in &mut self.live {
+                if let Err(e) = sink.consume(&batch) {
+                    if !*warned {
+                        eprintln!("torchmem: warning: the {} output: {e:#}", sink.name());
+                        *warned = true;
+                    }
+                }
+            }
+            batch.markers = Vec::new();
+            batch.gpu_processes = Vec::new();
+            batch.exited_pids = Vec::new();
+        }
+        self.store.write(batch)
+    }
+
+    /// Ends every sink: the last batch, then the live sinks' finish, then the profile's metadata.
+    pub fn finish_with(mut self, end: impl FnOnce(&mut RunMeta), duration_ns: u64) -> torchmem_core::Result<Profile> {
+        let mut batch = std::mem::take(&mut self.batch);
+        batch.t_ns = duration_ns;
+        for (sink, _) in &mut self.live {
+            if let Err(e) = sink.consume(&batch).and_then(|_| sink.finish(duration_ns)) {
+                eprintln!("torchmem: warning: finishing the {} output: {e:#}", sink.name());
+            }
+        }
+        for r in batch.records {
+            self.store.push(r);
+        }
+        self.store.finish_with(end, duration_ns)
+    }
+}
+
+/// The command-line options that attach live sinks to `torchmem run`.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct SinkArgs {
+    /// Serve Prometheus metrics at http://HOST:PORT/metrics while the program runs (`:PORT` is
+    /// 127.0.0.1:PORT; port 0 picks a free one, printed at the start). Bytes, labels pid, rank, local_rank,
+    /// device and UUID (as DCGM's exporter, to join on UUID).
+    #[arg(long = "metrics", value_name = "HOST:PORT", value_parser = http::parse_listen_address)]
+    pub metrics: Option<String>,
+    /// Write the same metrics to PATH (a `*.prom` file in node_exporter's textfile-collector directory)
+    /// every few seconds, atomically (a temporary file renamed over it), and once more at the end.
+    #[arg(long = "metrics-textfile", value_name = "PATH")]
+    pub metrics_textfile: Option<PathBuf>,
+    /// Write TensorBoard event files into DIR (created if missing): memory scalars under `torchmem/`
+    /// (the highest value of each second, step = ms since the start) and per-step, per-phase peaks
+    /// (step = the program's step index).
+    #[arg(long = "tensorboard", value_name = "DIR")]
+    pub tensorboard: Option<PathBuf>,
+}
+
+impl SinkArgs {
+    /// Builds the sinks asked for; every way this can fail (port taken, directory not writable) is said
+    /// here, before the program starts.
+    pub fn build(&self, ctx: &RunContext) -> anyhow::Result<Vec<Box<dyn Sink>>> {
+        let mut sinks: Vec<Box<dyn Sink>> = Vec::new();
+        if self.metrics.is_some() || self.metrics_textfile.is_some() {
+            sinks.push(Box::new(prometheus::PrometheusSink::start(
+                self.metrics.as_deref(),
+                self.metrics_textfile.as_deref(),
+                ctx,
+            )?));
+        }
+        if let Some(dir) = &self.tensorboard {
+            sinks.push(Box::new(tensorboard::TensorBoardSink::create(dir, ctx)?));
+        }
+        Ok(sinks)
+    }
+}

@@ -1,0 +1,506 @@
+//! The Prometheus sink (`torchmem run --metrics HOST:PORT`, `--metrics-textfile PATH`): keeps the latest
+//! value of every series from the record batches and, when scraped (or every few seconds for the textfile),
+//! encodes them with the official `prometheus-client` crate. All gauges, in bytes (Prometheus base units);
+//! labels `pid`, `rank`, `local_rank` (when the process said), `device` (NVML index) and `UUID` (DCGM's
+//! label name, so `on(UUID)` joins with DCGM_FI_DEV_FB_USED work). A value never measured has no series
+//! (no CUDA: no `torchmem_cuda_*` at all, never 0), and a process's series go when it leaves the tree.
+//!
+//! Series: `torchmem_cuda_{allocated,reserved,peak_allocated,peak_reserved}_bytes` (PyTorch's allocator,
+//! per process and device), `torchmem_gpu_process_used_bytes` (NVML, per process and device),
+//! `torchmem_gpu_{used,total}_bytes` (NVML, per device), `torchmem_process_{rss,pss,uss}_bytes` (per
+//! process), `torchmem_tree_{rss,pss}_bytes` (the whole profiled tree), `torchmem_step`, `torchmem_epoch`
+//! (the last index started), `torchmem_phase{phase}` (1 for the phase open now, 0 for the others seen: a
+//! state set as a gauge, which every text parser reads), `torchmem_process_info{pid,ppid,host,command} 1`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use torchmem_core::model::{Edge, MarkerKind, Origin};
+use torchmem_core::store::Record;
+
+use super::http::{MetricsServer, Render};
+use super::{RecordBatch, RunContext, Sink};
+
+/// How often the textfile is rewritten.
+pub const TEXTFILE_INTERVAL_MS: u64 = 2000;
+
+type Labels = Vec<(&'static str, String)>;
+
+#[derive(Debug, Clone, Default)]
+struct ProcessState {
+    ppid: u32,
+    cmdline: String,
+    rss_bytes: Option<u64>,
+    pss_bytes: Option<u64>,
+    uss_bytes: Option<u64>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct TorchState {
+    allocated_bytes: u64,
+    reserved_bytes: u64,
+    peak_allocated_bytes: u64,
+    peak_reserved_bytes: u64,
+}
+
+#[derive(Debug, Clone, Default)]
+struct SpanState {
+    step: Option<i64>,
+    steps_started: i64,
+    epoch: Option<i64>,
+    epochs_started: i64,
+    /// Open phases, innermost last.
+    phases_open: Vec<String>,
+    phases_seen: BTreeSet<String>,
+}
+
+/// The latest value of everything the sink exposes.
+#[derive(Debug, Default)]
+pub struct MetricsState {
+    hostname: String,
+    uuids: BTreeMap<u32, String>,
+    identity: BTreeMap<u32, Origin>,
+    processes: BTreeMap<u32, ProcessState>,
+    torch: BTreeMap<(Option<u32>, u32), TorchState>,
+    gpu: BTreeMap<u32, (u64, u64)>,
+    gpu_process: BTreeMap<(u32, u32), u64>,
+    spans: BTreeMap<Option<u32>, SpanState>,
+    tree_rss_bytes: Option<u64>,
+    tree_pss_bytes: Option<u64>,
+}
+
+impl MetricsState {
+    pub fn new(ctx: &RunContext) -> Self {
+        MetricsState {
+            hostname: ctx.hostname.clone(),
+            uuids: ctx.devices.iter().map(|d| (d.index, d.uuid.clone())).collect(),
+            ..Default::default()
+        }
+    }
+
+    fn learn(&mut self, origin: &Origin) {
+        if let Some(pid) = origin.pid {
+            self.identity.insert(pid, *origin);
+        }
+    }
+
+    /// Folds one batch in.
+    pub fn apply(&mut self, batch: &RecordBatch) {
+        for r in &batch.records {
+            match r {
+                Record::Cpu(s) => {
+                    self.tree_rss_bytes = Some(s.rss_bytes);
+                    if s.pss_bytes.is_some() {
+                        self.tree_pss_bytes = s.pss_bytes;
+                    }
+                }
+                Record::ProcessSeen(p) => {
+                    let e = self.processes.entry(p.pid).or_default();
+                    e.ppid = p.ppid;
+                    if !p.cmdline.is_empty() {
+                        e.cmdline = p.cmdline.clone();
+                    }
+                }
+                Record::Process(s) => {
+                    let e = self.processes.entry(s.pid).or_default();
+                    e.rss_bytes = Some(s.rss_bytes);
+                    e.pss_bytes = s.pss_bytes.or(e.pss_bytes);
+                    e.uss_bytes = s.uss_bytes.or(e.uss_bytes);
+                }
+                Record::Gpu(g) => {
+                    self.gpu.insert(g.device, (g.used_bytes, g.total_bytes));
+                }
+                Record::Torch(t) => {
+                    self.learn(&t.origin);
+                    self.torch.insert(
+                        (t.origin.pid, t.device),
+                        TorchState {
+                            allocated_bytes: t.allocated_bytes,
+                            reserved_bytes: t.reserved_bytes,
+                            peak_allocated_bytes: t.peak_allocated_bytes,
+                            peak_reserved_bytes: t.peak_reserved_bytes,
+                        },
+                    );
+                }
+                _ => {}
+            }
+        }
+        for m in &batch.markers {
+            self.learn(&m.origin);
+            let s = self.spans.entry(m.origin.pid).or_default();
+            match (m.kind, m.edge) {
+                (MarkerKind::Step, Edge::Start) => {
+                    s.step = Some(m.index.unwrap_or(s.steps_started));
+                    s.steps_started += 1;
+                }
+                (MarkerKind::Epoch, Edge::Start) => {
+                    s.epoch = Some(m.index.unwrap_or(s.epochs_started));
+                    s.epochs_started += 1;
+                }
+                (MarkerKind::Phase, Edge::Start) => {
+                    s.phases_open.push(m.name.clone());
+                    s.phases_seen.insert(m.name.clone());
+                }
+                (MarkerKind::Phase, Edge::End) => {
+                    if let Some(i) = s.phases_open.iter().rposition(|p| *p == m.name) {
+                        s.phases_open.truncate(i);
+                    }
+                }
+                _ => {}
+            }
+        }
+        if !batch.gpu_processes.is_empty() {
+            self.gpu_process = batch.gpu_processes.iter().map(|g| ((g.device, g.pid), g.used_bytes)).collect();
+        }
+        for pid in &batch.exited_pids {
+            self.processes.remove(pid);
+            self.identity.remove(pid);
+            self.torch.retain(|(p, _), _| *p != Some(*pid));
+            self.gpu_process.retain(|(_, p), _| p != pid);
+            self.spans.remove(&Some(*pid));
+        }
+    }
+
+    /// pid, rank and local_rank, as far as known.
+    fn who(&self, pid: Option<u32>) -> Labels {
+        let mut l = Labels::new();
+        if let Some(pid) = pid {
+            l.push(("pid", pid.to_string()));
+            if let Some(o) = self.identity.get(&pid) {
+                if let Some(r) = o.rank {
+                    l.push(("rank", r.to_string()));
+                }
+                if let Some(r) = o.local_rank {
+                    l.push(("local_rank", r.to_string()));
+                }
+            }
+        }
+        l
+    }
+
+    fn on_device(&self, mut l: Labels, device: u32) -> Labels {
+        l.push(("device", device.to_string()));
+        if let Some(u) = self.uuids.get(&device).filter(|u| !u.is_empty()) {
+            l.push(("UUID", u.clone()));
+        }
+        l
+    }
+
+    /// A registry holding the current values.
+    pub fn registry(&self) -> Registry {
+        // Families are registered at the end, and only those with a series: a value never measured (no
+        // CUDA) has no HELP/TYPE lines either.
+        let families = std::cell::RefCell::new(Vec::new());
+        let gauge = |name: &'static str, help: &'static str| {
+            let f = Family::<Labels, Gauge>::default();
+            families.borrow_mut().push((name, help, f.clone()));
+            f
+        };
+        let set = |f: &Family<Labels, Gauge>, l: &Labels, v: u64| {
+            f.get_or_create(l).set(v.min(i64::MAX as u64) as i64);
+        };
+        let alloc = gauge("torchmem_cuda_allocated_bytes", "Bytes PyTorch's caching allocator has handed out");
+        let reserved = gauge("torchmem_cuda_reserved_bytes", "Bytes PyTorch's caching allocator holds from the driver");
+        let peak_alloc = gauge(
+            "torchmem_cuda_peak_allocated_bytes",
+            "PyTorch's peak allocated bytes (since the start or the program's last reset)",
+        );
+        let peak_res = gauge(
+            "torchmem_cuda_peak_reserved_bytes",
+            "PyTorch's peak reserved bytes (since the start or the program's last reset)",
+        );
+        for ((pid, device), t) in &self.torch {
+            let l = self.on_device(self.who(*pid), *device);
+            set(&alloc, &l, t.allocated_bytes);
+            set(&reserved, &l, t.reserved_bytes);
+            set(&peak_alloc, &l, t.peak_allocated_bytes);
+            set(&peak_res, &l, t.peak_reserved_bytes);
+        }
+        let gpu_proc = gauge(
+            "torchmem_gpu_process_used_bytes",
+            "GPU memory NVML counts for the process on the device (CUDA context included)",
+        );
+        for ((device, pid), b) in &self.gpu_process {
+            set(&gpu_proc, &self.on_device(self.who(Some(*pid)), *device), *b);
+        }
+        let used = gauge("torchmem_gpu_used_bytes", "GPU memory used on the device, all processes (NVML)");
+        let total = gauge("torchmem_gpu_total_bytes", "GPU memory on the device (NVML)");
+        for (device, (u, t)) in &self.gpu {
+            let l = self.on_device(Labels::new(), *device);
+            set(&used, &l, *u);
+            set(&total, &l, *t);
+        }
+        let rss = gauge("torchmem_process_rss_bytes", "Resident set size of the process");
+        let pss = gauge("torchmem_process_pss_bytes", "Proportional set size of the process (shared pages split)");
+        let uss = gauge("torchmem_process_uss_bytes", "Unique set size of the process (private pages)");
+        let info = gauge("torchmem_process_info", "A process of the profiled tree (value 1)");
+        for (pid, p) in &self.processes {
+            let l = self.who(Some(*pid));
+            for (f, v) in [(&rss, p.rss_bytes), (&pss, p.pss_bytes), (&uss, p.uss_bytes)] {
+                if let Some(v) = v {
+                    set(f, &l, v);
+                }
+            }
+            let mut l = l;
+            l.push(("ppid", p.ppid.to_string()));
+            l.push(("host", self.hostname.clone()));
+            l.push(("command", p.cmdline.chars().take(200).collect()));
+            set(&info, &l, 1);
+        }
+        let tree_rss = gauge("torchmem_tree_rss_bytes", "Summed RSS of the whole profiled process tree");
+        let tree_pss = gauge("torchmem_tree_pss_bytes", "Summed PSS of the whole profiled process tree");
+        if let Some(v) = self.tree_rss_bytes {
+            set(&tree_rss, &Labels::new(), v);
+        }
+        if let Some(v) = self.tree_pss_bytes {
+            set(&tree_pss, &Labels::new(), v);
+        }
+        let step = gauge("torchmem_step", "The program's current step index");
+        let epoch = gauge("torchmem_epoch", "The program's current epoch index");
+        let phase = gauge("torchmem_phase", "1 for the phase open now (innermost), 0 for the other phases seen");
+        for (pid, s) in &self.spans {
+            let l = self.who(*pid);
+            if let Some(v) = s.step {
+                step.get_or_create(&l).set(v);
+            }
+            if let Some(v) = s.epoch {
+                epoch.get_or_create(&l).set(v);
+            }
+            for name in &s.phases_seen {
+                let mut pl = l.clone();
+                pl.push(("phase", name.clone()));
+                phase.get_or_create(&pl).set(i64::from(s.phases_open.last() == Some(name)));
+            }
+        }
+        let mut reg = Registry::default();
+        for (name, help, f) in families.into_inner() {
+            if has_series(&f) {
+                reg.register(name, help, f);
+            }
+        }
+        reg
+    }
+
+    /// The Prometheus text format (0.0.4), or OpenMetrics.
+    pub fn encode(&self, openmetrics: bool) -> (String, &'static str) {
+        let reg = self.registry();
+        let mut out = String::new();
+        if openmetrics {
+            prometheus_client::encoding::text::encode(&mut out, &reg).expect("encoding into a String");
+            (out, "application/openmetrics-text; version=1.0.0; charset=utf-8")
+        } else {
+            prometheus_client::encoding::prometheus_text::encode(&mut out, &reg).expect("encoding into a String");
+            (out, prometheus_client::encoding::prometheus_text::CONTENT_TYPE)
+        }
+    }
+}
+
+/// Whether a family holds any series (the crate has no `len`: encode it alone and look for a sample line).
+fn has_series(f: &Family<Labels, Gauge>) -> bool {
+    let mut reg = Registry::default();
+    reg.register("x", "", f.clone());
+    let mut out = String::new();
+    prometheus_client::encoding::prometheus_text::encode(&mut out, &reg).is_ok()
+        && out.lines().any(|l| !l.starts_with('#'))
+}
+
+/// Writes `text` to `path` atomically: a temporary file beside it (not `*.prom`, so the collector never
+/// reads it half-written), then renamed over it.
+pub fn write_textfile(path: &Path, text: &str) -> std::io::Result<()> {
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, path).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
+}
+
+pub struct PrometheusSink {
+    state: Arc<Mutex<MetricsState>>,
+    server: Option<MetricsServer>,
+    textfile: Option<PathBuf>,
+    last_textfile: Option<Instant>,
+}
+
+impl PrometheusSink {
+    /// Binds the server (when `listen` is given) and checks the textfile's directory, before the run.
+    pub fn start(listen: Option<&str>, textfile: Option<&Path>, ctx: &RunContext) -> anyhow::Result<Self> {
+        let state = Arc::new(Mutex::new(MetricsState::new(ctx)));
+        if let Some(p) = textfile {
+            if p.extension().is_none_or(|e| e != "prom") {
+                anyhow::bail!(
+                    "--metrics-textfile {}: the name must end in .prom (node_exporter's textfile collector reads only *.prom files)",
+                    p.display()
+                );
+            }
+            // The first write says now whether the directory is writable.
+            write_textfile(p, &state.lock().unwrap().encode(false).0).map_err(|e| {
+                anyhow::anyhow!(
+                    "--metrics-textfile {}: cannot write it ({e}). Give a writable directory (node_exporter's --collector.textfile.directory)",
+                    p.display()
+                )
+            })?;
+        }
+        let server = match listen {
+            Some(addr) => {
+                let st = state.clone();
+                let render: Render = Arc::new(move |om| st.lock().unwrap_or_else(|e| e.into_inner()).encode(om));
+                let server = MetricsServer::start(addr, render)?;
+                eprintln!("torchmem: Prometheus metrics at http://{}/metrics", server.local_addr());
+                Some(server)
+            }
+            None => None,
+        };
+        Ok(PrometheusSink {
+            state,
+            server,
+            textfile: textfile.map(Path::to_path_buf),
+            last_textfile: Some(Instant::now()),
+        })
+    }
+
+    /// The server's address (tests).
+    pub fn local_addr(&self) -> Option<std::net::SocketAddr> {
+        self.server.as_ref().map(|s| s.local_addr())
+    }
+
+    fn write_textfile_now(&mut self) -> anyhow::Result<()> {
+        if let Some(p) = &self.textfile {
+            let text = self.state.lock().unwrap_or_else(|e| e.into_inner()).encode(false).0;
+            write_textfile(p, &text).map_err(|e| anyhow::anyhow!("writing {}: {e}", p.display()))?;
+            self.last_textfile = Some(Instant::now());
+        }
+        Ok(())
+    }
+}
+
+impl Sink for PrometheusSink {
+    fn consume(&mut self, batch: &RecordBatch) -> anyhow::Result<()> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).apply(batch);
+        if self.textfile.is_some()
+            && self.last_textfile.is_none_or(|t| t.elapsed() >= Duration::from_millis(TEXTFILE_INTERVAL_MS))
+        {
+            self.write_textfile_now()?;
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self, _t_ns: u64) -> anyhow::Result<()> {
+        self.write_textfile_now()?;
+        self.server = None;
+        Ok(())
+    }
+
+    fn name(&self) -> &'static str {
+        "Prometheus metrics"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use torchmem_core::model::{Marker, MarkerMemory, ProcessInfo, ProcessSample, TorchSample};
+    use torchmem_core::sources::gpu::GpuDevice;
+
+    fn origin(pid: u32, rank: Option<u32>) -> Origin {
+        Origin { pid: Some(pid), rank, local_rank: rank, world_size: rank.map(|_| 2) }
+    }
+
+    fn marker(pid: u32, kind: MarkerKind, edge: Edge, name: &str, index: Option<i64>) -> Marker {
+        Marker {
+            t_ns: 1,
+            kind,
+            edge,
+            name: name.into(),
+            index,
+            memory: MarkerMemory::default(),
+            origin: origin(pid, Some(1)),
+            device: None,
+        }
+    }
+
+    #[test]
+    fn series_carry_identity_and_end_with_their_process() {
+        let ctx = RunContext {
+            devices: vec![GpuDevice { index: 0, name: "fake".into(), uuid: "GPU-abc".into(), total_bytes: 80 << 30 }],
+            hostname: "h1".into(),
+            ..Default::default()
+        };
+        let mut st = MetricsState::new(&ctx);
+        let torch = TorchSample {
+            t_ns: 1,
+            device: 0,
+            allocated_bytes: 1 << 20,
+            reserved_bytes: 2 << 20,
+            peak_allocated_bytes: 3 << 20,
+            peak_reserved_bytes: 4 << 20,
+            active_bytes: 0,
+            inactive_split_bytes: 0,
+            origin: origin(42, Some(1)),
+        };
+        let batch = RecordBatch {
+            records: vec![
+                Record::ProcessSeen(ProcessInfo {
+                    pid: 42,
+                    ppid: 1,
+                    cmdline: "python t.py".into(),
+                    first_t_ns: 0,
+                    last_t_ns: 0,
+                }),
+                Record::Process(ProcessSample {
+                    t_ns: 1,
+                    pid: 42,
+                    rss_bytes: 5,
+                    pss_bytes: Some(4),
+                    uss_bytes: None,
+                    gpu_bytes: None,
+                }),
+                Record::Torch(torch),
+            ],
+            markers: vec![
+                marker(42, MarkerKind::Step, Edge::Start, "step", Some(7)),
+                marker(42, MarkerKind::Phase, Edge::Start, "forward", None),
+                marker(42, MarkerKind::Phase, Edge::End, "forward", None),
+                marker(42, MarkerKind::Phase, Edge::Start, "backward", None),
+            ],
+            ..Default::default()
+        };
+        st.apply(&batch);
+        let (text, _) = st.encode(false);
+        let l = r#"pid="42",rank="1",local_rank="1""#;
+        assert!(
+            text.contains(&format!(r#"torchmem_cuda_allocated_bytes{{{l},device="0",UUID="GPU-abc"}} 1048576"#)),
+            "{text}"
+        );
+        assert!(text.contains(&format!("torchmem_step{{{l}}} 7")), "{text}");
+        assert!(text.contains(&format!(r#"torchmem_phase{{{l},phase="backward"}} 1"#)), "{text}");
+        assert!(text.contains(&format!(r#"torchmem_phase{{{l},phase="forward"}} 0"#)), "{text}");
+        assert!(text.contains(&format!("torchmem_process_pss_bytes{{{l}}} 4")), "{text}");
+        assert!(!text.contains("torchmem_process_uss_bytes"), "never measured: no series, no HELP\n{text}");
+        assert!(!text.contains("torchmem_gpu_used_bytes"), "no NVML reading: no series\n{text}");
+        assert!(text.contains(r#"command="python t.py""#), "{text}");
+        st.apply(&RecordBatch { exited_pids: vec![42], ..Default::default() });
+        let (text, _) = st.encode(true);
+        assert!(!text.contains(r#"pid="42""#), "a process's series end with it\n{text}");
+        assert!(text.ends_with("# EOF\n"));
+    }
+
+    #[test]
+    fn textfile_is_replaced_atomically_and_must_be_a_prom_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("torchmem.prom");
+        write_textfile(&p, "a 1\n").unwrap();
+        write_textfile(&p, "a 2\n").unwrap();
+        assert_eq!(std::fs::read_to_string(&p).unwrap(), "a 2\n");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "no temporary file left");
+        let bad = PrometheusSink::start(None, Some(&dir.path().join("m.txt")), &RunContext::default());
+        assert!(bad.err().unwrap().to_string().contains("must end in .prom"));
+        let missing = PrometheusSink::start(None, Some(&dir.path().join("no/such/m.prom")), &RunContext::default());
+        assert!(missing.err().unwrap().to_string().contains("cannot write it"));
+    }
+}
