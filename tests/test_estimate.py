@@ -251,7 +251,7 @@ def test_fit_finds_the_largest_batch(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(MLP_SCRIPT.replace("range(1000)", "range(2)"))
     p = _torchmem(
-        "estimate", "--device-memory", "1000MiB", "--steps", "1", "--fit", "batch=1024..16384", "--json", "--",
+        "estimate", "--device-memory", "1000MiB", "--steps", "1", "--fit", "batch=1024..16384:1024", "--json", "--",
         sys.executable, str(script), "{batch}", timeout=600,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr
@@ -261,3 +261,4 @@ def test_fit_finds_the_largest_batch(tmp_path):
     assert tried[best] is True
     assert any(v > best and not ok for v, ok in tried.items())
     assert all(ok for v, ok in tried.items() if v <= best)
+    assert all(v % 1024 == 0 for v in tried)

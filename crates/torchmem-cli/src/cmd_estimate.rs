@@ -49,7 +49,8 @@ pub struct EstimateArgs {
     /// The summary JSON written with --trace's snapshot.
     #[arg(long, value_name = "JSON", requires = "trace")]
     pub summary: Option<PathBuf>,
-    /// Find the largest value that fits: `NAME=LO..HI`; the command's `{NAME}` is replaced by each value tried.
+    /// Find the largest value that fits: `NAME=LO..HI[:STEP]` (multiples of STEP); the command's `{NAME}` is
+    /// replaced by each value tried (doubling from LO, then bisection).
     #[arg(long, value_name = "NAME=LO..HI")]
     pub fit: Option<String>,
     /// Run a Python module, as `python -m MODULE [ARGS…]`.
@@ -371,19 +372,29 @@ pub fn report_text(r: &Value) -> String {
 
 /// `--fit NAME=LO..HI`: doubling from LO until it does not fit (or HI), then bisection.
 fn fit_search(args: &EstimateArgs, target: &Target, spec: &str) -> anyhow::Result<i32> {
-    let (name, range) = spec.split_once('=').ok_or_else(|| anyhow!("--fit wants NAME=LO..HI, e.g. batch=1..4096"))?;
-    let (lo, hi) = range.split_once("..").ok_or_else(|| anyhow!("--fit wants NAME=LO..HI, e.g. batch=1..4096"))?;
+    let usage = || anyhow!("--fit wants NAME=LO..HI or NAME=LO..HI:STEP, e.g. batch=1..4096 or batch=8..512:8");
+    let (name, range) = spec.split_once('=').ok_or_else(usage)?;
+    let (range, step) = match range.split_once(':') {
+        Some((r, st)) => {
+            (r, st.trim().parse::<u64>().map_err(|_| anyhow!("--fit: step {st:?} is not a whole number"))?)
+        }
+        None => (range, 1),
+    };
+    let (lo, hi) = range.split_once("..").ok_or_else(usage)?;
     let lo: u64 = lo.trim().parse().map_err(|_| anyhow!("--fit: {lo:?} is not a whole number"))?;
     let hi: u64 = hi.trim().parse().map_err(|_| anyhow!("--fit: {hi:?} is not a whole number"))?;
-    if lo == 0 || lo > hi {
-        bail!("--fit: the range must be 1 <= LO <= HI");
+    if lo == 0 || lo > hi || step == 0 || lo % step != 0 {
+        bail!("--fit: the range must be 1 <= LO <= HI, with LO a multiple of STEP");
     }
+    // The search runs over multiples of STEP: units lo/step ..= hi/step.
+    let (lo, hi) = (lo / step, hi / step);
     let placeholder = format!("{{{name}}}");
     if !args.command.iter().any(|a| a.contains(&placeholder)) {
         bail!("--fit {name}=...: the command has no {placeholder} to replace");
     }
     let mut tried: Vec<Value> = Vec::new();
-    let mut attempt = |v: u64| -> anyhow::Result<bool> {
+    let mut attempt = |unit: u64| -> anyhow::Result<bool> {
+        let v = unit * step;
         let cmd: Vec<String> = args.command.iter().map(|a| a.replace(&placeholder, &v.to_string())).collect();
         let r = estimate_command(args, target, &cmd)?;
         let fits = r["fits"].as_bool() == Some(true);
@@ -422,6 +433,8 @@ fn fit_search(args: &EstimateArgs, target: &Target, spec: &str) -> anyhow::Resul
         }
         good = Some(g);
     }
+    let good = good.map(|u| u * step);
+    let lo = lo * step;
     let out = json!({"name": name, "largest_fitting": good, "gpu": target.gpu.name, "tried": tried});
     if args.json {
         println!("{}", serde_json::to_string_pretty(&out)?);

@@ -6,12 +6,16 @@ Every rule here was found by comparing the trace request by request with traces 
 
 * cuBLAS workspace: the first GEMM of a thread gets the handle's workspace through the caching allocator and
   keeps it for the process: 32 MiB on Hopper and later (`CUBLAS_WORKSPACE_CONFIG` default `:4096:8`), else
-  `:4096:2:16:8` (8 MiB + 128 KiB); the first GEMM of the process also gets cuBLASLt's 1 MiB workspace. Forward
+  `:4096:2:16:8` (8 MiB + 128 KiB); the first GEMM with a bias (addmm) also gets cuBLASLt's 1 MiB. Forward
   and backward run on different threads (the autograd engine's device thread), so a training step holds two.
 * SDPA backend: without a GPU the fake CUDA stub answers "math" (the attention matrix materialised: +37 % on
   GPT-2). We make the choice CUDA makes for the target GPU (cuDNN attention first on sm90/sm100, then flash,
   memory-efficient, math, with each backend's dtype/shape limits) and call that backend's operator, so its
-  outputs (output, logsumexp, RNG seed/offset) and its backward have CUDA's sizes and lifetimes.
+  outputs (output, logsumexp, RNG seed/offset) and its backward have CUDA's sizes and lifetimes. Under autocast,
+  q/k/v are cast first, as autocast's CUDA kernel does (Llama's RoPE hands fp32 to a bf16 autocast region); a
+  mask that needs a gradient (T5's position bias) rules out the memory-efficient kernel (math on the H200).
+* Gradient accumulation in place, and CUDA's allocation order for dropout (mask first) and cuDNN attention
+  (RNG seed/offset first), see the comments below.
 * cuDNN attention backward: a transient workspace of 4 * B * H * S_q * (D + 1) + 256 bytes (the fp32 dQ
   accumulator and softmax statistics; exact on GPT-2 batch 4/8/16, Llama, ViT-B/16).
 """
@@ -37,6 +41,9 @@ _GEMM_OPS = {
     "aten._scaled_mm.default",
     "aten._int_mm.default",
 }
+# GEMMs with a bias epilogue go through cuBLASLt (its 1 MiB workspace comes with the first one; Llama's
+# bias-free Linears never take it).
+_LT_OPS = {"aten.addmm.default", "aten._addmm_activation.default"}
 # Operators whose CUDA kernel allocates its outputs in another order than the meta kernel returns them.
 _OUTPUT_ORDER = {"aten.native_dropout.default": (1, 0)}  # the mask, then the output
 # torch.nn.attention.SDPBackend values
@@ -98,7 +105,7 @@ class CudaRules:
         # The output is allocated before the library call that gets the handle (and its workspace).
         name = str(func)
         if name in _GEMM_OPS:
-            self._gemm_workspaces(tracer)
+            self._gemm_workspaces(tracer, lt=name in _LT_OPS)
             if args and isinstance(args[-1], torch.Tensor) and args[-1].dtype in (torch.float16, torch.bfloat16):
                 self.used_half = True
         elif "convolution" in name:
@@ -130,16 +137,16 @@ class CudaRules:
             return False
         return a._use_count() <= base
 
-    def _gemm_workspaces(self, tracer) -> None:
+    def _gemm_workspaces(self, tracer, *, lt: bool) -> None:
         tid = threading.get_ident()
         with self._lock:
-            if tid in self._cublas_threads:
-                return
+            new_thread = tid not in self._cublas_threads
             self._cublas_threads.add(tid)
-            first = not self._cublaslt
-            self._cublaslt = True
-        tracer.alloc(cublas_workspace_bytes(self.gpu.major), "cuBLAS workspace (kept)")
-        if first:
+            first_lt = lt and not self._cublaslt
+            self._cublaslt = self._cublaslt or lt
+        if new_thread:
+            tracer.alloc(cublas_workspace_bytes(self.gpu.major), "cuBLAS workspace (kept)")
+        if first_lt:
             tracer.alloc(CUBLASLT_WORKSPACE_BYTES, "cuBLASLt workspace (kept)")
 
     def _cudnn_attention(self, tracer, func, args, kwargs):
@@ -188,7 +195,16 @@ class CudaRules:
 
         def efficient_ok() -> bool:
             ok_dtype = dtype in (torch.float32, torch.float16) or (dtype == torch.bfloat16 and major >= 8)
-            return bc.mem_efficient_sdp_enabled() and ok_dtype and not gqa and d_qk % 8 == 0 and d_v % 8 == 0
+            # A mask that needs a gradient (T5's position bias) sent the H200 to the math path.
+            mask_grad = attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled()
+            return (
+                bc.mem_efficient_sdp_enabled()
+                and ok_dtype
+                and not gqa
+                and not mask_grad
+                and d_qk % 8 == 0
+                and d_v % 8 == 0
+            )
 
         order = (_CUDNN, _FLASH, _EFFICIENT, _MATH) if major in (9, 10) else (_FLASH, _EFFICIENT, _MATH, _CUDNN)
         checks = {_CUDNN: cudnn_ok, _FLASH: flash_ok, _EFFICIENT: efficient_ok, _MATH: bc.math_sdp_enabled}
@@ -251,7 +267,22 @@ def sdpa_wrapper(rules: CudaRules, original):
 
     def scaled_dot_product_attention(query, key, value, *args, **kwargs):
         if isinstance(query, torch.Tensor) and query.device.type == "cuda":
-            out = _sdpa(rules, query, key, value, *args, **kwargs)
+            if torch.is_autocast_enabled("cuda"):
+                # SDPA is on autocast's lower-precision list: CUDA casts q, k, v (and a float mask) first, then
+                # picks the backend for the cast dtype (Llama's RoPE hands it fp32 under bf16 autocast).
+                dt = torch.get_autocast_dtype("cuda")
+
+                def cast(t):
+                    eligible = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+                    return t.to(dt) if eligible and t.dtype != dt else t
+
+                cq, ck, cv = cast(query), cast(key), cast(value)
+                cargs = tuple(cast(a) for a in args)
+                ckwargs = {k: cast(v) for k, v in kwargs.items()}
+                with torch.autocast("cuda", enabled=False):
+                    out = _sdpa(rules, cq, ck, cv, *cargs, **ckwargs)
+            else:
+                out = _sdpa(rules, query, key, value, *args, **kwargs)
             if out is not None:
                 return out
         return original(query, key, value, *args, **kwargs)
