@@ -59,7 +59,12 @@ fn top_sites_and_at() {
         assert!(err.contains("--at"), "{err}");
     }
     let (_, _, err) = torchmem(&["snapshot", f.to_str().unwrap(), "--top", "3", "--at=-5"]);
-    assert!(err.contains("before the trace start: the trace spans 0 to 7238.106 ms (time_us 1796056079995649 to 1796056087233755)"), "{err}");
+    assert!(
+        err.contains(
+            "before the trace start: the trace spans 0 to 7238.106 ms (time_us 1796056079995649 to 1796056087233755)"
+        ),
+        "{err}"
+    );
     let (code, _, err) = torchmem(&["snapshot", f.to_str().unwrap(), "--at", "5"]);
     assert_ne!(code, 0);
     assert!(err.contains("--at needs --top"), "{err}");
