@@ -110,8 +110,16 @@ def test_scrape_during_a_real_run_and_the_textfile(tmp_path: Path) -> None:
     script.write_text(textwrap.dedent(PROGRAM))
     textfile = tmp_path / "prom" / "torchmem.prom"
     textfile.parent.mkdir()
-    run = Run("-o", str(tmp_path / "p.sqlite"), "--metrics", "127.0.0.1:0", "--metrics-textfile", str(textfile),
-              str(script), str(tmp_path))
+    run = Run(
+        "-o",
+        str(tmp_path / "p.sqlite"),
+        "--metrics",
+        "127.0.0.1:0",
+        "--metrics-textfile",
+        str(textfile),
+        str(script),
+        str(tmp_path),
+    )
     try:
         addr = run.address()
         pids = wait_for(lambda: (tmp_path / "pids").exists() and (tmp_path / "pids").read_text().split())
@@ -143,7 +151,9 @@ def test_scrape_during_a_real_run_and_the_textfile(tmp_path: Path) -> None:
         assert {s.labels["pid"] for s in samples(om, "torchmem_process_rss_bytes")} >= {pid}
         # A process that exits loses its series.
         (tmp_path / "kill-child").write_text("")
-        wait_for(lambda: child not in {s.labels["pid"] for s in samples(families(scrape(addr)), "torchmem_process_info")})
+        wait_for(
+            lambda: child not in {s.labels["pid"] for s in samples(families(scrape(addr)), "torchmem_process_info")}
+        )
         assert pid in {s.labels["pid"] for s in samples(families(scrape(addr)), "torchmem_process_info")}
         # The textfile: the same metrics, rewritten while the program runs.
         tf = wait_for(lambda: textfile.exists() and samples(families(textfile.read_text()), "torchmem_step"))
@@ -169,19 +179,37 @@ def test_a_taken_port_and_a_bad_address_are_clear_errors(tmp_path: Path) -> None
         out = tmp_path / "p.sqlite"
         proc = subprocess.run(
             [sys.executable, "-m", "torchmem", "run", "-o", str(out), "--metrics", f"127.0.0.1:{port}", str(script)],
-            capture_output=True, text=True, env=ENV, timeout=60,
+            capture_output=True,
+            text=True,
+            env=ENV,
+            timeout=60,
         )
     assert proc.returncode == 1, proc.stderr
     assert f"cannot serve metrics on 127.0.0.1:{port}: the port is already in use" in proc.stderr
     assert "port 0" in proc.stderr and "ran" not in proc.stdout and not out.exists()
     bad = subprocess.run(
         [sys.executable, "-m", "torchmem", "run", "--metrics", "9464", str(script)],
-        capture_output=True, text=True, env=ENV, timeout=60,
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=60,
     )
     assert bad.returncode == 2 and "no port in '9464'" in bad.stderr and "HOST:PORT" in bad.stderr, bad.stderr
     txt = subprocess.run(
-        [sys.executable, "-m", "torchmem", "run", "-o", str(out), "--metrics-textfile", str(tmp_path / "m.txt"),
-         str(script)],
-        capture_output=True, text=True, env=ENV, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "torchmem",
+            "run",
+            "-o",
+            str(out),
+            "--metrics-textfile",
+            str(tmp_path / "m.txt"),
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=60,
     )
     assert txt.returncode == 1 and "must end in .prom" in txt.stderr and not out.exists(), txt.stderr

@@ -37,8 +37,9 @@ with mon.epoch():
 
 
 def torchmem(*args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "torchmem", *args], capture_output=True, text=True, env=ENV,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchmem", *args], capture_output=True, text=True, env=ENV, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     return proc
 
@@ -54,9 +55,14 @@ def test_tensorboard_reads_the_run(tmp_path: Path) -> None:
     acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    for tag in ["torchmem/rss_bytes", "torchmem/pss_bytes", "torchmem/step/peak_rss_bytes",
-                "torchmem/phase/forward/peak_rss_bytes", "torchmem/phase/optimizer_step/peak_rss_bytes",
-                "torchmem/epoch/peak_rss_bytes"]:
+    for tag in [
+        "torchmem/rss_bytes",
+        "torchmem/pss_bytes",
+        "torchmem/step/peak_rss_bytes",
+        "torchmem/phase/forward/peak_rss_bytes",
+        "torchmem/phase/optimizer_step/peak_rss_bytes",
+        "torchmem/epoch/peak_rss_bytes",
+    ]:
         assert tag in tags, sorted(tags)
     assert not [t for t in tags if "cuda" in t or "gpu" in t], "torch on CPU, no NVML: no GPU scalars"
     steps = acc.Scalars("torchmem/step/peak_rss_bytes")
@@ -80,7 +86,10 @@ def test_tensorboard_dir_that_is_a_file_is_a_clear_error(tmp_path: Path) -> None
     out = tmp_path / "p.sqlite"
     proc = subprocess.run(
         [sys.executable, "-m", "torchmem", "run", "-o", str(out), "--tensorboard", str(tmp_path / "f"), str(script)],
-        capture_output=True, text=True, env=ENV, timeout=60,
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=60,
     )
     assert proc.returncode == 1 and "it is a file, not a directory" in proc.stderr, proc.stderr
     assert "ran" not in proc.stdout and not out.exists()
