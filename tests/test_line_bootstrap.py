@@ -212,7 +212,7 @@ def work():
 
 if "--short" in sys.argv:
     short()
-    time.sleep(0.3)
+    time.sleep(0 if "--at-exit" in sys.argv else 0.3)
 else:
     work()
 print("TRUTH " + json.dumps({"true_peak": FAKE.true_peak}))
@@ -220,9 +220,13 @@ print("TRUTH " + json.dumps({"true_peak": FAKE.true_peak}))
 
 
 @pytest.mark.skipif(not _cli_has_line(), reason="`torchmem run --line` not wired in the CLI")
-@pytest.mark.parametrize("short", [False, True], ids=["long", "short GPU life, cache emptied"])
+@pytest.mark.parametrize(
+    "variant",
+    [[], ["--short"], ["--short", "--at-exit"]],
+    ids=["long", "short GPU life, cache emptied", "GPU work just before exit"],
+)
 @pytest.mark.parametrize("line", [False, True], ids=["run", "run --line"])
-def test_allocator_timeline_under_line_as_without(tmp_path: Path, line: bool, short: bool) -> None:
+def test_allocator_timeline_under_line_as_without(tmp_path: Path, line: bool, variant: list[str]) -> None:
     """`torchmem run --line` records the allocator timeline as plain `run` does, and its peak is the
     allocator's true peak, though the line profiler resets the counters after a line with a spike.
 
@@ -230,7 +234,8 @@ def test_allocator_timeline_under_line_as_without(tmp_path: Path, line: bool, sh
     None): until CUDA is in use the sampler reads every 10th tick; a program whose GPU work is over (and its
     cache emptied) before that read leaves plain `run` the cumulative peaks, but the line profiler had reset
     them to the current values, all 0, so the device read as never used. The peak ledger now folds what
-    each reset takes into the sampler's next read."""
+    each reset takes into the sampler's next read. "GPU work just before exit": the program ends before the
+    sampler's next idle read; the sampler reads once more when it is stopped at exit."""
     import sqlite3
 
     exe = shutil.which("torchmem") or str(Path(sys.executable).parent / "torchmem")
@@ -238,7 +243,8 @@ def test_allocator_timeline_under_line_as_without(tmp_path: Path, line: bool, sh
     script.write_text(FAKE_TORCH_SCRIPT)
     prof = tmp_path / "p.sqlite"
     args = [exe, "run", "-q", "-o", str(prof)] + (["--line"] if line else []) + [str(script)]
-    args += ["--short"] if short else []
+    args += variant
+    short = bool(variant)
     p = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     truth = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("TRUTH ")][-1][6:])

@@ -5,10 +5,43 @@ from typing import Any
 
 __version__: str
 
-# --- errors (crates/torchmem-py/src/errors.rs) ---
-class TorchmemError(Exception): ...
-class ProfileError(TorchmemError): ...
-class SnapshotError(TorchmemError): ...
+# --- errors (crates/torchmem-py/src/errors.rs: the one place Rust errors become exceptions) ---
+# Bad input is a ValueError (so `except ValueError` keeps working); I/O is the matching OSError subclass
+# (FileNotFoundError, PermissionError, IsADirectoryError, ...); the line profiler in the wrong state RuntimeError.
+class TorchmemError(Exception):
+    """Base class of torchmem's errors (alone: NVML unavailable, a tool failure)."""
+
+class InputError(TorchmemError, ValueError):
+    """A bad argument value: malformed JSON, unknown kind or edge, bad allocator settings."""
+
+class OomParseError(InputError):
+    """Text that is not a PyTorch out-of-memory message (explain_oom_json)."""
+
+class ProfileError(TorchmemError, ValueError):
+    """A file that is not a readable torchmem profile (not a profile, damaged, truncated, newer schema)."""
+
+class SnapshotError(TorchmemError, ValueError):
+    """An allocator snapshot that cannot be read (truncated, malicious, not a snapshot, unreadable file)."""
+
+# --- profile files (crates/torchmem-py/src/profile.rs) ---
+class ProfileData:
+    """A profile file loaded once in Rust (python/torchmem/profile.py wraps it as torchmem.Profile)."""
+
+    @property
+    def path(self) -> str:
+        """The profile file's path, as given."""
+    def summary(self) -> dict[str, Any]:
+        """The dict of `torchmem report --format json`."""
+    def tables(self) -> list[str]:
+        """The table names `table` accepts: cpu_samples, torch_samples, gpu_samples, processes,
+        process_samples, markers, aggregates (raw); phases, epochs, epoch_totals, process_summary, growth,
+        journey (the report's)."""
+    def table(self, name: str) -> tuple[list[str], list[tuple[Any, ...]]]:
+        """(columns, rows): nested records flattened to `origin_pid`, ...; InputError for an unknown name."""
+
+def open_profile(path: str | Any) -> ProfileData:
+    """Loads a profile written by `torchmem run`. FileNotFoundError for a missing file, IsADirectoryError for
+    a directory, ProfileError (with the CLI's message) for a file that is not a readable profile."""
 
 # --- command line (crates/torchmem-py/src/cli.rs) ---
 def cli_main() -> int:
@@ -53,7 +86,7 @@ def summary_json(markers_json: str, capacity_bytes: int | None = None, aggregate
     model::Marker form ({"t_ns", "kind", "edge", "name", "index", "memory": MarkerMemory}). `aggregates_json`
     (analysis::MarkerAggregates: {"steps", "phases": [PhaseRow], "peak_allocated_bytes", "peak_reserved_bytes",
     "peak_rss_bytes"}) replaces the step count and phase rows, and raises the journey's peak: what a Monitor
-    that kept only its first markers passes. ValueError (TorchmemError) for malformed JSON."""
+    that kept only its first markers passes. InputError (a ValueError) for malformed JSON."""
 
 def summary_text(markers_json: str, capacity_bytes: int | None = None, aggregates_json: str | None = None) -> str:
     """The per-epoch and per-phase tables and growth warnings as text, from markers (and aggregates)."""
@@ -98,8 +131,8 @@ def read_allocator_once() -> list[str]:
 def start_allocator_sampler(interval_ms: float) -> bool:
     """Starts the thread that sends read_allocator_once()'s lines every interval_ms to the fd in
     TORCHMEM_EVENT_FD (torchmem run's recorder). False when that variable is unset or the fd closed; True
-    when running. Stops by itself at interpreter exit (atexit) or when the pipe closes. ValueError when
-    interval_ms is not a positive number."""
+    when running. Stops by itself at interpreter exit (atexit, after one last read) or when the pipe closes.
+    ValueError when interval_ms is not a positive number."""
 
 def stop_allocator_sampler() -> bool:
     """Stops and joins the sampler thread; True when one was running in this process."""
@@ -159,7 +192,7 @@ def simulate_json(
     device_memory_recorded: bool = False,
 ) -> str:
     """Replays a snapshot (a path or its bytes) through the caching-allocator model: the JSON of
-    `torchmem simulate --json` plus `text` (and `min_memory` when asked). Raises SnapshotError, ValueError."""
+    `torchmem simulate --json` plus `text` (and `min_memory` when asked). Raises SnapshotError, InputError (bad settings)."""
 
 # --- allocator snapshots (crates/torchmem-py/src/snapshot.rs) ---
 def snapshot_summary_json(path: str, top: int = 10, at_time_us: int | None = None) -> str:
@@ -174,7 +207,8 @@ def snapshot_text(path: str, top: int = 10) -> str:
     """The text of `torchmem snapshot FILE` followed by `--top top`. Raises SnapshotError."""
 
 def snapshot_html(path: str, out_path: str) -> None:
-    """Writes the self-contained offline HTML report of a snapshot file. Raises SnapshotError."""
+    """Writes the self-contained offline HTML report of a snapshot file. Raises SnapshotError, or the OSError
+    subclass of a failed write (PermissionError, FileNotFoundError, IsADirectoryError)."""
 
 def oom_diagnosis_json(
     requested_bytes: int,
@@ -191,7 +225,8 @@ def oom_diagnosis_json(
 
 def explain_oom_json(message: str) -> str:
     """Parses a PyTorch CUDA OOM message (torch <= 2.0, 2.1, >= 2.2 wordings) and diagnoses it, as JSON
-    (like `oom_diagnosis_json`, with the parsed numbers). Raises ValueError for text that is not one."""
+    (like `oom_diagnosis_json`, with the parsed numbers). Raises OomParseError (a ValueError) for text
+    that is not one."""
 
 # --- event buffer (crates/torchmem-py/src/events.rs) ---
 def emit_event(line: str) -> bool:
@@ -210,7 +245,7 @@ def emit_marker(
     """Queue one marker message (the `marker` wire format of `torchmem-core/src/wire.rs`), formatted in Rust.
     `kind`: epoch|step|phase|mark; `edge`: start|end|point; `memory`: the `MarkerMemory` fields read
     (`rss_bytes`, `allocated_bytes`, `reserved_bytes`, `peak_*_bytes`); `device`: the GPU `memory` read, by
-    NVML index (None: CPU only). ValueError for an unknown kind or edge. False when there is no recorder."""
+    NVML index (None: CPU only). InputError (a ValueError) for an unknown kind or edge. False when there is no recorder."""
 
 def flush_events() -> bool:
     """Write the queued messages now. False when there is no recorder."""

@@ -469,28 +469,23 @@ fn sampler_loop(stop: Arc<AtomicBool>, fd: i32, interval: Duration) {
     let mut tick: u32 = 0;
     loop {
         std::thread::park_timeout(interval);
-        if stop.load(Ordering::Acquire) {
-            break;
-        }
+        // Stopping (at exit): one last read, so that a program whose GPU work ended between two idle reads
+        // (every 10th tick) still leaves its peaks in the timeline.
+        let stopping = stop.load(Ordering::Acquire);
         tick = tick.wrapping_add(1);
-        if !cuda_seen && tick % IDLE_TICKS_PER_READ != 1 {
+        if !stopping && !cuda_seen && tick % IDLE_TICKS_PER_READ != 1 {
             crate::events::flush();
             continue;
         }
         // try_attach returns None once the interpreter is finalizing: the thread then just ends.
-        let Some(sampled) = Python::try_attach(|py| {
-            if stop.load(Ordering::Acquire) {
-                None
-            } else {
-                let devices = sample_devices(py, &mut cache, true);
-                let t_ns = torchmem_core::clock::monotonic_ns();
-                let unknown = map.unknown_uuids(py, &devices);
-                Some((devices, t_ns, unknown))
-            }
+        let Some((devices, t_ns, unknown)) = Python::try_attach(|py| {
+            let devices = sample_devices(py, &mut cache, true);
+            let t_ns = torchmem_core::clock::monotonic_ns();
+            let unknown = map.unknown_uuids(py, &devices);
+            (devices, t_ns, unknown)
         }) else {
             break;
         };
-        let Some((devices, t_ns, unknown)) = sampled else { break };
         cuda_seen |= !devices.is_empty();
         map.learn(unknown);
         // Each line is one write (< PIPE_BUF), so it never interleaves with the Python side's events.
@@ -499,6 +494,9 @@ fn sampler_loop(stop: Arc<AtomicBool>, fd: i32, interval: Duration) {
         }
         // The Python API's buffered events go out on the same tick, without the interpreter.
         crate::events::flush();
+        if stopping {
+            break;
+        }
     }
     crate::events::flush();
     // Release the references with the interpreter attached while it still runs; otherwise pyo3 defers the
