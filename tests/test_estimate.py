@@ -262,3 +262,23 @@ def test_fit_finds_the_largest_batch(tmp_path):
     assert any(v > best and not ok for v, ok in tried.items())
     assert all(ok for v, ok in tried.items() if v <= best)
     assert all(v % 1024 == 0 for v in tried)
+
+
+def test_torch_compile_is_traced_eagerly_and_said_so():
+    import torchmem
+
+    state: dict = {}
+
+    def step():
+        if not state:
+            state["m"] = torch.compile(torch.nn.Linear(256, 256).to("cuda"))
+            state["opt"] = torch.optim.SGD(state["m"].parameters(), lr=0.1)
+        state["m"](torch.randn(32, 256, device="cuda")).sum().backward()
+        state["opt"].step()
+        state["opt"].zero_grad()
+
+    est = torchmem.estimate(step, gpu="T4", steps=2)
+    assert est.steps == 2 and est.fits
+    assert any("torch.compile was ignored" in n for n in est.notes)
+    # T4 (sm75): the pre-Hopper cuBLAS workspace (8 MiB + 128 KiB) per thread, not Hopper's 32 MiB.
+    assert est.peak_allocated_bytes < 2 * (32 << 20)

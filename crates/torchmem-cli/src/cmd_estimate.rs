@@ -352,7 +352,10 @@ pub fn report_text(r: &Value) -> String {
     if let Some(top) = r["largest_at_peak"].as_array().filter(|t| !t.is_empty()) {
         s += "  largest tensors live at the peak:\n";
         for t in top.iter().take(8) {
-            let site = t["site"].as_str().filter(|x| !x.is_empty()).unwrap_or("(no Python frame: autograd engine)");
+            let site = t["site"]
+                .as_str()
+                .filter(|x| !x.is_empty())
+                .unwrap_or("(no frame: kept for requests of 1 MiB or more)");
             s += &format!(
                 "    {:>10}  {:<9} {:<40} {}\n",
                 b(&t["size_bytes"]),

@@ -81,6 +81,17 @@ class Session:
 
         self._patch(F, "scaled_dot_product_attention", _rules.sdpa_wrapper(self.rules, F.scaled_dot_product_attention))
         tr = self.tracer
+
+        def compile_eager(model=None, *_args, **_kwargs):
+            # Inductor needs a real device; like torchtitan's estimator we trace the eager program (a compiled
+            # graph usually needs less memory: fused buffers), and say so.
+            tr.note("torch.compile was ignored: the estimate is for eager execution (compiled graphs fuse buffers)")
+            if model is None:
+                return lambda m: m
+            return model
+
+        self._patch(torch, "compile", compile_eager)
+        tr = self.tracer
         session = self
 
         def forward_pre(_module, _args):
