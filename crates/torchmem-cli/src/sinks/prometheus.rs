@@ -166,6 +166,17 @@ impl MetricsState {
         }
     }
 
+    /// The run ended: every process series ends with it (a textfile left behind must not show a finished
+    /// job's memory as current); the devices' NVML series stay.
+    pub fn end_of_run(&mut self) {
+        let pids: Vec<u32> = self.processes.keys().chain(self.identity.keys()).copied().collect();
+        self.apply(&RecordBatch { exited_pids: pids, ..Default::default() });
+        self.torch.clear();
+        self.spans.clear();
+        self.tree_rss_bytes = None;
+        self.tree_pss_bytes = None;
+    }
+
     /// pid, rank and local_rank, as far as known.
     fn who(&self, pid: Option<u32>) -> Labels {
         let mut l = Labels::new();
@@ -391,6 +402,7 @@ impl Sink for PrometheusSink {
     }
 
     fn finish(&mut self, _t_ns: u64) -> anyhow::Result<()> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).end_of_run();
         self.write_textfile_now()?;
         self.server = None;
         Ok(())
