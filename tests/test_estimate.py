@@ -282,3 +282,25 @@ def test_torch_compile_is_traced_eagerly_and_said_so():
     assert any("torch.compile was ignored" in n for n in est.notes)
     # T4 (sm75): the pre-Hopper cuBLAS workspace (8 MiB + 128 KiB) per thread, not Hopper's 32 MiB.
     assert est.peak_allocated_bytes < 2 * (32 << 20)
+
+
+def test_dataloader_workers_load_in_the_main_process():
+    import torchmem
+    from torch.utils.data import DataLoader, TensorDataset
+
+    state: dict = {}
+
+    def step():
+        if not state:
+            ds = TensorDataset(torch.randn(256, 64), torch.randint(0, 4, (256,)))
+            state["it"] = iter(DataLoader(ds, batch_size=32, num_workers=2, persistent_workers=True))
+            state["m"] = torch.nn.Linear(64, 4).to("cuda")
+            state["opt"] = torch.optim.AdamW(state["m"].parameters())
+        x, y = next(state["it"])
+        torch.nn.functional.cross_entropy(state["m"](x.cuda()), y.cuda()).backward()
+        state["opt"].step()
+        state["opt"].zero_grad()
+
+    est = torchmem.estimate(step, gpu="L4", steps=2)
+    assert est.steps == 2
+    assert any("DataLoader workers" in n for n in est.notes)

@@ -98,9 +98,11 @@ class _ScriptRun:
         )
         self.session.on_limit = self.limit_reached
         self.done = False
+        self.pid = os.getpid()
 
     def finish(self, reason: str, error: str | None = None) -> None:
-        if self.done:
+        # A forked child (DataLoader worker) inherits the hooks: only the traced process writes the files.
+        if self.done or os.getpid() != self.pid:
             return
         self.done = True
         s = self.session

@@ -91,6 +91,7 @@ class Session:
             return model
 
         self._patch(torch, "compile", compile_eager)
+        self._patch_dataloader()
         tr = self.tracer
         session = self
 
@@ -125,6 +126,27 @@ class Session:
         tr.phase = phase
         if phase not in ("between steps",):
             tr.mark(phase, "START")
+
+    def _patch_dataloader(self) -> None:
+        # Worker processes would send fake tensors through shared memory, which fake tensors have none of; the
+        # loader's workers hold no device memory, so loading in the main process changes nothing on the GPU.
+        import torch.utils.data as data
+
+        original = data.DataLoader.__init__
+        tr = self.tracer
+
+        def init(loader, *args, **kwargs):
+            if kwargs.get("num_workers", 0) or (len(args) > 5 and args[5]):
+                tr.note("DataLoader workers were replaced by loading in the main process (no effect on the GPU)")
+                if len(args) > 5:  # DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, ...)
+                    args = (*args[:5], 0, *args[6:])
+                else:
+                    kwargs["num_workers"] = 0
+                kwargs.pop("prefetch_factor", None)
+                kwargs["persistent_workers"] = False
+            return original(loader, *args, **kwargs)
+
+        self._patch(data.DataLoader, "__init__", init)
 
     def _patch_swap_tensors(self) -> None:
         # `module.to("cuda")` swaps fake parameters (torch >= 2.5 always swaps FakeTensors), and swapping refuses
