@@ -80,7 +80,12 @@ pub struct RunArgs {
     pub quiet: bool,
     /// The program: `script.py [ARGS…]` (or a directory with `__main__.py`) runs under the current Python;
     /// anything else runs as given.
-    #[arg(required_unless_present = "module", trailing_var_arg = true, allow_hyphen_values = true, value_name = "COMMAND")]
+    #[arg(
+        required_unless_present = "module",
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "COMMAND"
+    )]
     pub command: Vec<String>,
 }
 
@@ -223,7 +228,8 @@ fn sweep_dead_runs(base: &Path) {
             _ => continue,
         }
         // SAFETY: signal 0 only checks whether the pid exists.
-        let alive = unsafe { libc::kill(pid, 0) } == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+        let alive =
+            unsafe { libc::kill(pid, 0) } == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
         if alive {
             continue;
         }
@@ -245,10 +251,9 @@ struct InjectDir {
 impl InjectDir {
     fn create(base: &Path) -> anyhow::Result<Self> {
         let dir = base.join(format!("torchmem-inject-{}-{}", std::process::id(), torchmem_core::clock::monotonic_ns()));
-        std::fs::DirBuilder::new()
-            .mode(0o700)
-            .create(&dir)
-            .map_err(|e| anyhow!("cannot create torchmem's directory {}: {e}. Set TMPDIR to a writable directory", dir.display()))?;
+        std::fs::DirBuilder::new().mode(0o700).create(&dir).map_err(|e| {
+            anyhow!("cannot create torchmem's directory {}: {e}. Set TMPDIR to a writable directory", dir.display())
+        })?;
         let made = std::fs::write(dir.join("sitecustomize.py"), SITECUSTOMIZE).and_then(|_| std::fs::File::open(&dir));
         match made {
             Ok(lock) => {
@@ -380,8 +385,16 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
     let mut last_status: Option<Instant> = None;
     let mut next = Instant::now();
     let status = loop {
-        if let Err(e) = rec.tick() {
-            eprintln!("torchmem: warning: could not write a sample: {e}");
+        // A signal ends the wait early; samples still come at the interval.
+        if Instant::now() >= next {
+            if let Err(e) = rec.tick() {
+                eprintln!("torchmem: warning: could not write a sample: {e}");
+            }
+            next += interval;
+            let now = Instant::now();
+            if next < now {
+                next = now;
+            }
         }
         for d in signals.decide() {
             if d.forward {
@@ -411,13 +424,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
                 last_status = Some(Instant::now());
             }
         }
-        next += interval;
-        let now = Instant::now();
-        if next > now {
-            signals.wait(next - now);
-        } else {
-            next = now;
-        }
+        signals.wait(next.saturating_duration_since(Instant::now()));
     };
     drop(bar);
     rec.tick().ok();

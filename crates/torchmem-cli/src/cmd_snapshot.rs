@@ -23,6 +23,9 @@ pub struct SnapshotArgs {
     /// Write a self-contained offline HTML report to this path.
     #[arg(long, value_name = "OUT.html")]
     pub html: Option<PathBuf>,
+    /// With --html: overwrite an existing file even when it is not a page torchmem wrote (never the input).
+    #[arg(long)]
+    pub force: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -60,6 +63,9 @@ pub fn run(args: SnapshotArgs) -> anyhow::Result<i32> {
         return usage_error("--at needs --top N (the sites alive at that moment)".into());
     }
     let path = &args.files[0];
+    if let Some(out) = &args.html {
+        crate::output_path::check_html_output(out, &[path], args.force, "--html")?;
+    }
     let snap = load(path)?;
     let sum = summary::summarize(&snap);
     let name = path.display().to_string();
@@ -70,7 +76,7 @@ pub fn run(args: SnapshotArgs) -> anyhow::Result<i32> {
         if args.top.is_some() || args.json { sites::top_sites(&snap, &sum.peaks(), top_n, at_us) } else { Vec::new() };
     if let Some(out) = &args.html {
         let page = html::render(&snap, &sum, &name);
-        std::fs::write(out, &page).with_context(|| format!("cannot write {}", out.display()))?;
+        crate::output_path::write_atomically(out, page.as_bytes())?;
         if !args.json {
             eprintln!("torchmem: wrote {} ({})", out.display(), bytes(page.len() as u64));
         }

@@ -128,7 +128,7 @@ fn write_profile(path: &Path, gpu: bool, finish: bool) {
     if finish {
         w.finish(Some(0), n * 10_000_000).unwrap();
     } else {
-        std::mem::forget(w); // as if the recorder was SIGKILLed: no finish, the WAL not checkpointed
+        w.abandon(); // as if the recorder was SIGKILLed: no finish, the WAL not checkpointed
     }
 }
 

@@ -227,3 +227,80 @@ fn info_reports_host_torch_and_gpus_or_why_not() {
     let table = torchmem().arg("info").output().unwrap();
     assert!(String::from_utf8_lossy(&table.stdout).contains("Host RAM"));
 }
+
+/// A program that logs each SIGINT/SIGTERM/SIGUSR1 it gets, lingers, and says "ready" on stdout.
+const SIGNAL_LOGGER: &str = "import signal, sys, time\nlog = sys.argv[1]\ndef on(s, f):\n    open(log, 'a').write(signal.Signals(s).name + '\\n')\n    if s == signal.SIGTERM:\n        time.sleep(0.3)\n        sys.exit(115)\nfor s in (signal.SIGTERM, signal.SIGUSR1):\n    signal.signal(s, on)\ntry:\n    print('ready', flush=True)\n    time.sleep(1.5)\nexcept KeyboardInterrupt:\n    open(log, 'a').write('SIGINT\\n')\n    time.sleep(0.5)\n";
+
+/// Starts `torchmem run` on the signal logger in a session (and process group) of its own.
+fn start_logger(dir: &Path, log: &Path) -> std::process::Child {
+    use std::os::unix::process::CommandExt;
+    let s = script(dir, "logger.py", SIGNAL_LOGGER);
+    let mut cmd = torchmem();
+    cmd.args(["run", "-q", "-o"]).arg(log.with_extension("sqlite")).arg(&s).arg(log);
+    cmd.stdout(std::process::Stdio::piped());
+    // SAFETY: setsid is async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
+    assert_eq!(line.trim(), "ready");
+    child
+}
+
+#[test]
+fn a_signal_to_the_whole_group_reaches_the_program_once() {
+    let dir = tempfile::tempdir().unwrap();
+    for (sig, code, name) in [(libc::SIGINT, 0, "SIGINT"), (libc::SIGTERM, 115, "SIGTERM")] {
+        let log = dir.path().join(format!("{name}.log"));
+        let mut child = start_logger(dir.path(), &log);
+        std::thread::sleep(Duration::from_millis(200));
+        // SAFETY: signalling the process group we created (setsid: its id is the child's pid).
+        unsafe { libc::kill(-(child.id() as i32), sig) };
+        assert_eq!(child.wait().unwrap().code(), Some(code), "{name}");
+        assert_eq!(std::fs::read_to_string(&log).unwrap(), format!("{name}\n"), "delivered once, not twice");
+    }
+}
+
+#[test]
+fn sigusr1_is_passed_on_and_torchmem_survives_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("usr1.log");
+    let mut child = start_logger(dir.path(), &log);
+    // SAFETY: signalling our own child (torchmem alone, not its group).
+    unsafe { libc::kill(child.id() as i32, libc::SIGUSR1) };
+    assert_eq!(child.wait().unwrap().code(), Some(0));
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "SIGUSR1\n");
+}
+
+#[test]
+fn a_file_that_is_not_a_profile_is_never_replaced_and_a_profile_only_with_force() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = script(dir.path(), "victim.py", "print('mine')\n");
+    let out = torchmem().args(["run", "--force", "-o"]).arg(&s).arg(&s).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("is not a torchmem profile"), "{}", stderr(&out));
+    assert_eq!(std::fs::read_to_string(&s).unwrap(), "print('mine')\n");
+    let prof = dir.path().join("p.sqlite");
+    assert!(torchmem().args(["run", "-q", "-o"]).arg(&prof).arg(&s).status().unwrap().success());
+    let again = torchmem().args(["run", "-q", "-o"]).arg(&prof).arg(&s).output().unwrap();
+    assert!(!again.status.success() && stderr(&again).contains("--force"), "{}", stderr(&again));
+    assert!(torchmem().args(["run", "-q", "--force", "-o"]).arg(&prof).arg(&s).status().unwrap().success());
+}
+
+#[test]
+fn a_finished_profile_is_one_file_in_rollback_journal_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = script(dir.path(), "ok.py", "x = bytearray(8 << 20)\n");
+    let prof = dir.path().join("p.sqlite");
+    assert!(torchmem().args(["run", "-q", "-o"]).arg(&prof).arg(&s).status().unwrap().success());
+    assert_eq!(&std::fs::read(&prof).unwrap()[18..20], &[1, 1], "not WAL any more");
+    let mut names: Vec<String> =
+        std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    assert_eq!(names, ["ok.py", "p.sqlite"]);
+}
