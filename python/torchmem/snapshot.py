@@ -276,7 +276,10 @@ class OomHandler:
 
     def _paths(self) -> tuple[Path, Path, Path]:
         self._count += 1
-        stem = f"oom-{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S')}-{self._count}"
+        # Under torchrun/Slurm every rank writes its own files, named by rank.
+        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
+        who = f"rank{rank}-{os.getpid()}" if rank is not None else str(os.getpid())
+        stem = f"oom-{who}-{time.strftime('%Y%m%d-%H%M%S')}-{self._count}"
         self.directory.mkdir(parents=True, exist_ok=True)
         d = self.directory
         return d / f"{stem}.pickle", d / f"{stem}-report.txt", d / f"{stem}-report.json"
@@ -336,6 +339,13 @@ class OomHandler:
             lines.append(f"\nSnapshot: {snap_path}\n  torchmem snapshot {snap_path} --top 20 --html {snap_path}.html")
         txt_path.write_text("\n".join(lines) + "\n")
         json_path.write_text(json.dumps(report, indent=2) + "\n")
+        # Under `torchmem run` the post-mortem goes into the profile too (the merged report's first OOM).
+        from . import _events
+
+        _events.emit(
+            {"type": "blob", "t_ns": _events.now_ns(), "name": "oom", "data": {**report, "unix_s": time.time()}}
+        )
+        _events.flush()
         self.reports.append(txt_path)
         if snapshot_error is None:
             self.snapshots.append(snap_path)

@@ -116,6 +116,12 @@ fn rank_sections(r: &RankReport, format: Format) -> String {
 
 /// The merged report of several profiles.
 pub fn render_merged(profiles: &[Profile], format: Format) -> anyhow::Result<String> {
+    if matches!(format, Format::Csv | Format::Mermaid) {
+        anyhow::bail!(
+            "--format {} shows one profile: give one file (it is per run, not per job), or use --format table|json|markdown for the merged report",
+            format.as_str()
+        );
+    }
     if !is_distributed(profiles) {
         anyhow::bail!(
             "these {} profiles hold no rank (RANK/SLURM_PROCID was not set: not a torchrun or Slurm job), so there is nothing to merge by rank. Report them one at a time: `torchmem report FILE`",
@@ -137,13 +143,12 @@ pub fn render_merged(profiles: &[Profile], format: Format) -> anyhow::Result<Str
         }
         Format::Table | Format::Markdown => {
             let mut text = rank_sections(&r, format);
-            text.push_str("Per-profile details (phases, epochs, processes, journey): `torchmem report FILE` for one of them.\n");
+            text.push_str(
+                "Per-profile details (phases, epochs, processes, journey): `torchmem report FILE` for one of them.\n",
+            );
             text
         }
-        Format::Csv | Format::Mermaid => anyhow::bail!(
-            "--format {} shows one profile: give one file (it is per run, not per job), or use --format table|json|markdown for the merged report",
-            format.as_str()
-        ),
+        Format::Csv | Format::Mermaid => unreachable!("refused above"),
     })
 }
 

@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use torchmem_core::fold::{SpanFolder, DEFAULT_KEEP_SPANS};
+use torchmem_core::analysis::ranks::{GpuIdentity, GpuProcesses, GPU_PROCESSES_BLOB, IDENTITY_BLOB};
 use torchmem_core::model::*;
 use torchmem_core::sources::gpu::{tree_bytes, GpuReading, GpuSource};
 use torchmem_core::sources::procfs;
@@ -94,7 +95,7 @@ fn read_connection(stream: UnixStream, tx: Sender<Incoming>, open: Arc<AtomicUsi
         let message = match ChildMessage::parse_line(&line) {
             Ok(ChildMessage::Hello { origin: o }) => {
                 origin = o;
-                continue;
+                Some(ChildMessage::Hello { origin: o })
             }
             Ok(m) => Some(m),
             Err(_) => None,
@@ -209,6 +210,10 @@ pub struct Recorder {
     /// between two samples. Stored as the `vmhwm` blob; `hwm_stored` is what was stored last.
     hwm_bytes: BTreeMap<u32, u64>,
     hwm_stored: BTreeMap<u32, u64>,
+    /// Each process's NVML peak per GPU (the rank × GPU matrix), stored as the `gpu_processes` blob when
+    /// it changed (`gpu_processes_dirty`).
+    gpu_processes: GpuProcesses,
+    gpu_processes_dirty: bool,
     last_flush: Instant,
     last_gpu: BTreeMap<u32, (GpuSample, u64)>,
     last_torch: BTreeMap<(Option<u32>, u32), TorchSample>,
@@ -267,6 +272,8 @@ impl Recorder {
             tree_len_at_last_pss: 0,
             hwm_bytes: BTreeMap::new(),
             hwm_stored: BTreeMap::new(),
+            gpu_processes: GpuProcesses::default(),
+            gpu_processes_dirty: false,
             last_flush: Instant::now(),
             last_gpu: BTreeMap::new(),
             last_torch: BTreeMap::new(),
@@ -360,6 +367,7 @@ impl Recorder {
             if timer_due {
                 self.pss_every_ms = pss_interval_for(self.config.pss_interval_ms, slowest_walk_ms);
                 self.store_hwm(t_ns);
+                self.store_gpu_processes(t_ns);
             }
         }
         if alive > 0 {
@@ -378,6 +386,7 @@ impl Recorder {
                 self.writer.push(Record::Process(s));
             }
         }
+        self.observe_gpu_processes(&gpu_readings, t_ns);
         let pids: Vec<u32> = self.tree.keys().copied().collect();
         for r in &gpu_readings {
             let sample = GpuSample {
@@ -459,7 +468,13 @@ impl Recorder {
 
     fn store_message(&mut self, origin: Origin, msg: ChildMessage) {
         let record = match msg {
-            ChildMessage::Hello { .. } => return,
+            // Who each process is, even one that sends nothing else (the rank view's identity).
+            ChildMessage::Hello { origin: o } => {
+                let t_ns = self.rel(torchmem_core::clock::monotonic_ns());
+                let mut data = serde_json::to_value(o).unwrap_or_default();
+                data["t_ns"] = t_ns.into();
+                Record::Blob { t_ns, name: IDENTITY_BLOB.into(), data }
+            }
             ChildMessage::Torch {
                 t_ns,
                 device,
@@ -541,9 +556,41 @@ impl Recorder {
         self.hwm_stored = self.hwm_bytes.clone();
     }
 
+    /// Folds this tick's NVML per-process readings of the tree's processes into `gpu_processes`.
+    fn observe_gpu_processes(&mut self, readings: &[GpuReading], t_ns: u64) {
+        if readings.is_empty() {
+            return;
+        }
+        if self.gpu_processes.devices.is_empty() {
+            if let Some(g) = &self.gpu {
+                self.gpu_processes.devices = g
+                    .devices()
+                    .iter()
+                    .map(|d| GpuIdentity { index: d.index, uuid: d.uuid.clone(), name: d.name.clone() })
+                    .collect();
+            }
+        }
+        for r in readings {
+            for (&pid, &bytes) in r.process_bytes.iter().filter(|(p, _)| self.tree.contains_key(p)) {
+                self.gpu_processes_dirty |= self.gpu_processes.observe(pid, r.index, bytes, t_ns);
+            }
+        }
+    }
+
+    /// Stores `gpu_processes` as its blob when a process appeared on a GPU or its peak there rose.
+    fn store_gpu_processes(&mut self, t_ns: u64) {
+        if !self.gpu_processes_dirty {
+            return;
+        }
+        let data = serde_json::to_value(&self.gpu_processes).unwrap_or_default();
+        self.writer.push(Record::Blob { t_ns, name: GPU_PROCESSES_BLOB.into(), data });
+        self.gpu_processes_dirty = false;
+    }
+
     pub fn finish(mut self, end: impl FnOnce(&mut RunMeta)) -> torchmem_core::Result<Profile> {
         let t_end = self.rel(torchmem_core::clock::monotonic_ns());
         self.store_hwm(t_end);
+        self.store_gpu_processes(t_end);
         self.drain_messages();
         self.folder.finish();
         self.push_aggregates();

@@ -54,20 +54,21 @@ pub struct GpuProcesses {
 }
 
 impl GpuProcesses {
-    /// Folds one NVML reading of `pid` on `device` (bytes) taken at `t_ns`.
-    pub fn observe(&mut self, pid: u32, device: u32, bytes: u64, t_ns: u64) {
+    /// Folds one NVML reading of `pid` on `device` (bytes) taken at `t_ns`. True when it is worth storing
+    /// again: the process is new on that GPU, or its peak there rose.
+    pub fn observe(&mut self, pid: u32, device: u32, bytes: u64, t_ns: u64) -> bool {
         match self.processes.iter_mut().find(|p| p.pid == pid && p.device == device) {
             Some(p) => {
-                p.peak_bytes = p.peak_bytes.max(bytes);
                 p.last_t_ns = t_ns;
+                let rose = bytes > p.peak_bytes;
+                p.peak_bytes = p.peak_bytes.max(bytes);
+                rose
             }
-            None => self.processes.push(GpuProcessPeak {
-                pid,
-                device,
-                peak_bytes: bytes,
-                first_t_ns: t_ns,
-                last_t_ns: t_ns,
-            }),
+            None => {
+                let first = GpuProcessPeak { pid, device, peak_bytes: bytes, first_t_ns: t_ns, last_t_ns: t_ns };
+                self.processes.push(first);
+                true
+            }
         }
     }
 
@@ -254,9 +255,15 @@ fn most_common<T: Ord + Copy>(items: impl Iterator<Item = T>) -> Option<T> {
     n.into_iter().max_by_key(|&(k, c)| (c, std::cmp::Reverse(k))).map(|(k, _)| k)
 }
 
+/// The median (the mean of the middle two for an even count).
 fn median(mut v: Vec<u64>) -> u64 {
     v.sort_unstable();
-    v[v.len() / 2]
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        v[n / 2 - 1] / 2 + v[n / 2] / 2 + (v[n / 2 - 1] % 2 + v[n / 2] % 2) / 2
+    }
 }
 
 /// Spread of `value` over the rows that have it (at least 2 ranks).

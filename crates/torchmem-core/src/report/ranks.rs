@@ -35,7 +35,7 @@ fn gpu_label(device: Option<u32>, uuid: Option<&str>) -> String {
 /// The job's facts as (key, value) lines.
 pub fn header_lines(r: &RankReport) -> Vec<(String, String)> {
     let mut out = vec![
-        ("ranks".to_string(), format!("{} ({} of WORLD_SIZE {})", r.ranks.len(), r.ranks.len(), opt(r.world_size))),
+        ("ranks".to_string(), format!("{} of WORLD_SIZE {}", r.ranks.len(), opt(r.world_size))),
         ("hosts".to_string(), r.hosts.join(", ")),
         ("profiles".to_string(), r.profiles.join(", ")),
     ];
