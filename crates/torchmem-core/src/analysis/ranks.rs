@@ -159,7 +159,7 @@ pub struct MatrixCell {
     pub first_t_ns: u64,
     /// The rank's own GPU.
     pub own: bool,
-    /// The process allocated nothing through PyTorch on this GPU: a bare CUDA context (plus libraries).
+    /// PyTorch reserved nothing on this GPU in this process: a bare CUDA context (plus libraries).
     pub context_only: bool,
 }
 
@@ -408,7 +408,10 @@ impl RankReport {
                         .and_then(|r| r.row.device)
                 });
                 let own = own_device == Some(cell.device);
-                let allocated_here = p.torch.iter().any(|s| s.origin.pid == Some(cell.pid) && s.device == cell.device);
+                let allocated_here = p
+                    .torch
+                    .iter()
+                    .any(|s| s.origin.pid == Some(cell.pid) && s.device == cell.device && s.reserved_bytes > 0);
                 matrix.push(MatrixCell {
                     rank,
                     pid: cell.pid,
