@@ -479,6 +479,13 @@ impl RankReport {
         let imbalance = Self::imbalances(&procs);
         let first_failure = Self::first_failure(&procs);
         let world_size = most_common(procs.iter().filter_map(|r| r.origin.world_size));
+        let sizes: BTreeSet<u32> = procs.iter().filter_map(|r| r.origin.world_size).collect();
+        if sizes.len() > 1 {
+            warnings.push(format!(
+                "the ranks disagree on WORLD_SIZE ({}): these profiles are of different jobs; report each job's profiles together",
+                sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(", ")
+            ));
+        }
         let missing_ranks = match world_size {
             Some(n) => {
                 let have: BTreeSet<u32> = procs.iter().map(|r| r.row.rank).collect();
@@ -926,6 +933,10 @@ mod tests {
         assert_eq!(r.ranks.len(), 4);
         assert_eq!(r.hosts, ["node-a", "node-b"]);
         assert!(r.warnings.iter().any(|w| w.contains("rank 0 is in node-a.sqlite")), "{:?}", r.warnings);
+        let mut c = node();
+        c.markers.iter_mut().for_each(|m| m.origin.world_size = Some(4));
+        let r = RankReport::build(&[node(), c]);
+        assert!(r.warnings.iter().any(|w| w.contains("disagree on WORLD_SIZE (2, 4)")), "{:?}", r.warnings);
     }
 
     #[test]
