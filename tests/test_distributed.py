@@ -204,3 +204,26 @@ def test_bad_inputs_are_named(tmp_path: Path) -> None:
     assert merged.returncode == 1 and "hold no rank" in merged.stderr, merged.stderr
     csv = torchmem("report", "--format", "csv", str(tmp_path / "a.sqlite"), str(tmp_path / "b.sqlite"), check=False)
     assert csv.returncode == 1 and "--format csv shows one profile" in csv.stderr, csv.stderr
+
+
+def test_the_monitor_knows_its_rank_from_torchrun_or_slurm_variables() -> None:
+    code = (
+        "import torch, torchmem\n"
+        "mon = torchmem.Monitor(verbose=True, warn=False)\n"
+        "with mon.epoch():\n"
+        "    with mon.step():\n"
+        "        torch.ones(10)\n"
+        "d = mon.to_dict()\n"
+        "print(d['rank'], d['local_rank'], d['world_size'])\n"
+    )
+    for extra, want in (
+        ({"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4"}, "3 1 4"),
+        ({"RANK": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "8", "SLURM_PROCID": "5"}, "2 0 8"),
+        ({}, "None None None"),
+    ):
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(ENV, **extra))
+        assert p.returncode == 0, p.stderr
+        assert p.stdout.strip() == want, (extra, p.stdout)
+        rank = want.split()[0]
+        prefix = "torchmem: epoch " if rank == "None" else f"torchmem rank {rank}: epoch "
+        assert prefix in p.stderr, p.stderr

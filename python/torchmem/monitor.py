@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from . import _native
+from . import _native, _rank
 from . import api as _api
 
 
@@ -63,6 +63,8 @@ class Monitor:
     ) -> None:
         self.model = model
         self.optimizer = optimizer
+        # The rank this Monitor runs in (torchrun/Slurm), None outside a distributed job.
+        self.rank, self.local_rank, self.world_size = _rank.identity()
         self.verbose = verbose
         self.warn = warn
         self.title = title
@@ -306,7 +308,8 @@ class Monitor:
         report = json.loads(_native.epoch_report_json(json.dumps(self._epoch_markers)))
         self.epoch_lines.append(report["line"])
         if self.verbose:
-            print(f"torchmem: {report['line']}", file=sys.stderr)
+            who = "" if self.rank is None else f" rank {self.rank}"
+            print(f"torchmem{who}: {report['line']}", file=sys.stderr)
         self.growth_messages = report["growth"]
         if self.growth_messages and self.warn and not self._warned:
             self._warned = True
@@ -345,6 +348,7 @@ class Monitor:
         # peaks from samples, processes) are not measured in-process and would read as zeros or blanks.
         for key in _REPORT_ONLY_KEYS:
             data.pop(key, None)
+        data["rank"], data["local_rank"], data["world_size"] = self.rank, self.local_rank, self.world_size
         data["epoch_lines"] = list(self.epoch_lines)
         data["markers"] = list(self.markers)
         return data
