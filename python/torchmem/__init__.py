@@ -2,7 +2,8 @@
 
 Where does my memory go, and will it fit? Read device and allocator memory (`stats`, `device_info`), time
 peaks (`peak`, `reset_peak`, `track`), watch a training loop (`Monitor`), profile line by line (`profile`),
-and capture allocator snapshots (`capture`, `on_oom`). The `torchmem` command records whole runs.
+capture allocator snapshots (`capture`, `on_oom`) and read recorded profiles (`load_profile`). The
+`torchmem` command records whole runs.
 
 Names load on first use, so `torchmem run` can load its in-process part (`torchmem._bootstrap`) into every
 profiled program without paying for the whole API.
@@ -18,6 +19,8 @@ __version__ = "0.1.0"
 # name -> submodule that defines it
 _EXPORTS = {
     "TorchmemError": "_native",
+    "InputError": "_native",
+    "OomParseError": "_native",
     "ProfileError": "_native",
     "SnapshotError": "_native",
     "Stats": "api",
@@ -37,12 +40,17 @@ _EXPORTS = {
     "simulate": "simulate",
     "Estimate": "estimate",
     "estimate": "estimate",
+    "Profile": "profile",
+    "load_profile": "profile",
 }
 
 __all__ = [
     "Estimate",
+    "InputError",
     "MemoryGrowthWarning",
     "Monitor",
+    "OomParseError",
+    "Profile",
     "ProfileError",
     "Simulation",
     "SnapshotError",
@@ -53,6 +61,7 @@ __all__ = [
     "device_info",
     "empty_cache",
     "estimate",
+    "load_profile",
     "on_oom",
     "peak",
     "print_profile",
@@ -64,11 +73,12 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from ._native import ProfileError, SnapshotError, TorchmemError
+    from ._native import InputError, OomParseError, ProfileError, SnapshotError, TorchmemError
     from .api import Stats, device_info, empty_cache, peak, reset_peak, stats, track
     from .estimate import Estimate, estimate
     from .line_profiler import print_profile, profile
     from .monitor import MemoryGrowthWarning, Monitor
+    from .profile import Profile, load_profile
     from .simulate import Simulation, simulate
     from .snapshot import capture, on_oom
 

@@ -192,7 +192,8 @@ def simulate_json(
     device_memory_recorded: bool = False,
 ) -> str:
     """Replays a snapshot (a path or its bytes) through the caching-allocator model: the JSON of
-    `torchmem simulate --json` plus `text` (and `min_memory` when asked). Raises SnapshotError, InputError (bad settings)."""
+    `torchmem simulate --json` plus `text` (and `min_memory` when asked). Raises SnapshotError, InputError
+    (bad settings)."""
 
 # --- allocator snapshots (crates/torchmem-py/src/snapshot.rs) ---
 def snapshot_summary_json(path: str, top: int = 10, at_time_us: int | None = None) -> str:
@@ -245,7 +246,8 @@ def emit_marker(
     """Queue one marker message (the `marker` wire format of `torchmem-core/src/wire.rs`), formatted in Rust.
     `kind`: epoch|step|phase|mark; `edge`: start|end|point; `memory`: the `MarkerMemory` fields read
     (`rss_bytes`, `allocated_bytes`, `reserved_bytes`, `peak_*_bytes`); `device`: the GPU `memory` read, by
-    NVML index (None: CPU only). InputError (a ValueError) for an unknown kind or edge. False when there is no recorder."""
+    NVML index (None: CPU only). InputError (a ValueError) for an unknown kind or edge. False when there is
+    no recorder."""
 
 def flush_events() -> bool:
     """Write the queued messages now. False when there is no recorder."""

@@ -17,7 +17,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use pyo3::exceptions::PyValueError;
+use crate::errors::Error;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use torchmem_core::model::{Edge, MarkerKind, MarkerMemory, Origin};
@@ -231,9 +231,9 @@ fn emit_marker(
     device: Option<u32>,
 ) -> PyResult<bool> {
     let kind = MarkerKind::parse(kind)
-        .ok_or_else(|| PyValueError::new_err(format!("unknown marker kind {kind:?} (epoch, step, phase, mark)")))?;
-    let edge = Edge::parse(edge)
-        .ok_or_else(|| PyValueError::new_err(format!("unknown marker edge {edge:?} (start, end, point)")))?;
+        .ok_or_else(|| Error::Input(format!("unknown marker kind {kind:?} (epoch, step, phase, mark)")))?;
+    let edge =
+        Edge::parse(edge).ok_or_else(|| Error::Input(format!("unknown marker edge {edge:?} (start, end, point)")))?;
     let message = ChildMessage::Marker {
         t_ns,
         kind,
@@ -250,7 +250,7 @@ fn emit_marker(
         },
         device,
     };
-    let line = serde_json::to_string(&message).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let line = serde_json::to_string(&message).map_err(Error::from)?;
     Ok(queue_line(py, &line))
 }
 

@@ -8,6 +8,7 @@ mod cli;
 mod errors;
 mod events;
 mod line;
+mod profile;
 mod simulate;
 mod snapshot;
 
@@ -22,6 +23,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     events::register(m)?;
     line::register(m)?;
     snapshot::register(m)?;
+    profile::register(m)?;
     simulate::register(m)?;
     Ok(())
 }

@@ -11,6 +11,8 @@ mod state;
 
 use state::{Gpu, Profiler, PROFILER};
 
+use crate::errors::Error;
+
 /// Start (or restart) the profiler. `hook` is "settrace" or "monitoring"; `gate_ns` overrides the
 /// calibrated gate (0 reads memory at every event); `gpu_probe()` returns `None` until CUDA is
 /// initialised, then `(device, stats, reset)`: the allocator's own `_cuda_memoryStats` and the peak ledger's
@@ -27,9 +29,10 @@ fn line_start<'py>(
         "settrace" => "settrace",
         "monitoring" => "monitoring",
         other => {
-            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            return Err(Error::Input(format!(
                 "unknown hook {other:?}: use \"settrace\" (Python ≤ 3.11) or \"monitoring\" (≥ 3.12)"
-            )))
+            ))
+            .into())
         }
     };
     let tps = sampler::ticks_per_second();
@@ -42,8 +45,7 @@ fn line_start<'py>(
         Some(p) => Gpu::Waiting { probe: p },
         None => Gpu::Off,
     };
-    let mut g =
-        PROFILER.0.try_borrow_mut().map_err(|_| pyo3::exceptions::PyRuntimeError::new_err("line profiler busy"))?;
+    let mut g = PROFILER.0.try_borrow_mut().map_err(|_| Error::Runtime("line profiler busy".into()))?;
     match g.as_mut() {
         Some(p) => {
             p.active = true;
@@ -91,7 +93,7 @@ fn line_clear() {
 fn line_add_code(code: Py<PyAny>, first_line: u32, offsets: Vec<(u32, u32, Option<u32>)>) -> PyResult<u32> {
     let offsets = offsets.into_iter().filter_map(|(s, e, l)| l.map(|l| (s, e, l))).collect();
     state::with(|p| p.add_code(code, first_line, offsets))
-        .ok_or_else(|| pyo3::exceptions::PyRuntimeError::new_err("line profiler not started (call line_start)"))
+        .ok_or_else(|| Error::Runtime("line profiler not started (call line_start)".into()).into())
 }
 
 /// `matcher(code) -> bool`, asked once per unknown code object at its first call (for `--line=SPEC`);
@@ -145,7 +147,7 @@ fn line_thread_installer(_frame: &Bound<'_, PyAny>, _event: &Bound<'_, PyAny>, _
 /// "warnings", "reads", "events", "gate_ns", "hook", "gpu"}.
 #[pyfunction]
 fn line_snapshot(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    let g = PROFILER.0.try_borrow().map_err(|_| pyo3::exceptions::PyRuntimeError::new_err("line profiler busy"))?;
+    let g = PROFILER.0.try_borrow().map_err(|_| Error::Runtime("line profiler busy".into()))?;
     let d = PyDict::new(py);
     let Some(p) = g.as_ref() else {
         d.set_item("functions", Vec::<Py<PyAny>>::new())?;
@@ -168,8 +170,8 @@ fn line_snapshot(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 }
 
 fn parse_profiles(json: &str) -> PyResult<Vec<serde_json::Value>> {
-    let v: serde_json::Value = serde_json::from_str(json)
-        .map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("line profile JSON is not valid: {e}")))?;
+    let v: serde_json::Value =
+        serde_json::from_str(json).map_err(|e| Error::Input(format!("line profile JSON is not valid: {e}")))?;
     Ok(match v {
         serde_json::Value::Array(a) => a,
         other => vec![other],

@@ -1,24 +1,18 @@
 //! The allocator simulator for Python: replay a snapshot (file or bytes) through the caching-allocator model
 //! (the torchmem-sim crate) under its recorded settings or a what-if, returning the result as JSON (with the text
-//! report inside). Bad snapshots raise `torchmem.SnapshotError`, bad settings `ValueError`.
+//! report inside). Bad snapshots raise `torchmem.SnapshotError`, bad settings `torchmem.InputError` (a
+//! `ValueError`); errors.rs converts them.
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use torchmem_sim::{render, search, AllocConf, Prepared, SimError, SimOptions};
+use torchmem_sim::{render, search, AllocConf, Prepared, SimOptions};
 
-use crate::errors::SnapshotError;
-
-fn to_py(e: SimError) -> PyErr {
-    match e {
-        SimError::Snapshot(e) => SnapshotError::new_err(e.to_string()),
-        other => PyValueError::new_err(other.to_string()),
-    }
-}
+use crate::errors::Error;
 
 /// Simulates a snapshot given as a path or as bytes; returns the JSON of `torchmem simulate --json` plus
 /// `text` (the text report) and, with `min_memory`, the smallest limit per setting.
 #[pyfunction]
 #[pyo3(signature = (path=None, data=None, alloc_conf=None, memory_limit_bytes=None, device_memory_bytes=None, min_memory=false, device_memory_recorded=false))]
+#[allow(clippy::too_many_arguments)]
 fn simulate_json(
     py: Python<'_>,
     path: Option<String>,
@@ -28,16 +22,16 @@ fn simulate_json(
     device_memory_bytes: Option<u64>,
     min_memory: bool,
     device_memory_recorded: bool,
-) -> PyResult<String> {
+) -> Result<String, Error> {
     let conf = match alloc_conf.as_deref() {
-        Some(s) => Some(AllocConf::parse(s).map_err(|e| PyValueError::new_err(e.to_string()))?),
+        Some(s) => Some(AllocConf::parse(s)?),
         None => None,
     };
-    py.detach(move || {
+    py.detach(move || -> Result<String, Error> {
         let (snap, name) = match (&path, &data) {
-            (Some(p), _) => (torchmem_sim::read_snapshot(std::path::Path::new(p)).map_err(to_py)?, p.clone()),
-            (None, Some(d)) => (torchmem_sim::read_snapshot_bytes(d, "<bytes>").map_err(to_py)?, "<bytes>".into()),
-            (None, None) => return Err(PyValueError::new_err("give a snapshot path or its bytes")),
+            (Some(p), _) => (torchmem_sim::read_snapshot(std::path::Path::new(p))?, p.clone()),
+            (None, Some(d)) => (torchmem_sim::read_snapshot_bytes(d, "<bytes>")?, "<bytes>".into()),
+            (None, None) => return Err(Error::Input("give a snapshot path or its bytes".into())),
         };
         let opts = SimOptions {
             conf,
@@ -53,7 +47,7 @@ fn simulate_json(
         if min_memory {
             let mut rows = Vec::new();
             for d in result.devices.iter().map(|d| d.device) {
-                let p = Prepared::new(&snap, d).map_err(PyValueError::new_err)?;
+                let p = Prepared::new(&snap, d).map_err(Error::Input)?;
                 let mut per = vec![search::min_memory(&p, &opts)];
                 let mut c = opts.conf.clone().unwrap_or_else(|| p.recorded_conf.clone());
                 if !c.expandable_segments {
@@ -64,7 +58,7 @@ fn simulate_json(
             }
             v["min_memory"] = serde_json::Value::Array(rows);
         }
-        serde_json::to_string(&v).map_err(|e| PyValueError::new_err(e.to_string()))
+        Ok(serde_json::to_string(&v)?)
     })
 }
 

@@ -1,28 +1,28 @@
 //! Allocator snapshots for Python: read a snapshot (file or bytes) into summary JSON, text or HTML,
 //! and diagnose an out-of-memory failure from its numbers or its message. Bad snapshots raise
-//! `torchmem.SnapshotError`.
+//! `torchmem.SnapshotError`, a failed write the matching `OSError`, text that is not an OOM message
+//! `torchmem.OomParseError` (errors.rs converts them).
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use torchmem_snapshot::{html, oom, sites, summary, Snapshot};
 
-use crate::errors::SnapshotError;
+use crate::errors::{Error, Result};
 
-fn load(path: &str) -> PyResult<Snapshot> {
-    torchmem_snapshot::read_path(std::path::Path::new(path)).map_err(|e| SnapshotError::new_err(e.to_string()))
+fn load(path: &str) -> Result<Snapshot> {
+    Ok(torchmem_snapshot::read_path(std::path::Path::new(path))?)
 }
 
-fn summary_json(snap: &Snapshot, name: &str, top: usize, at_time_us: Option<i64>) -> PyResult<String> {
+fn summary_json(snap: &Snapshot, name: &str, top: usize, at_time_us: Option<i64>) -> Result<String> {
     let sum = summary::summarize(snap);
     let tops = sites::top_sites(snap, &sum.peaks(), top, at_time_us);
     let v = serde_json::json!({ "file": name, "summary": sum, "top": tops });
-    serde_json::to_string(&v).map_err(|e| PyValueError::new_err(e.to_string()))
+    Ok(serde_json::to_string(&v)?)
 }
 
 /// Summary and top sites of a snapshot file (pickle or JSON) as a JSON string.
 #[pyfunction]
 #[pyo3(signature = (path, top=10, at_time_us=None))]
-fn snapshot_summary_json(py: Python<'_>, path: String, top: usize, at_time_us: Option<i64>) -> PyResult<String> {
+fn snapshot_summary_json(py: Python<'_>, path: String, top: usize, at_time_us: Option<i64>) -> Result<String> {
     let snap = py.detach(|| load(&path))?;
     summary_json(&snap, &path, top, at_time_us)
 }
@@ -30,15 +30,15 @@ fn snapshot_summary_json(py: Python<'_>, path: String, top: usize, at_time_us: O
 /// The same for snapshot bytes (e.g. `pickle.dumps(torch.cuda.memory._snapshot())`).
 #[pyfunction]
 #[pyo3(signature = (data, top=10, at_time_us=None))]
-fn snapshot_summary_bytes_json(data: &[u8], top: usize, at_time_us: Option<i64>) -> PyResult<String> {
-    let snap = torchmem_snapshot::read_bytes(data, "<bytes>").map_err(|e| SnapshotError::new_err(e.to_string()))?;
+fn snapshot_summary_bytes_json(data: &[u8], top: usize, at_time_us: Option<i64>) -> Result<String> {
+    let snap = torchmem_snapshot::read_bytes(data, "<bytes>")?;
     summary_json(&snap, "<bytes>", top, at_time_us)
 }
 
 /// The text of `torchmem snapshot FILE` followed by `--top N`.
 #[pyfunction]
 #[pyo3(signature = (path, top=10))]
-fn snapshot_text(py: Python<'_>, path: String, top: usize) -> PyResult<String> {
+fn snapshot_text(py: Python<'_>, path: String, top: usize) -> Result<String> {
     let snap = py.detach(|| load(&path))?;
     let sum = summary::summarize(&snap);
     let tops = sites::top_sites(&snap, &sum.peaks(), top, None);
@@ -47,15 +47,16 @@ fn snapshot_text(py: Python<'_>, path: String, top: usize) -> PyResult<String> {
 
 /// Writes the offline HTML report of a snapshot file to `out_path`.
 #[pyfunction]
-fn snapshot_html(py: Python<'_>, path: String, out_path: String) -> PyResult<()> {
+fn snapshot_html(py: Python<'_>, path: String, out_path: String) -> Result<()> {
     let snap = py.detach(|| load(&path))?;
     let sum = summary::summarize(&snap);
     let page = html::render(&snap, &sum, &path);
-    std::fs::write(&out_path, page).map_err(|e| PyValueError::new_err(format!("cannot write {out_path}: {e}")))
+    std::fs::write(&out_path, page).map_err(|e| Error::io_at(&out_path, e))?;
+    Ok(())
 }
 
-fn diagnosis_json(d: &oom::Diagnosis) -> PyResult<String> {
-    let mut v = serde_json::to_value(d).map_err(|e| PyValueError::new_err(e.to_string()))?;
+fn diagnosis_json(d: &oom::Diagnosis) -> Result<String> {
+    let mut v = serde_json::to_value(d)?;
     v["text"] = serde_json::Value::String(oom::render_text(d));
     Ok(v.to_string())
 }
@@ -73,7 +74,7 @@ fn oom_diagnosis_json(
     free_bytes: Option<u64>,
     process_bytes: Option<u64>,
     device: Option<i64>,
-) -> PyResult<String> {
+) -> Result<String> {
     let n = oom::OomNumbers {
         device,
         requested_bytes,
@@ -89,8 +90,8 @@ fn oom_diagnosis_json(
 
 /// Parses a PyTorch OOM message and diagnoses it (JSON, like `torchmem explain-oom --json`).
 #[pyfunction]
-fn explain_oom_json(message: &str) -> PyResult<String> {
-    let n = oom::parse_message(message).map_err(PyValueError::new_err)?;
+fn explain_oom_json(message: &str) -> Result<String> {
+    let n = oom::parse_message(message).map_err(Error::OomParse)?;
     diagnosis_json(&oom::diagnose(&n))
 }
 

@@ -1,0 +1,84 @@
+"""The exception hierarchy of `_native.pyi` (crates/torchmem-py/src/errors.rs): each bad input raises its
+documented class, bad input is a `ValueError` (so `except ValueError` keeps working), I/O failures are the
+matching `OSError` subclass, and the classes are importable and picklable from `torchmem`."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torchmem
+from torchmem import _native
+
+SNAP = Path(__file__).resolve().parent / "fixtures" / "snapshots"
+
+
+def a_snapshot() -> Path:
+    return next(p for p in sorted(SNAP.iterdir()) if p.suffix in (".pickle", ".pkl"))
+
+
+CASES = [
+    ("summary_json not JSON", lambda tmp: _native.summary_json("not json"), torchmem.InputError),
+    ("explain_oom_json not an OOM", lambda tmp: _native.explain_oom_json("hello"), torchmem.OomParseError),
+    ("emit_marker kind", lambda tmp: _native.emit_marker(0, "nope", "start", "x", None, {}, None), torchmem.InputError),
+    ("emit_marker edge", lambda tmp: _native.emit_marker(0, "step", "nope", "x", None, {}, None), torchmem.InputError),
+    ("line_start hook", lambda tmp: _native.line_start("nope", None, None), torchmem.InputError),
+    ("line_render_text JSON", lambda tmp: _native.line_render_text("{"), torchmem.InputError),
+    ("simulate no input", lambda tmp: _native.simulate_json(), torchmem.InputError),
+    (
+        "simulate bad conf",
+        lambda tmp: _native.simulate_json(path=str(a_snapshot()), alloc_conf="nonsense:1"),
+        torchmem.InputError,
+    ),
+    ("snapshot bytes", lambda tmp: _native.snapshot_summary_bytes_json(b"\x80\x04garbage"), torchmem.SnapshotError),
+    ("snapshot file", lambda tmp: _native.snapshot_text(str(tmp / "x.sqlite"), 1), torchmem.SnapshotError),
+    ("profile missing", lambda tmp: _native.open_profile(str(tmp / "none.sqlite")), FileNotFoundError),
+    ("profile directory", lambda tmp: _native.open_profile(str(tmp)), IsADirectoryError),
+    ("profile not a profile", lambda tmp: _native.open_profile(str(tmp / "x.sqlite")), torchmem.ProfileError),
+    (
+        "HTML into a missing directory",
+        lambda tmp: _native.snapshot_html(str(a_snapshot()), str(tmp / "no" / "such" / "r.html")),
+        FileNotFoundError,
+    ),
+    (
+        "HTML onto a directory",
+        lambda tmp: _native.snapshot_html(str(a_snapshot()), str(tmp)),
+        IsADirectoryError,
+    ),
+]
+
+
+@pytest.mark.parametrize("call,cls", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_each_bad_input_raises_its_documented_class(call, cls, tmp_path: Path) -> None:
+    (tmp_path / "x.sqlite").write_text("plain text, not SQLite nor a snapshot\n")
+    with pytest.raises(cls) as info:
+        call(tmp_path)
+    e = info.value
+    assert type(e) is cls, f"{type(e).__mro__} is not exactly {cls}"
+    if issubclass(cls, torchmem.TorchmemError):
+        assert isinstance(e, ValueError), "bad input must stay a ValueError"
+    else:
+        assert isinstance(e, OSError) and not isinstance(e, torchmem.TorchmemError)
+    assert str(e), "an error without a message"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_html_write_permission_denied_is_permission_error(tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    with pytest.raises(PermissionError) as info:
+        _native.snapshot_html(str(a_snapshot()), str(ro / "r.html"))
+    assert info.value.filename == str(ro / "r.html")
+
+
+def test_hierarchy() -> None:
+    assert torchmem.TorchmemError.__bases__ == (Exception,)
+    for cls in (torchmem.InputError, torchmem.ProfileError, torchmem.SnapshotError):
+        assert cls.__bases__ == (torchmem.TorchmemError, ValueError), cls
+    assert torchmem.OomParseError.__bases__ == (torchmem.InputError,)
+    for cls in (torchmem.InputError, torchmem.OomParseError, torchmem.ProfileError, torchmem.SnapshotError):
+        assert cls.__module__ == "torchmem" and cls.__doc__
+        e = pickle.loads(pickle.dumps(cls("m")))
+        assert type(e) is cls and str(e) == "m"
