@@ -313,8 +313,10 @@ fn bad_inputs_give_clear_errors() {
     // empty file
     std::fs::write(d("empty.sqlite"), "").unwrap();
     assert_fails(&["report", &d("empty.sqlite")], &["is not a torchmem profile"]);
-    // a directory
-    assert_fails(&["report", dir.path().to_str().unwrap()], &["is a directory"]);
+    // a directory is read as its profiles (the merged rank report): here the first is not one, and it is named
+    assert_fails(&["report", dir.path().to_str().unwrap()], &["empty.sqlite", "is not a torchmem profile"]);
+    let no_profiles = tempfile::tempdir().unwrap();
+    assert_fails(&["report", no_profiles.path().to_str().unwrap()], &["no profile (*.sqlite) in this directory"]);
     // a bad format name: clap lists the valid ones
     let p = profile(dir.path(), "good.sqlite", false);
     assert_fails(&["report", p.to_str().unwrap(), "--format", "xml"], &["table", "json", "csv", "markdown", "mermaid"]);
