@@ -7,10 +7,10 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import torch, maturin, pytest, memory_profiler, psutil, numpy, transformers, accelerate, lightning, pytorch_lightning, xdist, nbclient, nbformat, ipykernel, wandb, mlflow, prometheus_client, tensorboard" 2>/dev/null || [ ! -x .venv/bin/ruff ]; then
+if ! .venv/bin/python -c "import torch, maturin, pytest, memory_profiler, psutil, numpy, transformers, accelerate, lightning, pytorch_lightning, xdist, nbclient, nbformat, ipykernel, wandb, mlflow, prometheus_client, tensorboard, pandas" 2>/dev/null || [ ! -x .venv/bin/ruff ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "maturin>=1.9,<2" torch pytest ruff memory_profiler psutil numpy transformers \
     accelerate lightning pytorch-lightning pytest-xdist nbclient nbformat ipykernel wandb mlflow-skinny \
-    prometheus-client tensorboard
+    prometheus-client tensorboard pandas
 fi
 .venv/bin/maturin develop -q --release

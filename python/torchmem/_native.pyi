@@ -98,8 +98,8 @@ def journey(
     title: str = "torchmem memory journey",
     aggregates_json: str | None = None,
 ) -> str:
-    """The memory journey from markers (and aggregates), as "text" or "mermaid" (ValueError on any other
-    format)."""
+    """The memory journey from markers (and aggregates), as "text" or "mermaid" (InputError, a
+    ValueError, on any other format)."""
 
 def epoch_report_json(markers_json: str) -> str:
     """{"line", "row", "growth", "growth_per_epoch_bytes"} for the last finished epoch, from epoch markers."""
@@ -132,7 +132,8 @@ def start_allocator_sampler(interval_ms: float) -> bool:
     """Starts the thread that sends read_allocator_once()'s lines every interval_ms to the fd in
     TORCHMEM_EVENT_FD (torchmem run's recorder). False when that variable is unset or the fd closed; True
     when running. Stops by itself at interpreter exit (atexit, after one last read) or when the pipe closes.
-    ValueError when interval_ms is not a positive number."""
+    InputError (a ValueError) when interval_ms is not a positive number; TorchmemError when the thread cannot
+    start."""
 
 def stop_allocator_sampler() -> bool:
     """Stops and joins the sampler thread; True when one was running in this process."""

@@ -9,12 +9,11 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use torchmem_core::inprocess::{self, AllocatorCounters, ProcessGpu};
 
-use crate::errors::to_py;
+use crate::errors::{to_py, Error};
 
 // --- this process's memory -------------------------------------------------------------------------------
 
@@ -62,7 +61,7 @@ static NVML: OnceLock<std::result::Result<Mutex<ProcessGpu>, String>> = OnceLock
 fn nvml() -> PyResult<&'static Mutex<ProcessGpu>> {
     NVML.get_or_init(|| ProcessGpu::open().map(Mutex::new).map_err(|e| e.to_string()))
         .as_ref()
-        .map_err(|e| crate::errors::TorchmemError::new_err(e.clone()))
+        .map_err(|e| Error::Tool(e.clone()).into())
 }
 
 /// Why NVML cannot be used here, or None when it can (opens it once per process).
@@ -146,7 +145,7 @@ fn journey(
     let mermaid = match format {
         "text" => false,
         "mermaid" => true,
-        other => return Err(PyValueError::new_err(format!("journey format {other:?}: use \"text\" or \"mermaid\""))),
+        other => return Err(Error::Input(format!("journey format {other:?}: use \"text\" or \"mermaid\"")).into()),
     };
     let markers = inprocess::parse_markers(markers_json).map_err(to_py)?;
     let agg = aggregates(aggregates_json)?;
@@ -511,9 +510,9 @@ fn sampler_loop(stop: Arc<AtomicBool>, fd: i32, interval: Duration) {
 #[pyfunction]
 fn start_allocator_sampler(py: Python<'_>, interval_ms: f64) -> PyResult<bool> {
     if !(interval_ms.is_finite() && interval_ms > 0.0) {
-        return Err(PyValueError::new_err(format!(
-            "interval_ms must be a positive number of milliseconds, got {interval_ms}"
-        )));
+        return Err(
+            Error::Input(format!("interval_ms must be a positive number of milliseconds, got {interval_ms}")).into()
+        );
     }
     let Some(fd) = event_fd() else {
         return Ok(false);
@@ -538,7 +537,7 @@ fn start_allocator_sampler(py: Python<'_>, interval_ms: f64) -> PyResult<bool> {
         let thread = std::thread::Builder::new()
             .name("torchmem-allocator-sampler".into())
             .spawn(move || sampler_loop(thread_stop, fd, interval))
-            .map_err(|e| crate::errors::TorchmemError::new_err(format!("cannot start the sampler thread: {e}")))?;
+            .map_err(|e| Error::Tool(format!("cannot start the sampler thread: {e}")))?;
         *guard = Some(Sampler { stop, thread, pid: me });
     }
     if !ATEXIT_REGISTERED.swap(true, Ordering::AcqRel) {

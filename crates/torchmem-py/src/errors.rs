@@ -39,6 +39,8 @@ pub enum Error {
         path: Option<PathBuf>,
         source: std::io::Error,
     },
+    /// A tool failure that is not the caller's input (NVML unavailable, a thread that cannot start).
+    Tool(String),
     /// The binding is in the wrong state for the call (e.g. the line profiler is busy).
     Runtime(String),
     Python(PyErr),
@@ -186,6 +188,7 @@ impl From<Error> for PyErr {
                 Error::Snapshot(e) => raise(py, &c.snapshot, e.to_string()),
                 Error::Input(msg) => raise(py, &c.input, msg),
                 Error::OomParse(msg) => raise(py, &c.oom_parse, msg),
+                Error::Tool(msg) => TorchmemError::new_err(msg),
                 Error::Runtime(msg) => exc::PyRuntimeError::new_err(msg),
                 Error::Io { path, source } => {
                     let errno = source.raw_os_error().unwrap_or(0);
