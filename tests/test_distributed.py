@@ -125,6 +125,11 @@ def test_torchrun_ddp_every_rank_recorded_and_merged(tmp_path: Path) -> None:
     text = torchmem("report", str(prof)).stdout
     assert "torchmem distributed report" in text and "Imbalance" in text and "Steps, aligned by step number" in text
     assert f"WORLD_SIZE {n}" in text, text
+    # The node's page: its usual chart and tables, then the ranks, one step-aligned chart each.
+    torchmem("plot", str(prof))
+    page = prof.with_suffix(".html").read_text()
+    assert page.count('class="rank-chart"') == n and '<section id="ranks">' in page
+    assert page.index('<section id="ranks">') > page.index("<svg"), "after the node's own timeline"
 
 
 def test_a_killed_rank_leaves_the_others_intact_and_is_the_first_to_fail(tmp_path: Path) -> None:
