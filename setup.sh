@@ -7,7 +7,7 @@ scripts/dev-env.sh
 export PATH="$PWD/.venv/bin:$PATH"
 mkdir -p out
 torchmem info
-torchmem run -o out/example.sqlite -- examples/train.py --epochs 3
+torchmem run --force -o out/example.sqlite -- examples/train.py --epochs 3
 torchmem report out/example.sqlite
 torchmem plot out/example.sqlite -o out/example.html
 echo "HTML report: out/example.html"
