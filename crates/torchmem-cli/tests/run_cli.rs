@@ -184,12 +184,13 @@ fn a_corrupt_profile_is_a_clear_error() {
 #[test]
 fn worker_children_are_summed_without_double_counting() {
     // A parent touches 200 MiB, then forks 3 workers that only read it (shared pages) and each touch 50 MiB
-    // of their own. RSS summed over the tree counts the shared 200 MiB four times; PSS counts it once.
+    // of their own, then hold it for 4 s (several PSS reads even when a loaded machine stretches the PSS interval).
+    // RSS summed over the tree counts the shared 200 MiB four times; PSS counts it once.
     let dir = tempfile::tempdir().unwrap();
     let s = script(
         dir.path(),
         "workers.py",
-        "import os, time\nshared = bytearray(b'\\x01' * (200 << 20))\npids = []\nfor i in range(3):\n    pid = os.fork()\n    if pid == 0:\n        s = 0\n        for off in range(0, len(shared), 4096):\n            s += shared[off]\n        own = b'\\x02' * (50 << 20)\n        time.sleep(1.5)\n        os._exit(0)\n    pids.append(pid)\nfor p in pids:\n    os.waitpid(p, 0)\n",
+        "import os, time\nshared = bytearray(b'\\x01' * (200 << 20))\npids = []\nfor i in range(3):\n    pid = os.fork()\n    if pid == 0:\n        s = 0\n        for off in range(0, len(shared), 4096):\n            s += shared[off]\n        own = b'\\x02' * (50 << 20)\n        time.sleep(4)\n        os._exit(0)\n    pids.append(pid)\nfor p in pids:\n    os.waitpid(p, 0)\n",
     );
     let prof = dir.path().join("p.sqlite");
     let out = torchmem().args(["run", "-q", "--pss-interval", "100", "-o"]).arg(&prof).arg(&s).output().unwrap();
