@@ -15,8 +15,8 @@ use std::sync::mpsc::{Receiver, Sender, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use torchmem_core::fold::{SpanFolder, DEFAULT_KEEP_SPANS};
 use torchmem_core::analysis::ranks::{GpuIdentity, GpuProcesses, GPU_PROCESSES_BLOB, IDENTITY_BLOB};
+use torchmem_core::fold::{SpanFolder, DEFAULT_KEEP_SPANS};
 use torchmem_core::model::*;
 use torchmem_core::sources::gpu::{tree_bytes, GpuReading, GpuSource};
 use torchmem_core::sources::procfs;

@@ -335,10 +335,9 @@ impl OomFinding {
                     "the kernel's OOM killer, most likely: it killed {} in this run's memory cgroup during the run",
                     kills(c)
                 ),
-                (_, _, Some(h)) if h > 0 => format!(
-                    "perhaps the kernel's OOM killer: it killed {} on this host during the run",
-                    kills(h)
-                ),
+                (_, _, Some(h)) if h > 0 => {
+                    format!("perhaps the kernel's OOM killer: it killed {} on this host during the run", kills(h))
+                }
                 (_, None, None) => "the kernel's OOM killer? (its counters could not be read)".into(),
                 _ => "not the OOM killer (it killed nothing during the run): something sent SIGKILL".into(),
             }),
@@ -356,10 +355,38 @@ impl OomFinding {
 /// A signal's name, as `kill -l` spells it with the SIG prefix (`SIGKILL`, `SIGRTMIN+3`), or `signal N`.
 pub fn signal_name(signal: i32) -> String {
     const NAMES: [&str; 32] = [
-        "", "SIGHUP", "SIGINT", "SIGQUIT", "SIGILL", "SIGTRAP", "SIGABRT", "SIGBUS", "SIGFPE", "SIGKILL", "SIGUSR1",
-        "SIGSEGV", "SIGUSR2", "SIGPIPE", "SIGALRM", "SIGTERM", "SIGSTKFLT", "SIGCHLD", "SIGCONT", "SIGSTOP",
-        "SIGTSTP", "SIGTTIN", "SIGTTOU", "SIGURG", "SIGXCPU", "SIGXFSZ", "SIGVTALRM", "SIGPROF", "SIGWINCH",
-        "SIGIO", "SIGPWR", "SIGSYS",
+        "",
+        "SIGHUP",
+        "SIGINT",
+        "SIGQUIT",
+        "SIGILL",
+        "SIGTRAP",
+        "SIGABRT",
+        "SIGBUS",
+        "SIGFPE",
+        "SIGKILL",
+        "SIGUSR1",
+        "SIGSEGV",
+        "SIGUSR2",
+        "SIGPIPE",
+        "SIGALRM",
+        "SIGTERM",
+        "SIGSTKFLT",
+        "SIGCHLD",
+        "SIGCONT",
+        "SIGSTOP",
+        "SIGTSTP",
+        "SIGTTIN",
+        "SIGTTOU",
+        "SIGURG",
+        "SIGXCPU",
+        "SIGXFSZ",
+        "SIGVTALRM",
+        "SIGPROF",
+        "SIGWINCH",
+        "SIGIO",
+        "SIGPWR",
+        "SIGSYS",
     ];
     match signal {
         1..=31 => NAMES[signal as usize].to_string(),
