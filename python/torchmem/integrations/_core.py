@@ -239,3 +239,20 @@ def write_post_mortem(
     js.write_text(json.dumps(data, indent=2, default=str) + "\n")
     print(f"torchmem: out of memory at {where} (phase {phase or '-'}); post-mortem in {txt}", file=sys.stderr)
     return txt
+
+
+def finish_post_mortem(
+    callback: Any, exc: BaseException, directory: str | os.PathLike[str], context: dict[str, Any]
+) -> None:
+    """A callback's end after an out-of-memory error: writes the post-mortem (`write_post_mortem`) into
+    `callback.post_mortem`, never hiding the user's OOM behind an error of ours, then drops the armed OOM
+    handler and closes the step recorder. Shared by the Lightning and Hugging Face callbacks."""
+    try:
+        path = write_post_mortem(exc, directory, callback.recorder, callback._oom_handler, context)
+        callback.post_mortem = str(path)
+    except Exception as e:  # never hide the user's OOM behind ours
+        print(f"torchmem: could not write the out-of-memory post-mortem: {e}", file=sys.stderr)
+    finally:
+        callback._oom_handler = None
+        if callback.recorder is not None:
+            callback.recorder.close()

@@ -28,7 +28,7 @@ import warnings
 from typing import Any
 
 from . import tracking
-from ._core import BACKWARD, FORWARD, OPTIMIZER, StepRecorder, arm_oom, is_oom, write_post_mortem
+from ._core import BACKWARD, FORWARD, OPTIMIZER, StepRecorder, arm_oom, finish_post_mortem, is_oom
 
 _NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
 _ALIASES = {
@@ -287,21 +287,7 @@ class TorchmemCallback:
         }
         if self._batch_idx is not None:
             context["batch_idx"] = self._batch_idx
-        try:
-            path = write_post_mortem(
-                exception,
-                self.oom_dir or f"{trainer.default_root_dir}/torchmem",
-                self.recorder,
-                self._oom_handler,
-                context,
-            )
-            self.post_mortem = str(path)
-        except Exception as e:  # never hide the user's OOM behind ours
-            print(f"torchmem: could not write the out-of-memory post-mortem: {e}", file=sys.stderr)
-        finally:
-            self._oom_handler = None
-            if self.recorder is not None:
-                self.recorder.close()
+        finish_post_mortem(self, exception, self.oom_dir or f"{trainer.default_root_dir}/torchmem", context)
 
 
 def attach(trainer: Any, *args: Any, **kwargs: Any) -> Any:

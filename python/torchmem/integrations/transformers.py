@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import warnings
 from typing import Any
 
 from transformers import TrainerCallback
 
 from . import tracking
-from ._core import OPTIMIZER, StepRecorder, arm_oom, is_oom, write_post_mortem
+from ._core import OPTIMIZER, StepRecorder, arm_oom, finish_post_mortem, is_oom
 from .batch_size import Attempt, find_executable_batch_size
 
 __all__ = ["Attempt", "TorchmemCallback", "attach", "find_executable_batch_size"]
@@ -170,21 +169,7 @@ class TorchmemCallback(TrainerCallback):
             "epoch": state.epoch,
             "rank": int(getattr(trainer.args, "process_index", 0)),
         }
-        try:
-            path = write_post_mortem(
-                exc,
-                self.oom_dir or os.path.join(trainer.args.output_dir or ".", "torchmem"),
-                self.recorder,
-                self._oom_handler,
-                context,
-            )
-            self.post_mortem = str(path)
-        except Exception as e:  # never hide the user's OOM behind ours
-            print(f"torchmem: could not write the out-of-memory post-mortem: {e}", file=sys.stderr)
-        finally:
-            self._oom_handler = None
-            if self.recorder is not None:
-                self.recorder.close()
+        finish_post_mortem(self, exc, self.oom_dir or os.path.join(trainer.args.output_dir or ".", "torchmem"), context)
 
 
 def attach(trainer: Any, callback: TorchmemCallback | None = None, **kwargs: Any) -> TorchmemCallback:
