@@ -84,32 +84,38 @@ def test_short_line_profiled_run_reads_pss_after_the_program_grew(tmp_path: Path
     value = parse_bytes(shown.lstrip("≥ ").split("  ")[0].strip())
     # never below what the kernel says the process peaked at (the report rounds to 0.1 MiB)
     assert value >= hwm - 0.06 * MIB, (shown, hwm / MIB)
+    # the report's PSS peak is the highest PSS read of the run (rounded to 0.1 MiB), not one taken before it grew
     pss_shown = parse_bytes(peak_row(report, "CPU PSS, process tree").split("  ")[0].strip())
-    assert pss_shown >= 60 * MIB, report
+    assert abs(pss_shown - max(pss)) <= 0.06 * MIB, (report, [p / MIB for p in pss])
 
 
 def test_a_peak_between_two_samples_is_caught_by_the_high_water_mark(tmp_path: Path) -> None:
     (tmp_path / "spike.py").write_text(SPIKE)
-    r = torchmem(
-        "run",
-        "-q",
-        "--interval",
-        "400",
-        "--pss-interval",
-        "400",
-        "-o",
-        "s.sqlite",
-        "--",
-        sys.executable,
-        "spike.py",
-        cwd=tmp_path,
-    )
-    assert r.returncode == 0, r.stderr
-    hwm = hwm_printed(r.stdout)
-    assert hwm > 120 * MIB
-    with sqlite3.connect(tmp_path / "s.sqlite") as db:
-        sampled = db.execute("select max(rss_bytes) from cpu_samples").fetchone()[0]
-    assert sampled < 100 * MIB, "the sampler was not meant to see the spike; make it shorter"
+    # the spike lives ~50 ms of a 400 ms interval: a sample lands on it now and then; run again until one misses it
+    for _attempt in range(4):
+        r = torchmem(
+            "run",
+            "-q",
+            "--force",
+            "--interval",
+            "400",
+            "--pss-interval",
+            "400",
+            "-o",
+            "s.sqlite",
+            "--",
+            sys.executable,
+            "spike.py",
+            cwd=tmp_path,
+        )
+        assert r.returncode == 0, r.stderr
+        hwm = hwm_printed(r.stdout)
+        assert hwm > 120 * MIB
+        with sqlite3.connect(tmp_path / "s.sqlite") as db:
+            sampled = db.execute("select max(rss_bytes) from cpu_samples").fetchone()[0]
+        if sampled < 100 * MIB:
+            break
+    assert sampled < 100 * MIB, "the sampler saw the spike in all four runs; make it shorter"
     report = torchmem("report", str(tmp_path / "s.sqlite")).stdout
     shown = peak_row(report, "CPU RSS, process tree")
     assert shown.startswith("≥ ") and "VmHWM" in shown, shown
