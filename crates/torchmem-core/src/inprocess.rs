@@ -1,10 +1,7 @@
-//! What the Python API reads and computes inside the user's own process: this process's memory from /proc
-//! (RSS, peak RSS and its reset, USS/PSS), NVML's view of this process on one device, the allocator-counter
+//! What the Python API reads and computes inside the user's own process (this process's memory from /proc
+//! is `sources::self_proc`): NVML's view of this process on one device, the allocator-counter
 //! record the in-process sampler sends to the recorder, and the Monitor's summaries (epoch line, tables,
 //! journey) computed from its markers.
-
-use std::fs;
-use std::io::Write;
 
 use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::Nvml;
@@ -17,122 +14,6 @@ use crate::model::Marker;
 use crate::report::table;
 use crate::units::{format_delta, format_opt_bytes};
 use crate::wire::ChildMessage;
-
-/// RSS and its high-water mark, both from one read of `/proc/self/status`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SelfMemory {
-    pub rss_bytes: u64,
-    /// `VmHWM`: the highest RSS since the process started or since the last [`reset_peak_rss`].
-    pub peak_rss_bytes: u64,
-}
-
-/// This process's /proc files, opened once and re-read with `pread` (about half the cost of open+read+close).
-/// A fork gives the child the parent's descriptors, which still point at the parent: they are reopened when
-/// the pid changes.
-struct SelfFiles {
-    pid: u32,
-    statm: fs::File,
-    status: fs::File,
-    clear_refs: Option<fs::File>,
-}
-
-static SELF_FILES: std::sync::Mutex<Option<SelfFiles>> = std::sync::Mutex::new(None);
-
-fn with_self_files<T>(f: impl FnOnce(&SelfFiles) -> Option<T>) -> Option<T> {
-    let mut guard = SELF_FILES.lock().unwrap_or_else(|p| p.into_inner());
-    let pid = std::process::id();
-    if guard.as_ref().is_none_or(|files| files.pid != pid) {
-        *guard = Some(SelfFiles {
-            pid,
-            statm: fs::File::open("/proc/self/statm").ok()?,
-            status: fs::File::open("/proc/self/status").ok()?,
-            clear_refs: fs::OpenOptions::new().write(true).open("/proc/self/clear_refs").ok(),
-        });
-    }
-    f(guard.as_ref()?)
-}
-
-fn pread_text(file: &fs::File, buf: &mut [u8]) -> Option<usize> {
-    use std::os::unix::fs::FileExt;
-    let n = file.read_at(buf, 0).ok()?;
-    (n > 0).then_some(n)
-}
-
-///
-/// Fast path (~1.5 µs instead of ~5–12 µs for `/proc/self/status`): RSS from statm and the high-water mark
-/// from `getrusage`, whose `ru_maxrss` is `max(high-water mark, maxrss inherited across exec)`. The first
-/// call learns an upper bound of the inherited part (see [`exec_maxrss_bound`]); a `ru_maxrss` above that
-/// bound can only be the high-water mark itself. Otherwise (or without /proc) it reads status.
-pub fn self_memory() -> Option<SelfMemory> {
-    let bound = exec_maxrss_bound();
-    if let (Some(max_rss), Some(rss)) = (rusage_maxrss_bytes(), self_rss_bytes()) {
-        if max_rss > bound {
-            return Some(SelfMemory { rss_bytes: rss, peak_rss_bytes: max_rss.max(rss) });
-        }
-    }
-    self_memory_from_status()
-}
-
-/// RSS and VmHWM from one read of `/proc/self/status` (the reference the fast path is checked against).
-pub fn self_memory_from_status() -> Option<SelfMemory> {
-    let mut buf = [0u8; 4096];
-    let n = with_self_files(|f| pread_text(&f.status, &mut buf))?;
-    parse_self_status(std::str::from_utf8(&buf[..n]).ok()?)
-}
-
-/// `getrusage(RUSAGE_SELF).ru_maxrss` in bytes.
-fn rusage_maxrss_bytes() -> Option<u64> {
-    // SAFETY: getrusage fills the struct we own.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    (unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } == 0).then(|| ru.ru_maxrss.max(0) as u64 * 1024)
-}
-
-/// An upper bound (bytes) of the maxrss the kernel carried over from the image before `exec`, which
-/// `ru_maxrss` folds in: with `ru` and VmHWM read together, `ru > VmHWM` means the inherited value is `ru`;
-/// `ru == VmHWM` means it is at most VmHWM. A fork child inherits nothing (0), so the bound stays valid.
-/// `u64::MAX` (fast path off) where status or getrusage cannot be read.
-pub fn exec_maxrss_bound() -> u64 {
-    static BOUND: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *BOUND.get_or_init(|| match (self_memory_from_status(), rusage_maxrss_bytes()) {
-        (Some(m), Some(ru)) => ru.max(m.peak_rss_bytes),
-        _ => u64::MAX,
-    })
-}
-
-pub fn parse_self_status(text: &str) -> Option<SelfMemory> {
-    Some(SelfMemory {
-        rss_bytes: crate::sources::procfs::status_field_bytes(text, "VmRSS")?,
-        peak_rss_bytes: crate::sources::procfs::status_field_bytes(text, "VmHWM")?,
-    })
-}
-
-/// This process's RSS from `/proc/self/statm` (the cheapest read the kernel offers).
-pub fn self_rss_bytes() -> Option<u64> {
-    let mut buf = [0u8; 256];
-    let n = with_self_files(|f| pread_text(&f.statm, &mut buf))?;
-    let text = std::str::from_utf8(&buf[..n]).ok()?;
-    crate::sources::procfs::parse_statm_rss_pages(text).map(|p| p * crate::sources::procfs::page_size())
-}
-
-/// Resets `VmHWM` to the current RSS (writes "5" to `/proc/self/clear_refs`), so that the next peak read
-/// is the peak since now. Fails where the kernel or a sandbox forbids it; callers then keep the old peak.
-pub fn reset_peak_rss() -> Result<()> {
-    let written = with_self_files(|f| {
-        let mut file = f.clear_refs.as_ref()?;
-        Some(file.write_all(b"5").is_ok())
-    });
-    match written {
-        Some(true) => Ok(()),
-        _ => Err(CoreError::Invalid("cannot write /proc/self/clear_refs: the peak RSS cannot be reset here".into())),
-    }
-}
-
-/// Returns freed heap memory at the top and in the middle of glibc's arenas to the kernel (the CPU side of
-/// "empty the cache"). True when some memory was released.
-pub fn malloc_trim() -> bool {
-    // SAFETY: malloc_trim has no preconditions; it only walks glibc's own arenas under their locks.
-    unsafe { libc::malloc_trim(0) != 0 }
-}
 
 /// PyTorch's caching-allocator counters for one device, as read from `torch._C._cuda_memoryStats(dev)`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -347,46 +228,6 @@ mod tests {
     use crate::model::{Edge, MarkerKind, MarkerMemory};
 
     const MIB: u64 = 1 << 20;
-    /// The peak-RSS tests reset this process's high-water mark: one at a time.
-    static PEAK_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-    #[test]
-    fn reads_this_process_and_resets_its_peak() {
-        let _one = PEAK_TESTS.lock().unwrap_or_else(|p| p.into_inner());
-        let m = self_memory().unwrap();
-        assert!(m.rss_bytes > MIB && m.peak_rss_bytes >= m.rss_bytes);
-        let statm = self_rss_bytes().unwrap();
-        assert!(statm > MIB);
-        // Touch 64 MiB, free it, reset: the peak falls back to about the current RSS.
-        let big = vec![1u8; 64 * MIB as usize];
-        assert!(big.iter().map(|b| *b as u64).sum::<u64>() == 64 * MIB);
-        let with_big = self_memory().unwrap();
-        drop(big);
-        if reset_peak_rss().is_ok() {
-            let after = self_memory().unwrap();
-            assert!(after.peak_rss_bytes + 32 * MIB < with_big.peak_rss_bytes, "{after:?} vs {with_big:?}");
-        }
-    }
-
-    #[test]
-    fn fast_peak_rss_agrees_with_status() {
-        let _one = PEAK_TESTS.lock().unwrap_or_else(|p| p.into_inner());
-        let _ = exec_maxrss_bound();
-        let big = vec![3u8; 48 * MIB as usize];
-        assert!(big.iter().map(|b| *b as u64).sum::<u64>() == 3 * 48 * MIB);
-        drop(big);
-        // RSS moves between two reads (other tests run in parallel threads): compare each read with the
-        // status read taken just after it, which can only be equal or later.
-        for _ in 0..3 {
-            let fast = self_memory().unwrap();
-            let status = self_memory_from_status().unwrap();
-            assert!(fast.peak_rss_bytes <= status.peak_rss_bytes, "{fast:?} vs {status:?}");
-            assert!(fast.peak_rss_bytes + 8 * MIB >= status.peak_rss_bytes, "{fast:?} vs {status:?}");
-            if reset_peak_rss().is_err() {
-                break;
-            }
-        }
-    }
 
     #[test]
     fn wire_line_is_what_the_recorder_parses() {

@@ -12,6 +12,7 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use torchmem_core::inprocess::{self, AllocatorCounters, ProcessGpu};
+use torchmem_core::sources::self_proc;
 
 use crate::errors::{to_py, Error};
 
@@ -20,13 +21,13 @@ use crate::errors::{to_py, Error};
 /// `(rss_bytes, peak_rss_bytes)` from one read of /proc/self/status; None where /proc is missing.
 #[pyfunction]
 fn self_memory() -> Option<(u64, u64)> {
-    inprocess::self_memory().map(|m| (m.rss_bytes, m.peak_rss_bytes))
+    self_proc::self_memory().map(|m| (m.rss_bytes, m.peak_rss_bytes))
 }
 
 /// RSS in bytes from /proc/self/statm (the cheapest read).
 #[pyfunction]
 fn self_rss_bytes() -> Option<u64> {
-    inprocess::self_rss_bytes()
+    self_proc::self_rss_bytes()
 }
 
 /// `(rss_bytes, pss_bytes, uss_bytes, swap_bytes)` from /proc/self/smaps_rollup (ms on big processes).
@@ -40,13 +41,13 @@ fn self_rollup(py: Python<'_>) -> Option<(u64, u64, u64, u64)> {
 /// Resets the peak RSS (VmHWM) to the current RSS; False where the kernel forbids it.
 #[pyfunction]
 fn reset_peak_rss() -> bool {
-    inprocess::reset_peak_rss().is_ok()
+    self_proc::reset_peak_rss().is_ok()
 }
 
 /// glibc `malloc_trim(0)`: gives freed heap pages back to the kernel. True when something was released.
 #[pyfunction]
 fn malloc_trim(py: Python<'_>) -> bool {
-    py.detach(inprocess::malloc_trim)
+    py.detach(self_proc::malloc_trim)
 }
 
 #[pyfunction]

@@ -15,8 +15,8 @@ mod snapshot;
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    // Learn the exec-inherited maxrss bound while the process is young (see inprocess::self_memory).
-    let _ = torchmem_core::inprocess::exec_maxrss_bound();
+    // Learn the exec-inherited maxrss bound while the process is young (see sources::self_proc::self_memory).
+    let _ = torchmem_core::sources::self_proc::exec_maxrss_bound();
     errors::register(m)?;
     cli::register(m)?;
     api::register(m)?;

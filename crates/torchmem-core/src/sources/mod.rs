@@ -1,5 +1,7 @@
-//! Where memory numbers come from: the kernel's /proc files (CPU) and NVML (GPU).
+//! Where memory numbers come from: the kernel's /proc files (CPU: `procfs` for any process, `self_proc` for
+//! this one, kept open), `host` (the machine's RAM) and NVML (GPU).
 
 pub mod gpu;
 pub mod host;
 pub mod procfs;
+pub mod self_proc;

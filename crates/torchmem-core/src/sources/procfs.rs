@@ -1,29 +1,40 @@
 //! Reads a process tree's memory from /proc: RSS from `statm` or with its high-water mark (VmHWM) from
 //! `status` (cheap, a few µs: the high-rate path), PSS and
 //! USS from `smaps_rollup` (milliseconds on a big process: the low-rate path), the tree from `children`
-//! files with a full /proc scan as fallback.
+//! files with a full /proc scan as fallback. The parsers here are the only ones: `self_proc` reads this
+//! process's own files through them.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 
+/// The kernel's page size in bytes (asked once).
 pub fn page_size() -> u64 {
-    // SAFETY: sysconf has no preconditions.
-    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if p > 0 {
-        p as u64
-    } else {
-        4096
-    }
+    static PAGE_BYTES: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *PAGE_BYTES.get_or_init(|| {
+        // SAFETY: sysconf has no preconditions.
+        let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        if p > 0 {
+            p as u64
+        } else {
+            4096
+        }
+    })
 }
 
 /// Resident set size in bytes from `/proc/PID/statm` (second field, in pages).
 pub fn rss_bytes(pid: u32) -> Option<u64> {
-    let text = fs::read_to_string(format!("/proc/{pid}/statm")).ok()?;
+    let text = fs::read(format!("/proc/{pid}/statm")).ok()?;
     parse_statm_rss_pages(&text).map(|pages| pages * page_size())
 }
 
-pub fn parse_statm_rss_pages(text: &str) -> Option<u64> {
-    text.split_ascii_whitespace().nth(1)?.parse().ok()
+/// The second field of statm ("size resident shared text lib data dt"), in pages; None when it is missing
+/// or not a number.
+pub fn parse_statm_rss_pages(text: &[u8]) -> Option<u64> {
+    let field = text.split(|b| b.is_ascii_whitespace()).filter(|f| !f.is_empty()).nth(1)?;
+    if field.is_empty() || field.len() > 19 || !field.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    Some(field.iter().fold(0u64, |v, b| v * 10 + (b - b'0') as u64))
 }
 
 /// The parts of `smaps_rollup` we use, in bytes.
@@ -180,7 +191,9 @@ mod tests {
 
     #[test]
     fn parses_proc_text() {
-        assert_eq!(parse_statm_rss_pages("1000 250 30 1 0 400 0\n"), Some(250));
+        assert_eq!(parse_statm_rss_pages(b"1000 250 30 1 0 400 0\n"), Some(250));
+        assert_eq!(parse_statm_rss_pages(b"1000"), None);
+        assert_eq!(parse_statm_rss_pages(b"1000 x 3"), None);
         assert_eq!(parse_stat_ppid("42 (a b) c) S 7 42 42 0"), Some(7));
         let rollup = "00400000-7ffd [rollup]\nRss:  100 kB\nPss:  60 kB\nPss_Anon: 1 kB\nShared_Clean: 40 kB\nPrivate_Clean: 10 kB\nPrivate_Dirty: 50 kB\nSwap: 0 kB\n";
         let r = parse_smaps_rollup(rollup).unwrap();

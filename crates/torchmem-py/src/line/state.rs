@@ -18,7 +18,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::sampler::Statm;
+use torchmem_core::sources::self_proc::SelfStatm;
 
 /// A RefCell that is `Sync` because every access happens with the GIL held.
 pub struct GilCell<T>(pub RefCell<T>);
@@ -154,7 +154,7 @@ pub struct Profiler {
     threads: Vec<ThreadState>,
     pub gate_ticks: u64,
     pub ticks_per_s: f64,
-    statm: Statm,
+    statm: SelfStatm,
     pub gpu: Gpu,
     pub gpu_seen: bool,
     /// The allocator's peak read by another torchmem reader just before it reset the counters (the peak
@@ -198,7 +198,7 @@ impl Profiler {
             threads: Vec::new(),
             gate_ticks,
             ticks_per_s,
-            statm: Statm::open(),
+            statm: SelfStatm::open(),
             gpu,
             gpu_seen: false,
             gpu_folded_peak_bytes: 0,
@@ -274,7 +274,7 @@ impl Profiler {
     pub fn rss_now(&mut self) -> i64 {
         self.reads += 1;
         match self.statm.rss_bytes() {
-            Some(v) => v,
+            Some(v) => v as i64,
             None => {
                 let t = self.thread_index();
                 self.threads[t].last.rss_bytes
