@@ -44,6 +44,8 @@ enum V {
     Block(u32),
     /// A trace entry waiting to be appended to its device's list (`Reader::pending`, by sequence number).
     Trace(u64),
+    /// The frame list of the trace entry `trace_entry` is reading (its frame ids: `Reader::entry_frames`).
+    EntryFrames,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -180,6 +182,143 @@ fn int_le(bytes: &[u8]) -> R<V> {
     })
 }
 
+/// Most pairs a trace-entry dict read by `trace_entry` may have (real ones have 6–8).
+const MAX_ENTRY_PAIRS: usize = 16;
+/// Most bytes a trace-entry dict read by `trace_entry` may take (real ones take 100–600).
+const ENTRY_WINDOW_BYTES: usize = 16 << 10;
+
+/// What `scan_entry` read.
+struct Scanned {
+    bytes_used: usize,
+    n_pairs: usize,
+    has_list: bool,
+}
+
+/// Reads the body of a dict that may be a trace entry, after its EMPTY_DICT, from `b`: `MEMOIZE MARK`,
+/// then pairs of a memoized key string and a value — an int, None, a bool, a memoized string, scalar
+/// or stack, or (under the `frames` key, once) a new frame list of memoized frames — up to `SETITEMS`.
+/// The pairs go to `pairs` as the generic loop would have them on its stack, the list's frame ids to
+/// `frames` (the list is `V::EntryFrames`). `None` for anything else, a key code seen twice included.
+#[inline]
+fn scan_entry(
+    b: &[u8],
+    memo: &[u32],
+    strings: &[StrMeta],
+    scalars: &[V],
+    pairs: &mut [V; 2 * MAX_ENTRY_PAIRS],
+    frames: &mut Vec<u32>,
+) -> Option<Scanned> {
+    #[inline(always)]
+    fn memo_index(b: &[u8], i: &mut usize, code: u8) -> Option<usize> {
+        if code == op::BINGET {
+            let idx = *b.get(*i)? as usize;
+            *i += 1;
+            Some(idx)
+        } else {
+            let idx = u32::from_le_bytes(b.get(*i..*i + 4)?.try_into().ok()?) as usize;
+            *i += 4;
+            Some(idx)
+        }
+    }
+    if b.get(..2)? != [op::MEMOIZE, op::MARK] {
+        return None;
+    }
+    let mut i = 2;
+    let (mut n, mut has_list, mut codes_seen) = (0usize, false, 0u32);
+    loop {
+        let code = *b.get(i)?;
+        i += 1;
+        if code == op::SETITEMS {
+            break;
+        }
+        if (code != op::BINGET && code != op::LONG_BINGET) || n == MAX_ENTRY_PAIRS {
+            return None;
+        }
+        let slot = *memo.get(memo_index(b, &mut i, code)?)?;
+        if slot >> TAG_SHIFT != M_STR {
+            return None;
+        }
+        let key = slot & PAYLOAD;
+        let key_code = strings[key as usize].key;
+        if key_code != 0 {
+            if codes_seen & 1 << key_code != 0 {
+                return None;
+            }
+            codes_seen |= 1 << key_code;
+        }
+        let code = *b.get(i)?;
+        i += 1;
+        let value = match code {
+            op::BINGET | op::LONG_BINGET => {
+                let slot = *memo.get(memo_index(b, &mut i, code)?)?;
+                let payload = slot & PAYLOAD;
+                match slot >> TAG_SHIFT {
+                    M_STR => V::Str(payload),
+                    M_SCALAR => scalars[payload as usize],
+                    M_STACK => V::Stack(if payload == NO_STACK_PAYLOAD { NO_STACK } else { payload }),
+                    _ => return None,
+                }
+            }
+            op::BININT1 => {
+                let v = *b.get(i)?;
+                i += 1;
+                V::Int(v as i64)
+            }
+            op::BININT2 => {
+                let v = u16::from_le_bytes(b.get(i..i + 2)?.try_into().ok()?);
+                i += 2;
+                V::Int(v as i64)
+            }
+            op::BININT => {
+                let v = u32::from_le_bytes(b.get(i..i + 4)?.try_into().ok()?);
+                i += 4;
+                V::Int(v as i32 as i64)
+            }
+            op::LONG1 => {
+                let len = *b.get(i)? as usize;
+                let v = int_le(b.get(i + 1..i + 1 + len)?).ok()?;
+                i += 1 + len;
+                v
+            }
+            op::NONE => V::None,
+            op::NEWTRUE => V::Bool(true),
+            op::NEWFALSE => V::Bool(false),
+            op::EMPTY_LIST if key_code == K_FRAMES && !has_list => {
+                if *b.get(i)? != op::MEMOIZE {
+                    return None;
+                }
+                i += 1;
+                has_list = true;
+                frames.clear();
+                if b.get(i) == Some(&op::MARK) {
+                    i += 1;
+                    loop {
+                        let code = *b.get(i)?;
+                        i += 1;
+                        if code == op::APPENDS {
+                            break;
+                        }
+                        if code != op::BINGET && code != op::LONG_BINGET {
+                            return None;
+                        }
+                        let slot = *memo.get(memo_index(b, &mut i, code)?)?;
+                        if slot >> TAG_SHIFT != M_FRAME {
+                            return None;
+                        }
+                        frames.push(slot & PAYLOAD);
+                    }
+                }
+                V::EntryFrames
+            }
+            _ => return None,
+        };
+        pairs[2 * n] = V::Str(key);
+        pairs[2 * n + 1] = value;
+        n += 1;
+    }
+    Some(Scanned { bytes_used: i, n_pairs: n, has_list })
+}
+
 /// Buffered input that keeps the opcode's arguments contiguous.
 struct Input<Rd: Read> {
     inner: Rd,
@@ -209,6 +348,33 @@ impl<Rd: Read> Input<Rd> {
             if self.eof {
                 return Err(Bail);
             }
+            match self.inner.read(&mut self.buf[self.end..]) {
+                Ok(0) => self.eof = true,
+                Ok(k) => self.end += k,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => return Err(Bail),
+            }
+        }
+        Ok(())
+    }
+
+    /// The buffered bytes from `pos`, at least `n` of them unless the input ends first (reads more when
+    /// fewer are buffered; gives up only on a read error).
+    #[inline]
+    fn window(&mut self, n: usize) -> R<&[u8]> {
+        if self.end - self.pos < n && !self.eof {
+            self.refill(n)?;
+        }
+        Ok(&self.buf[self.pos..self.end])
+    }
+
+    #[cold]
+    fn refill(&mut self, n: usize) -> R<()> {
+        let n = n.min(self.buf.len());
+        self.buf.copy_within(self.pos..self.end, 0);
+        self.end -= self.pos;
+        self.pos = 0;
+        while self.end < n && !self.eof {
             match self.inner.read(&mut self.buf[self.end..]) {
                 Ok(0) => self.eof = true,
                 Ok(k) => self.end += k,
@@ -274,6 +440,8 @@ struct Reader<Rd: Read> {
     blocks: Vec<Block>,
     scratch_ids: Vec<u32>,
     shapes: Vec<Shape>,
+    /// Frame ids of the frame list `trace_entry` read (`V::EntryFrames`).
+    entry_frames: Vec<u32>,
 }
 
 /// Decodes a snapshot pickle, or gives up ([`Bail`]) for the generic decoder to take over.
@@ -294,6 +462,7 @@ pub fn read<Rd: Read>(reader: Rd) -> Result<Snapshot, Bail> {
         blocks: Vec::new(),
         scratch_ids: Vec::new(),
         shapes: Vec::new(),
+        entry_frames: Vec::new(),
     };
     let root = r.run()?;
     r.build(root)
@@ -375,7 +544,7 @@ impl<Rd: Read> Reader<Rd> {
             V::Frame(f) => pack(M_FRAME, f)?,
             V::Stack(s) => pack(M_STACK, if s == NO_STACK { NO_STACK_PAYLOAD } else { s })?,
             V::Block(b) => pack(M_BLOCK, b)?,
-            V::Trace(_) => return Err(Bail),
+            V::Trace(_) | V::EntryFrames => return Err(Bail),
             scalar => {
                 self.scalars.push(scalar);
                 pack(M_SCALAR, (self.scalars.len() - 1) as u32)?
@@ -471,6 +640,9 @@ impl<Rd: Read> Reader<Rd> {
                     }
                 }
                 op::EMPTY_DICT => {
+                    if self.trace_entry()? {
+                        continue;
+                    }
                     let v = self.new_node(Kind::Dict);
                     self.stack.push(v);
                     self.dict_body()?;
@@ -712,6 +884,50 @@ impl<Rd: Read> Reader<Rd> {
                 }
             }
         }
+    }
+
+    /// A whole trace-entry dict, `} MEMOIZE ( key value … SETITEMS` with at most one frame list `] MEMOIZE
+    /// ( BINGET… APPENDS` in it, read in one pass (the EMPTY_DICT is consumed): no node, no stack traffic,
+    /// and its two memo slots written once, as the generic loop leaves them (the dict gone, the list its
+    /// stack). Its pairs then go through the same `shape_of` / `trace_by_position` / `trace` as in
+    /// `set_items`, so it builds the same entry and interns in the same order. When the bytes are anything
+    /// else (a frame or block dict, a new string inside, a repeated key, a shared container, a long entry,
+    /// the end of the input) it returns false having changed nothing, and the generic loop reads the dict
+    /// from the same byte.
+    fn trace_entry(&mut self) -> R<bool> {
+        let mut pairs = [V::None; 2 * MAX_ENTRY_PAIRS];
+        let bytes = self.input.window(ENTRY_WINDOW_BYTES)?;
+        let scan = scan_entry(bytes, &self.memo, &self.strings, &self.scalars, &mut pairs, &mut self.entry_frames);
+        let Some(Scanned { bytes_used, n_pairs, has_list }) = scan else { return Ok(false) };
+        let pairs = &pairs[..2 * n_pairs];
+        let shape = self.shape_of(pairs);
+        let kind = match shape {
+            Some(i) => self.shapes[i].kind,
+            None => classify(self, pairs),
+        };
+        if kind != 1 {
+            return Ok(false);
+        }
+        let fast = match shape {
+            Some(i) if !self.shapes[i].repeated => {
+                let pos = self.shapes[i].pos;
+                self.trace_by_position(pairs, &pos)?
+            }
+            _ => None,
+        };
+        let t = match fast {
+            Some(t) => t,
+            None => self.trace(pairs)?,
+        };
+        self.input.pos += bytes_used;
+        self.memo.push(pack(M_GONE, 0)?);
+        if has_list {
+            // `scan_entry` takes one frame list, under the `frames` key: it is the entry's stack.
+            self.memo.push(pack(M_STACK, if t.stack == NO_STACK { NO_STACK_PAYLOAD } else { t.stack })?);
+        }
+        self.pending.push(t);
+        self.stack.push(V::Trace(self.pending_base + self.pending.len() as u64 - 1));
+        Ok(true)
     }
 
     /// Replaces `stack[at..]` by a tuple of them.
@@ -997,6 +1213,7 @@ impl<Rd: Read> Reader<Rd> {
         match v {
             None | Some(V::None) => Ok(NO_STACK),
             Some(V::Stack(s)) => Ok(s),
+            Some(V::EntryFrames) => Ok(self.interner.stack_slice(&self.entry_frames)),
             Some(l @ V::Node(id, _)) => {
                 let n = self.node(l)?;
                 if n.kind != Kind::List || !n.entries.is_empty() {
@@ -1190,7 +1407,7 @@ impl<Rd: Read> Reader<Rd> {
             V::Float(f) => serde_json::Number::from_f64(f).map(J::Number).unwrap_or(J::Null),
             V::Str(s) => J::String(self.str_text(s).to_string()),
             V::Frame(_) | V::Stack(_) | V::Block(_) => J::Null,
-            V::Trace(_) => return Err(Bail),
+            V::Trace(_) | V::EntryFrames => return Err(Bail),
             V::Node(..) => {
                 let n = self.node(v)?;
                 if !n.entries.is_empty() || !n.frames.is_empty() {
