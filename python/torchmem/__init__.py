@@ -32,6 +32,7 @@ _EXPORTS = {
     "track": "api",
     "Monitor": "monitor",
     "MemoryGrowthWarning": "monitor",
+    "watch": "monitor",
     "print_profile": "line_profiler",
     "profile": "line_profiler",
     "capture": "snapshot",
@@ -70,6 +71,7 @@ __all__ = [
     "simulate",
     "stats",
     "track",
+    "watch",
 ]
 
 if TYPE_CHECKING:
@@ -77,7 +79,7 @@ if TYPE_CHECKING:
     from .api import Stats, device_info, empty_cache, peak, reset_peak, stats, track
     from .estimate import Estimate, estimate
     from .line_profiler import print_profile, profile
-    from .monitor import MemoryGrowthWarning, Monitor
+    from .monitor import MemoryGrowthWarning, Monitor, watch
     from .profile import Profile, load_profile
     from .simulate import Simulation, simulate
     from .snapshot import capture, on_oom

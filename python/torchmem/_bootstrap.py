@@ -33,6 +33,14 @@ def start() -> None:
             atexit.register(_stop_sampler)
     except Exception as exc:  # the user's program must run even if our sampler cannot
         warnings.warn(f"torchmem: allocator sampler not started: {exc}", RuntimeWarning, stacklevel=1)
+    try:
+        # The memory breakdown of a program that never mentions torchmem: its model and optimizer are
+        # found when it builds them (torchmem._autowatch; TORCHMEM_WATCH=0 turns it off).
+        from ._autowatch import install
+
+        install()
+    except Exception:
+        pass
     specs = os.environ.get("TORCHMEM_LINE")
     if specs is not None:
         # Only the program torchmem run started profiles lines, not Python subprocesses it spawns.

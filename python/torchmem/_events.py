@@ -72,6 +72,27 @@ def emit_marker(
         pass
 
 
+def emit_marker_with(marker: dict, device: int | None = None) -> None:
+    """Queue one marker that carries more than its memory (the Monitor's `"breakdown"` and
+    `"activations_by_module"`, `breakdown::DeviceBreakdown` on the Rust side), as one JSON line. A breakdown
+    value that was not measured (`activations_bytes` of a compiled model) is left out of the line."""
+    if not _on:
+        return
+    message = {"type": "marker", **marker}
+    if device is not None:
+        message["device"] = _nvml_index(device)
+    entries = message.get("breakdown")
+    if entries:
+        message["breakdown"] = [{k: v for k, v in e.items() if v is not None or k not in _COUNTED} for e in entries]
+    emit(message)
+
+
+#: The breakdown's counted categories: integers on the wire (a missing one reads as not measured).
+_COUNTED = frozenset(
+    ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes", "inputs_bytes")
+)
+
+
 def _nvml_index(device: int) -> int:
     """The NVML index of torch's CUDA device `device` (the GPU rows' key), torch's own where NVML cannot say."""
     index = _nvml_of.get(device)

@@ -458,10 +458,16 @@ def _memory_now(dev: int | None) -> dict[str, Any]:
 
 
 def _record(
-    kind: str, edge: str, name: str, index: int | None, memory: dict[str, Any], dev: int | None = None
+    kind: str,
+    edge: str,
+    name: str,
+    index: int | None,
+    memory: dict[str, Any],
+    dev: int | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One marker in `model::Marker` form: sent to the recorder under `torchmem run` (with `dev`, the CUDA device
-    `memory` read) and to open Monitors."""
+    `memory` read) and to open Monitors. `extra`: more marker keys (the Monitor's `"breakdown"`)."""
     marker = {
         "t_ns": time.monotonic_ns(),
         "kind": kind,
@@ -470,8 +476,13 @@ def _record(
         "index": index,
         "memory": memory,
     }
+    if extra:
+        marker.update(extra)
     if _events._on:
-        _events.emit_marker(marker["t_ns"], kind, edge, name, index, memory, dev)
+        if extra:
+            _events.emit_marker_with(marker, dev)
+        else:
+            _events.emit_marker(marker["t_ns"], kind, edge, name, index, memory, dev)
     for sink in list(_sinks):
         sink(marker)
     return marker
@@ -500,7 +511,9 @@ class _Span:
 
     __slots__ = ("kind", "name", "index", "dev", "window", "entry", "t0_ns", "start")
 
-    def __init__(self, kind: str, name: str, index: int | None, dev: int | None) -> None:
+    def __init__(
+        self, kind: str, name: str, index: int | None, dev: int | None, extra: dict[str, Any] | None = None
+    ) -> None:
         self.kind, self.name, self.index, self.dev = kind, name, index, dev
         self.window, rss, counters = _ledger.open_window(_torch(), dev)
         self.entry: dict[str, Any] = {"rss_bytes": rss}
@@ -508,16 +521,16 @@ class _Span:
             self.entry["allocated_bytes"], self.entry["reserved_bytes"] = (
                 (counters[0], counters[1]) if counters else (0, 0)
             )
-        self.start = _record(kind, "start", name, index, self.entry, dev)
+        self.start = _record(kind, "start", name, index, self.entry, dev, extra)
         self.t0_ns: int = self.start["t_ns"]
 
-    def close(self) -> dict[str, Any]:
+    def close(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         peak_rss, peak_alloc, peak_reserved, rss, counters = _ledger.close_window(_torch(), self.window)
         exit_mem: dict[str, Any] = {"rss_bytes": rss, "peak_rss_bytes": peak_rss}
         if self.dev is not None:
             exit_mem["allocated_bytes"], exit_mem["reserved_bytes"] = (counters[0], counters[1]) if counters else (0, 0)
             exit_mem["peak_allocated_bytes"], exit_mem["peak_reserved_bytes"] = peak_alloc, peak_reserved
-        return _record(self.kind, "end", self.name, self.index, exit_mem, self.dev)
+        return _record(self.kind, "end", self.name, self.index, exit_mem, self.dev, extra)
 
 
 def _span_device(device: Any) -> int | None:

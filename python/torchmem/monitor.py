@@ -22,6 +22,7 @@ from typing import Any
 
 from . import _native, _rank
 from . import api as _api
+from ._breakdown import Breakdown
 
 
 class MemoryGrowthWarning(UserWarning):
@@ -60,9 +61,27 @@ class Monitor:
         warn: bool = True,
         title: str = "torchmem memory journey",
         keep_markers: int | None = 100,
+        breakdown: bool | None = None,
+        activations: str | None = "total",
     ) -> None:
         self.model = model
         self.optimizer = optimizer
+        # What the memory is (parameters, gradients, optimizer state, activations, inputs, other, cache,
+        # non-torch) at the step start and the ends of forward, backward and optimizer step: on by default
+        # when there is a model to look at.
+        if breakdown is None:
+            breakdown = model is not None
+        self._bd: Breakdown | None = None
+        if breakdown:
+            self._bd = Breakdown(
+                [] if model is None else [model], [] if optimizer is None else [optimizer], activations
+            )
+        self._step_boundaries: list[dict[str, Any]] = []  # the running step's boundary breakdowns
+        self._step_phase_ends: list[dict[str, Any]] = []  # and its phases' end markers (their peaks)
+        # The last finished step: (index, start marker, end marker, boundaries, phase end markers).
+        self._last_step: tuple[Any, ...] | None = None
+        self._step_open = 0
+        self._watching = False  # made by `torchmem.watch`: no loop markers
         # The rank this Monitor runs in (torchrun/Slurm), None outside a distributed job.
         self.rank, self.local_rank, self.world_size = _rank.identity()
         self.verbose = verbose
@@ -231,16 +250,99 @@ class Monitor:
 
     def _start(self, name: str) -> None:
         if name not in self._phase:
-            self._phase[name] = _api._Span("phase", name, None, self._dev())
+            dev = self._dev()
+            extra = None
+            if self._watching and name == "forward":
+                # `torchmem.watch`: no step markers, so each forward's start stands for the step's start.
+                self._finish_implicit_step()
+                self._step_open += 1
+                extra = self._boundary("step start", dev)
+            span = self._phase[name] = _api._Span("phase", name, None, dev, extra)
+            self._note("step start", span.start, extra)
+
+    def _finish_implicit_step(self) -> None:
+        if self._step_open and self._step_boundaries:
+            self._last_step = (None, None, None, self._step_boundaries, self._step_phase_ends)
+        self._step_open = 0
+        self._step_boundaries, self._step_phase_ends = [], []
 
     def _end(self, name: str) -> None:
         span = self._phase.pop(name, None)
         if span is not None:
-            span.close()
+            extra = self._boundary(f"end of {name}", span.dev)
+            self._note(f"end of {name}", span.close(extra), extra)
+
+    # --- the breakdown at the boundaries ----------------------------------------------------------------
+
+    def _boundary(self, boundary: str, dev: int | None) -> dict[str, Any] | None:
+        """The marker keys of one breakdown boundary ("step start", "end of forward", "end of backward",
+        "end of optimizer step", as `breakdown::boundary_of` names them): `"breakdown"` and, in "modules"
+        mode at the end of forward,
+        `"activations_by_module"`. None without a breakdown."""
+        bd = self._bd
+        if bd is None:
+            return None
+        if boundary == "step start":
+            bd.refresh_parameters()
+        elif boundary == "end of optimizer step":
+            bd.invalidate_optimizer()
+        entries, by_module = bd.measure(dev)
+        extra: dict[str, Any] = {"breakdown": entries}
+        if by_module is not None and boundary == "end of forward":
+            extra["activations_by_module"] = by_module
+        return extra
+
+    def _note(self, boundary: str, marker: dict[str, Any], extra: dict[str, Any] | None) -> None:
+        """Keeps the running step's boundaries (for `to_dict()["breakdown"]`)."""
+        if extra is not None and self._step_open:
+            self._step_boundaries.append({"boundary": boundary, "t_ns": marker["t_ns"], **extra})
+            if marker["kind"] == "phase":
+                self._step_phase_ends.append(marker)
+
+    def _breakdown_dict(self) -> dict[str, Any] | None:
+        """`to_dict()["breakdown"]`: the last finished step's boundaries and its peak's composition."""
+        if self._bd is None:
+            return None
+        if self._watching and self._step_boundaries:  # watch: the boundaries since the last forward began
+            return {
+                "step": None,
+                "boundaries": list(self._step_boundaries),
+                "peak": None,
+                "activations_tracked": self._bd.saved is not None,
+            }
+        if self._last_step is None:
+            return {"step": None, "boundaries": [], "peak": None, "activations_tracked": self._bd.saved is not None}
+        index, start, end, boundaries, phase_ends = self._last_step
+        return {
+            "step": index,
+            "boundaries": boundaries,
+            "peak": None if end is None else step_peak_composition(boundaries, phase_ends, end),
+            "activations_tracked": self._bd.saved is not None,
+        }
 
     def _hook_model(self, model: Any) -> None:
-        self._handles.append(model.register_forward_pre_hook(self._forward_pre))
-        self._handles.append(model.register_forward_hook(self._forward_post))
+        self._handles.append(model.register_forward_pre_hook(self._forward_pre_kw, with_kwargs=True))
+        # always_call: the end of forward is seen (and the saved-tensors hooks removed) when forward raises.
+        self._handles.append(model.register_forward_hook(self._forward_post, always_call=True))
+        bd = self._bd
+        if bd is not None and bd.activations == "modules":
+            # The innermost module whose forward is running, for activations by module (opt-in: every
+            # submodule call pays two hooks).
+            for name, sub in model.named_modules():
+                if sub is model:
+                    continue
+                self._handles.append(sub.register_forward_pre_hook(_module_enter(bd, name)))
+                self._handles.append(sub.register_forward_hook(_module_exit(bd), always_call=True))
+
+    def _forward_pre_kw(self, module: Any, args: Any, kwargs: Any) -> None:
+        self._forward_pre(module, args)
+        bd = self._bd
+        if bd is not None and self._forward_depth == 1 and "forward" in self._phase:
+            torch = _api._torch()
+            if torch is not None and torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+                bd.forward_begin(args, kwargs)
+            else:
+                bd.set_inputs(args, kwargs)
 
     def _forward_pre(self, module: Any, args: Any) -> None:
         self._forward_depth += 1
@@ -251,6 +353,8 @@ class Monitor:
         self._forward_depth = max(0, self._forward_depth - 1)
         if self._forward_depth or "forward" not in self._phase:
             return
+        if self._bd is not None:
+            self._bd.forward_end()
         self._end("forward")
         torch = _api._torch()
         if torch is None or not torch.is_grad_enabled():
@@ -283,11 +387,20 @@ class Monitor:
         if index is None:
             index = self._step_index
         self._step_index = index + 1
-        span = _api._Span("step", "step", index, self._dev())
+        dev = self._dev()
+        self._step_open += 1
+        self._step_boundaries = []
+        extra = self._boundary("step start", dev)
+        span = _api._Span("step", "step", index, dev, extra)
+        self._note("step start", span.start, extra)
         try:
             yield
         finally:
-            span.close()
+            end = span.close()
+            self._step_open -= 1
+            if self._bd is not None:
+                self._last_step = (index, span.start, end, self._step_boundaries, self._step_phase_ends)
+            self._step_phase_ends = []
 
     @contextmanager
     def epoch(self, index: int | None = None) -> Iterator[None]:
@@ -350,6 +463,7 @@ class Monitor:
             data.pop(key, None)
         data["rank"], data["local_rank"], data["world_size"] = self.rank, self.local_rank, self.world_size
         data["epoch_lines"] = list(self.epoch_lines)
+        data["breakdown"] = self._breakdown_dict()
         data["markers"] = list(self.markers)
         return data
 
@@ -366,6 +480,8 @@ class Monitor:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._bd is not None:
+            self._bd.close()
         if self._sink in _api._sinks:
             _api._sinks.remove(self._sink)
 
@@ -397,6 +513,32 @@ class Monitor:
                 _api._sinks.remove(self._sink)
         except Exception:
             pass
+
+
+def watch(
+    model: Any = None,
+    optimizer: Any = None,
+    *,
+    activations: str | None = "total",
+    device: Any = None,
+    keep_markers: int | None = 100,
+) -> Monitor:
+    """A Monitor for a program that has no loop to mark: the forward, backward and optimizer-step phases and
+    the memory breakdown at their boundaries, recorded by hooks alone (each forward's start stands for a
+    step's start). Under `torchmem run` every boundary lands in the profile. Prints and warns nothing;
+    `close()` removes the hooks. `activations`: as for `Monitor`."""
+    mon = Monitor(
+        model,
+        optimizer,
+        device=device,
+        verbose=False,
+        warn=False,
+        keep_markers=keep_markers,
+        breakdown=True,
+        activations=activations,
+    )
+    mon._watching = True
+    return mon
 
 
 _REPORT_ONLY_KEYS = (
@@ -446,6 +588,65 @@ def _mean_toward_zero(total: int, n: int) -> int | None:
         return None
     q = abs(total) // n
     return q if total >= 0 else -q
+
+
+#: The boundary that opens each phase: the composition a peak inside the phase is read against.
+_OPENED_BY = {"forward": "step start", "backward": "end of forward", "optimizer step": "end of backward"}
+
+
+def step_peak_composition(
+    boundaries: list[dict[str, Any]], phase_ends: list[dict[str, Any]], step_end: dict[str, Any]
+) -> dict[str, Any] | None:
+    """What the memory was at one step's peak: the phase in which the step's allocated peak occurred (on the
+    CPU: its RSS peak), the five counted categories from the boundary that opened that phase, other = peak
+    allocated − those, cache = peak reserved − peak allocated (as `analysis` derives it from the markers)."""
+    if not boundaries:
+        return None
+    by_name = {b["boundary"]: b for b in boundaries}
+    key = "peak_allocated_bytes" if step_end["memory"].get("peak_allocated_bytes") is not None else "peak_rss_bytes"
+    best: dict[str, Any] | None = None
+    for m in phase_ends:
+        v = m["memory"].get(key)
+        if v is not None and (best is None or v > best["memory"].get(key, -1)) and m["name"] in _OPENED_BY:
+            best = m
+    step_peak = step_end["memory"].get(key)
+    phase = best["name"] if best is not None else None
+    if best is not None and step_peak is not None and step_peak > best["memory"][key]:
+        phase = None  # the peak came between phases (data loading, zero_grad): read at the step's start
+    opened = by_name.get(_OPENED_BY.get(phase or "", ""), boundaries[0])
+    mem = best["memory"] if phase is not None and best is not None else step_end["memory"]
+    peak_alloc, peak_reserved = mem.get("peak_allocated_bytes"), mem.get("peak_reserved_bytes")
+    devices = []
+    for e in opened["breakdown"]:
+        counted = {k: e[k] for k in _COUNTED_KEYS}
+        row: dict[str, Any] = {"device": e["device"], **counted}
+        row["other_bytes"] = row["cache_bytes"] = row["peak_allocated_bytes"] = row["peak_reserved_bytes"] = None
+        if e["device"].startswith("cuda") and e.get("allocated_bytes") is not None and peak_alloc is not None:
+            row["peak_allocated_bytes"], row["peak_reserved_bytes"] = peak_alloc, peak_reserved
+            row["other_bytes"] = peak_alloc - sum(v or 0 for v in counted.values())
+            if peak_reserved is not None:
+                row["cache_bytes"] = peak_reserved - peak_alloc
+        if e["device"] == "cpu":
+            row["peak_rss_bytes"] = mem.get("peak_rss_bytes")
+        devices.append(row)
+    return {"phase": phase, "boundary": opened["boundary"], "devices": devices}
+
+
+_COUNTED_KEYS = ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes", "inputs_bytes")
+
+
+def _module_enter(bd: Breakdown, name: str) -> Any:
+    def hook(module: Any, args: Any) -> None:
+        bd.module_enter(name)
+
+    return hook
+
+
+def _module_exit(bd: Breakdown) -> Any:
+    def hook(module: Any, args: Any, output: Any) -> None:
+        bd.module_exit()
+
+    return hook
 
 
 def _tensors(output: Any, torch: Any, depth: int = 0) -> list[Any]:
