@@ -714,3 +714,38 @@ def test_auto_watch_sends_the_breakdown_of_a_program_that_never_mentions_torchme
     last = with_bd[-1]["breakdown"][0]
     assert last["parameters_bytes"] == params and last["optimizer_state_bytes"] == params
     assert with_bd[1]["breakdown"][0]["activations_bytes"] == 4 * 16 * 4  # ReLU's output
+
+
+def test_parameter_changes_show_up_without_walking_every_boundary():
+    """Storages are re-read when a data pointer moves (`p.data = ...`); the parameter list is walked again
+    when the optimizer's parameter count changes (`add_param_group`) and every REWALK_STEPS steps."""
+    from torchmem import _breakdown
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = torchmem.Monitor(model, opt, verbose=False)
+    for _ in range(3):
+        one_step(mon, model, torch.randn(2, 64), opt)
+    base = nbytes(model.parameters())
+    assert boundaries(mon)["step start"]["parameters_bytes"] == base
+    model[0].bias.data = torch.zeros(128 * 4)  # a bigger storage under the same Parameter
+    with mon.step():
+        pass
+    assert boundaries(mon)["step start"]["parameters_bytes"] == base + 128 * 3 * 4
+    extra = nn.Linear(64, 64)
+    model.add_module("extra", extra)  # not in the optimizer: seen at the next walk
+    opt.add_param_group({"params": list(extra.parameters())})  # the count changed: walked at once
+    with mon.step():
+        pass
+    b = boundaries(mon)["step start"]
+    assert b["parameters_bytes"] == base + 128 * 3 * 4 + nbytes(extra.parameters())
+    assert b["by_module"]["parameters"]["extra"] == nbytes(extra.parameters())
+    late = nn.Linear(8, 8)
+    model.add_module("late", late)  # neither in the optimizer: found by the periodic walk
+    steps = 0
+    while boundaries(mon)["step start"]["by_module"]["parameters"].get("late") is None:
+        with mon.step():
+            pass
+        steps += 1
+        assert steps <= _breakdown.REWALK_STEPS
+    assert boundaries(mon)["step start"]["by_module"]["parameters"]["late"] == nbytes(late.parameters())

@@ -23,6 +23,9 @@ from typing import Any
 
 from . import _ledger, _native
 
+#: Steps between two walks of the parameter lists (a walk costs ~5 us per module; see step_started).
+REWALK_STEPS = 100
+
 #: Activation tracking modes of `Monitor(..., activations=...)`.
 ACTIVATION_MODES = ("total", "modules", None)
 
@@ -229,11 +232,15 @@ class Breakdown:
         self._param_keys: set[Any] = set()
         self.saved = _SavedTracker(self._param_keys) if self.activations else None
         self._params: list[tuple[Any, str]] | None = None  # (parameter, top-level module name)
-        self._param_cache: list[Any] = []  # per parameter: [data_ptr, key, bytes]
-        self._grad_cache: dict[tuple[int, int], tuple[Any, int]] = {}
-        self._opt: dict[Any, tuple[int, list[int]]] | None = None  # key -> bytes; per group
-        self._opt_keys: dict[Any, tuple[int, int]] = {}  # key -> (bytes, group)
+        self._param_ptrs: list[Any] | None = None  # their data pointers when `_param_result` was computed
+        self._param_result: tuple[Any, Any, Any] = ({}, {}, {})
+        self._grad_ident: list[Any] | None = None  # (id, data pointer) of each .grad at `_grad_result`
+        self._grad_params: Any = None
+        self._grad_result: tuple[Any, Any, Any] = ({}, {}, {})
+        self._opt: tuple[Any, Any, Any] | None = None  # see _optimizer_state
         self._opt_groups = 0
+        self._opt_count = 0
+        self._steps = 0
         self._inputs: list[tuple[Any, Any, int]] = []  # (weak ref, key, bytes)
         self._handles: list[Any] = []
         for o in optimizers:
@@ -252,8 +259,20 @@ class Breakdown:
 
     # --- parameters ------------------------------------------------------------------------------------
 
+    def step_started(self) -> None:
+        """At each step's start: walks the parameter lists again on the first steps, every
+        `REWALK_STEPS` steps, and whenever an optimizer's parameter count changed (`add_param_group`), so a
+        module added or replaced shows up; between walks only the data pointers are checked."""
+        self._steps += 1
+        count = self._optimizer_param_count()
+        if self._params is None or self._steps <= 2 or self._steps % REWALK_STEPS == 0 or count != self._opt_count:
+            self.refresh_parameters()
+
+    def _optimizer_param_count(self) -> int:
+        return sum(len(g["params"]) for o in (r() for r in self._optimizers) if o is not None for g in o.param_groups)
+
     def refresh_parameters(self) -> None:
-        """Walks the parameter lists again (once per step: a module added or replaced shows up)."""
+        """Walks the parameter lists (the models' `named_parameters()`, then the optimizers' groups)."""
         params: list[tuple[Any, str]] = []
         seen: set[int] = set()
         models = [m for m in (r() for r in self._models) if m is not None]
@@ -272,65 +291,79 @@ class Breakdown:
                     if id(p) not in seen:
                         seen.add(id(p))
                         params.append((p, "(optimizer only)"))
-        if (
-            self._params is None
-            or len(params) != len(self._params)
-            or any(a is not b for (a, _), (b, _) in zip(params, self._params))
-        ):
+        self._opt_count = self._optimizer_param_count()
+        old = self._params
+        if old is None or len(params) != len(old) or any(a is not b for (a, _), (b, _) in zip(params, old)):
             self._params = params
-            self._param_cache = [[None, None, 0] for _ in params]
+            self._param_ptrs = None
 
-    def _parameters(self) -> tuple[dict[Any, int], dict[Any, dict[str, int]]]:
+    def _parameters(self) -> tuple[dict[Any, int], dict[Any, dict[str, int]], dict[Any, int]]:
+        """(storage key -> bytes, per device {top-level module: bytes}, per device bytes); recomputed only
+        when a parameter's data pointer moved (`model.to()`, `p.data = ...`, a storage resized to 0)."""
         if self._params is None:
             self.refresh_parameters()
-        assert self._params is not None
+        params = self._params or []
+        ptrs = []
+        for p, _ in params:
+            try:
+                ptrs.append(p.data_ptr())
+            except Exception:
+                ptrs.append(None)
+        if ptrs == self._param_ptrs:
+            return self._param_result
         keys: dict[Any, int] = {}
         by_module: dict[Any, dict[str, int]] = {}
-        for (p, top), cached in zip(self._params, self._param_cache):
-            try:
-                ptr = p.data_ptr()
-            except Exception:
+        per_dev: dict[Any, int] = {}
+        for p, top in params:
+            found = _key_of(p)
+            if found is None or found[0] in keys:
                 continue
-            if ptr != cached[0]:
-                found = _key_of(p)
-                cached[0] = ptr
-                cached[1], cached[2] = (found[0], found[1]) if found else (None, 0)
-            key = cached[1]
-            if key is None or key in keys:
-                continue
-            keys[key] = cached[2]
+            key, n, _ = found
+            keys[key] = n
             per = by_module.setdefault(key[0], {})
-            per[top] = per.get(top, 0) + cached[2]
+            per[top] = per.get(top, 0) + n
+            per_dev[key[0]] = per_dev.get(key[0], 0) + n
         self._param_keys.clear()
         self._param_keys.update(keys)
-        return keys, by_module
+        self._param_ptrs, self._param_result = ptrs, (keys, by_module, per_dev)
+        return self._param_result
 
-    def _gradients(self, params: dict[Any, int]) -> tuple[dict[Any, int], dict[Any, dict[str, int]]]:
+    def _gradients(self, params: dict[Any, int]) -> tuple[dict[Any, int], dict[Any, dict[str, int]], dict[Any, int]]:
+        """As `_parameters`, for the parameters' `.grad`s; reused while every grad is the same object at the
+        same data pointer as at the last boundary."""
+        grads = [p.grad for p, _ in self._params or ()]
+        ident = []
+        for g in grads:
+            if g is None:
+                ident.append(None)
+            else:
+                try:
+                    ident.append((id(g), g.data_ptr()))
+                except Exception:
+                    ident.append(None)
+        if ident == self._grad_ident and self._grad_params is params:
+            return self._grad_result
         keys: dict[Any, int] = {}
         by_module: dict[Any, dict[str, int]] = {}
-        cache: dict[tuple[int, int], tuple[Any, int]] = {}
-        old = self._grad_cache
-        for p, top in self._params or ():
-            g = p.grad
-            if g is None:
+        per_dev: dict[Any, int] = {}
+        for (_p, top), g, i in zip(self._params or (), grads, ident):
+            if i is None:
                 continue
-            try:
-                ident = (id(g), g.data_ptr())
-            except Exception:
+            found = _key_of(g)
+            if found is None:
                 continue
-            hit = old.get(ident)
-            if hit is None:
-                found = _key_of(g)
-                hit = (found[0], found[1]) if found else (None, 0)
-            cache[ident] = hit
-            key, n = hit
-            if key is None or key in keys or key in params:
+            key, n, _ = found
+            if key in keys or key in params:
                 continue
             keys[key] = n
             per = by_module.setdefault(key[0], {})
             per[top] = per.get(top, 0) + n
-        self._grad_cache = cache
-        return keys, by_module
+            per_dev[key[0]] = per_dev.get(key[0], 0) + n
+        # Kept: the ids of live grads (the grads list holds them until this returns; ids are compared with
+        # their data pointers, so a new tensor at a recycled id and address of another size is the one miss).
+        self._grad_ident, self._grad_params = ident, params
+        self._grad_result = (keys, by_module, per_dev)
+        return self._grad_result
 
     # --- optimizer state ---------------------------------------------------------------------------------
 
@@ -338,9 +371,11 @@ class Breakdown:
         """The optimizer's state may have changed (after a step, a `load_state_dict`): read it again."""
         self._opt = None
 
-    def _optimizer_state(self) -> dict[Any, tuple[int, int]]:
+    def _optimizer_state(self) -> tuple[dict[Any, tuple[int, int]], dict[Any, int], dict[Any, list[int]]]:
+        """(storage key -> (bytes, param group), per device bytes, per device bytes per group), read after
+        each optimizer step and cached in between."""
         if self._opt is not None:
-            return self._opt_keys
+            return self._opt
         torch = _torch()
         keys: dict[Any, tuple[int, int]] = {}
         group_no = 0
@@ -359,8 +394,14 @@ class Breakdown:
                             if found is not None and found[0] not in keys:
                                 keys[found[0]] = (found[1], group_no)
                 group_no += 1
-        self._opt_keys, self._opt_groups, self._opt = keys, group_no, {}
-        return keys
+        self._opt_groups = group_no
+        per_dev: dict[Any, int] = {}
+        groups: dict[Any, list[int]] = {}
+        for key, (n, g) in keys.items():
+            per_dev[key[0]] = per_dev.get(key[0], 0) + n
+            groups.setdefault(key[0], [0] * group_no)[g] += n
+        self._opt = (keys, per_dev, groups)
+        return self._opt
 
     # --- inputs ---------------------------------------------------------------------------------------
 
@@ -407,35 +448,39 @@ class Breakdown:
     def measure(self, cuda_dev: int | None) -> tuple[list[dict[str, Any]], dict[str, int] | None]:
         """The breakdown now (one entry per device that holds tensors, the CPU always, CUDA devices first),
         and, in "modules" mode, the bytes each module's forward left saved during the last forward."""
-        params, params_by_module = self._parameters()
-        grads, grads_by_module = self._gradients(params)
-        opt = self._optimizer_state()
-        taken: set[Any] = set(params)
-        taken.update(grads)
+        params, params_by_module, params_dev = self._parameters()
+        grads, grads_by_module, grads_dev = self._gradients(params)
+        opt, opt_dev, opt_groups = self._optimizer_state()
         per_dev: dict[Any, list[int]] = {}  # dev -> [params, grads, opt, activations, inputs]
 
-        def add(dev: Any, slot: int, n: int) -> None:
-            row = per_dev.get(dev)
-            if row is None:
-                row = per_dev[dev] = [0, 0, 0, 0, 0]
-            row[slot] += n
+        def row(dev: Any) -> list[int]:
+            r = per_dev.get(dev)
+            if r is None:
+                r = per_dev[dev] = [0, 0, 0, 0, 0]
+            return r
 
-        for key, n in params.items():
-            add(key[0], 0, n)
-        for key, n in grads.items():
-            add(key[0], 1, n)
-        groups: dict[Any, list[int]] = {}
-        for key, (n, g) in opt.items():
-            if key in taken:
-                continue
-            taken.add(key)
-            add(key[0], 2, n)
-            per = groups.setdefault(key[0], [0] * self._opt_groups)
-            per[g] += n
+        for dev, n in params_dev.items():
+            row(dev)[0] += n
+        for dev, n in grads_dev.items():
+            row(dev)[1] += n
+        groups = opt_groups
+        overlap = not (opt.keys().isdisjoint(params) and opt.keys().isdisjoint(grads))
+        if not overlap:
+            for dev, n in opt_dev.items():
+                row(dev)[2] += n
+        else:  # an optimizer state tensor that is also a parameter or gradient: counted there
+            groups = {}
+            for key, (n, g) in opt.items():
+                if key in params or key in grads:
+                    continue
+                row(key[0])[2] += n
+                groups.setdefault(key[0], [0] * self._opt_groups)[g] += n
+        taken_before_inputs = (params, grads, opt)
+        inputs: dict[Any, int] = {}
         for ref, key, n in self._inputs:
-            if key not in taken and not ref.expired():
-                taken.add(key)
-                add(key[0], 4, n)
+            if key not in inputs and not any(key in t for t in taken_before_inputs) and not ref.expired():
+                inputs[key] = n
+                row(key[0])[4] += n
         by_module_acts: dict[str, int] | None = None
         if self.saved is not None:
             live = self.saved.live()
@@ -444,10 +489,10 @@ class Breakdown:
                 by_module_acts = {}
             last = self.saved.forward_no
             for key, rec in live.items():
-                if key in taken:
+                if key in params or key in grads or key in opt or key in inputs:
                     continue
-                add(key[0], 3, rec[1])
-                if want_modules and rec[3] == last and by_module_acts is not None:
+                row(key[0])[3] += rec[1]
+                if by_module_acts is not None and rec[3] == last:
                     name = rec[2] or "(root)"
                     by_module_acts[name] = by_module_acts.get(name, 0) + rec[1]
         torch = _torch()
@@ -455,15 +500,17 @@ class Breakdown:
         if cuda_dev is not None and cuda_dev not in per_dev and _ledger.cuda_initialized(torch):
             cuda_devs = sorted([*cuda_devs, cuda_dev])
         out = []
+        tracked = self.saved is not None
         for dev in [*cuda_devs, *(d for d in per_dev if not isinstance(d, int)), -1]:
-            row = per_dev.get(dev, [0, 0, 0, 0, 0])
+            r = per_dev.get(dev, [0, 0, 0, 0, 0])
             entry: dict[str, Any] = {
                 "device": device_name(dev),
-                "parameters_bytes": row[0],
-                "gradients_bytes": row[1],
-                "optimizer_state_bytes": row[2],
-                "activations_bytes": row[3],
-                "inputs_bytes": row[4],
+                "parameters_bytes": r[0],
+                "gradients_bytes": r[1],
+                "optimizer_state_bytes": r[2],
+                # not tracked (a compiled model, or activations=None): not measured, not 0
+                "activations_bytes": r[3] if tracked else None,
+                "inputs_bytes": r[4],
                 "other_bytes": None,
                 "allocated_bytes": None,
                 "reserved_bytes": None,
@@ -474,16 +521,13 @@ class Breakdown:
                     "parameters": dict(params_by_module.get(dev, {})),
                     "gradients": dict(grads_by_module.get(dev, {})),
                 },
-                "by_param_group": groups.get(dev, [0] * self._opt_groups),
+                "by_param_group": list(groups.get(dev, [0] * self._opt_groups)),
             }
             if dev == -1:
                 entry["rss_bytes"] = _native.self_rss_bytes()
             elif isinstance(dev, int):
-                _cuda_totals(torch, dev, entry, sum(row))
+                _cuda_totals(torch, dev, entry, sum(r))
             out.append(entry)
-        if self.saved is None:  # not tracked (a compiled model, or activations=None): not measured, not 0
-            for entry in out:
-                entry["activations_bytes"] = None
         if by_module_acts is not None:
             by_module_acts = dict(sorted(by_module_acts.items(), key=lambda kv: (-kv[1], kv[0])))
         return out, by_module_acts

@@ -283,7 +283,7 @@ class Monitor:
         if bd is None:
             return None
         if boundary == "step start":
-            bd.refresh_parameters()
+            bd.step_started()
         elif boundary == "end of optimizer step":
             bd.invalidate_optimizer()
         entries, by_module = bd.measure(dev)
