@@ -12,7 +12,9 @@
 //! (`output_path`, `store::ProfileWriter::create`); a failed start leaves no file behind; the summary is read
 //! through the run's own connection; a program killed by a signal is named, with the OOM killer's part
 //! (`oom_watch`). The live status line is opt-in (`--status`, `status_bar`): the program shares the
-//! terminal, and a repainted line would glue itself to its output.
+//! terminal, and a repainted line would glue itself to its output; `--live` is its successor, a ratatui
+//! panel in the terminal's bottom rows (`tui::inline`). Every run registers itself for `torchmem top`
+//! (`sinks::live`).
 
 use std::ffi::OsString;
 use std::os::fd::AsRawFd;
@@ -32,8 +34,11 @@ use crate::oom_watch::OomWatch;
 use crate::output_path::{self, Existing};
 use crate::recorder::{Config, EventListener, Recorder};
 use crate::signals::Supervisor;
+use crate::sinks::live::LiveSink;
 use crate::sinks::{RunContext, Sinks};
 use crate::status_bar::StatusBar;
+use crate::tui::inline::{self, InlinePanel};
+use crate::tui::view::{INLINE_HEIGHT, NO_NVML};
 
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
@@ -75,6 +80,12 @@ pub struct RunArgs {
     /// program's output). Off by default: only the summary at the end.
     #[arg(long, conflicts_with = "quiet")]
     pub status: bool,
+    /// Show a live panel in the terminal's bottom rows, under the program's output (reserved, so it never
+    /// mixes with it): memory with history sparklines and peaks, PyTorch's allocated/reserved, the phase,
+    /// step and epoch, the GPUs. Replaces --status. Off (with a note) when stderr is not a terminal. For
+    /// the full-screen view of every run, see `torchmem top`.
+    #[arg(long, conflicts_with = "status")]
+    pub live: bool,
     /// No summary at the end (a program killed by a signal is still named).
     #[arg(short, long)]
     pub quiet: bool,
@@ -329,7 +340,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         command: meta.command.clone(),
         started_unix_s: meta.started_unix_s,
     };
-    let live_sinks = args.sinks.build(&sink_context)?;
+    let mut live_sinks = args.sinks.build(&sink_context)?;
+    let gpu_note = match (&gpu, args.no_gpu) {
+        (Some(_), _) => None,
+        (None, true) => Some("not read (--no-gpu)".to_string()),
+        (None, false) => Some(NO_NVML.to_string()),
+    };
     let start_ns = torchmem_core::clock::monotonic_ns();
     let meta = RunMeta { start_monotonic_ns: Some(start_ns), ..meta };
     let created = match existing {
@@ -380,8 +396,23 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         ..Config::default()
     };
     let interval = Duration::from_secs_f64(args.interval_ms / 1000.0);
+    // Registered for `torchmem top` (and the state `--live` draws) as soon as the program runs.
+    let (mut live_sink, live) = LiveSink::start(&sink_context, &crate::sinks::live::live_dir(), child.id(), &output);
+    live_sink.set_gpu_note(gpu_note);
+    live_sinks.push(Box::new(live_sink));
     let mut rec = Recorder::new(config, Sinks::new(writer, live_sinks), gpu, child.id(), start_ns, Some(events));
     let mut bar = if args.status { StatusBar::start() } else { None };
+    let mut panel = if args.live {
+        match inline::unavailable(INLINE_HEIGHT) {
+            Some(why) => {
+                eprintln!("torchmem: --live is off: {why} (`torchmem top` shows this run)");
+                None
+            }
+            None => InlinePanel::start(INLINE_HEIGHT),
+        }
+    } else {
+        None
+    };
     let mut last_status: Option<Instant> = None;
     let mut next = Instant::now();
     let status = loop {
@@ -405,13 +436,22 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
                 if let Some(b) = bar.as_mut() {
                     b.end();
                 }
+                if let Some(p) = panel.as_mut() {
+                    p.end();
+                }
                 signals.stop_self();
                 if let Some(b) = bar.as_mut() {
                     b.resume(true);
                 }
+                if let Some(p) = panel.as_mut() {
+                    p.resume(true);
+                }
             } else if d.signo == libc::SIGWINCH {
                 if let Some(b) = bar.as_mut() {
                     b.resume(false);
+                }
+                if let Some(p) = panel.as_mut() {
+                    p.resume(false);
                 }
             }
         }
@@ -424,9 +464,16 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
                 last_status = Some(Instant::now());
             }
         }
+        if let Some(p) = panel.as_mut() {
+            if last_status.is_none_or(|t| t.elapsed() >= Duration::from_millis(250)) {
+                p.draw(&live.snapshot());
+                last_status = Some(Instant::now());
+            }
+        }
         signals.wait(next.saturating_duration_since(Instant::now()));
     };
     drop(bar);
+    drop(panel);
     rec.tick().ok();
     rec.drain_until_closed(Duration::from_millis(500));
     let signal = status.signal();

@@ -2,7 +2,7 @@
 //! (`torchmem._native.cli_main`) both call it, so the wheel and `cargo install` behave the same.
 //!
 //! One file per subcommand: `cmd_info`, `cmd_run` (with `recorder` doing the sampling), `cmd_report`,
-//! `cmd_plot`, `cmd_snapshot` (snapshot + explain-oom).
+//! `cmd_plot`, `cmd_snapshot` (snapshot + explain-oom), `cmd_top` (the live view, drawn by `tui`).
 
 use std::ffi::OsString;
 use std::path::Path;
@@ -16,12 +16,14 @@ pub mod cmd_report;
 pub mod cmd_run;
 pub mod cmd_simulate;
 pub mod cmd_snapshot;
+pub mod cmd_top;
 pub mod oom_watch;
 pub mod output_path;
 pub mod recorder;
 pub mod signals;
 pub mod sinks;
 pub mod status_bar;
+pub mod tui;
 
 #[derive(Debug, Parser)]
 #[command(name = "torchmem", version, about = "Where does my PyTorch memory go, and will it fit?", long_about = None)]
@@ -49,6 +51,9 @@ pub enum Command {
     Simulate(cmd_simulate::SimulateArgs),
     /// Predict a training program's GPU peak (allocated, reserved, NVML) on a GPU this machine may not have.
     Estimate(cmd_estimate::EstimateArgs),
+    /// Live full-screen view of everything running under `torchmem run` (or of one profile): GPUs, host
+    /// RAM, processes with RSS/PSS, PyTorch's allocated/reserved, phase, step and epoch, with history.
+    Top(cmd_top::TopArgs),
 }
 
 /// Parses `argv` (program name first) and runs the subcommand; returns the process exit code.
@@ -70,6 +75,7 @@ pub fn run(argv: Vec<OsString>) -> i32 {
         Command::ExplainOom(a) => cmd_snapshot::explain_oom(a),
         Command::Simulate(a) => cmd_simulate::run(a),
         Command::Estimate(a) => cmd_estimate::run(a),
+        Command::Top(a) => cmd_top::run(a),
     };
     match result {
         Ok(code) => code,

@@ -2,7 +2,8 @@
 //! `Record`s and hands them, one `RecordBatch` per commit interval, to every `Sink`. The SQLite profile is
 //! one sink (`sqlite::SqliteSink`: it takes each batch last and by value, so the profile path costs one move
 //! per record and commits exactly where it always did); the live ones (`prometheus`, `tensorboard`) are
-//! built only when asked for (`SinkArgs`), and without them the recorder collects nothing extra.
+//! built only when asked for (`SinkArgs`), and without them the recorder collects nothing extra. The one
+//! live sink every run has is `live::LiveSink`: the run's state file for `torchmem top` (and `run --live`).
 
 use std::path::PathBuf;
 
@@ -11,6 +12,7 @@ use torchmem_core::sources::gpu::GpuDevice;
 use torchmem_core::store::{ProfileWriter, Record};
 
 pub mod http;
+pub mod live;
 pub mod prometheus;
 pub mod sqlite;
 pub mod tensorboard;

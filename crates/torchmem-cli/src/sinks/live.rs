@@ -1,0 +1,295 @@
+//! The live sink: every `torchmem run` registers itself for `torchmem top` by keeping a small state file,
+//! `<recorder pid>.json` (a `tui::state::LiveSnapshot`), in the live directory: `$TORCHMEM_LIVE_DIR` when
+//! set, else `$XDG_RUNTIME_DIR/torchmem/`, else `/tmp/torchmem-<uid>/` (made 0700 and checked to be ours).
+//! The file is rewritten atomically (a temporary file renamed over it) a few times a second from the
+//! record batches, and removed when the run ends. A recorder killed with SIGKILL leaves its file behind:
+//! readers (`scan`) skip files whose recorder is gone (pid dead, or reused: its start time differs) and
+//! remove them. `run --live` draws from the same state (`LiveHandle`).
+
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::{RecordBatch, RunContext, Sink};
+use crate::tui::state::{LiveSnapshot, LiveState, FORMAT};
+
+/// How often the state file is rewritten.
+pub const WRITE_INTERVAL_MS: u64 = 250;
+/// Overrides the live directory (tests, or runs that should be seen only by a `top` given the same value).
+pub const LIVE_DIR_ENV: &str = "TORCHMEM_LIVE_DIR";
+
+fn uid() -> u32 {
+    // SAFETY: geteuid is always safe.
+    unsafe { libc::geteuid() }
+}
+
+/// The directory this process registers its runs in.
+pub fn live_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os(LIVE_DIR_ENV).filter(|d| !d.is_empty()) {
+        return PathBuf::from(d);
+    }
+    match std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty() && Path::new(d).is_dir()) {
+        Some(d) => Path::new(&d).join("torchmem"),
+        None => PathBuf::from(format!("/tmp/torchmem-{}", uid())),
+    }
+}
+
+/// Every directory `top` looks in: the one runs here would use, and the others a run of the same user may
+/// have used (a run started without a login session has no `XDG_RUNTIME_DIR`, a `top` over SSH has one).
+pub fn search_dirs() -> Vec<PathBuf> {
+    if let Some(d) = std::env::var_os(LIVE_DIR_ENV).filter(|d| !d.is_empty()) {
+        return vec![PathBuf::from(d)];
+    }
+    let mut dirs = vec![live_dir()];
+    let tmp = PathBuf::from(format!("/tmp/torchmem-{}", uid()));
+    let run_user = PathBuf::from(format!("/run/user/{}/torchmem", uid()));
+    for d in [tmp, run_user] {
+        if !dirs.contains(&d) {
+            dirs.push(d);
+        }
+    }
+    dirs
+}
+
+/// Creates the live directory (0700) if missing and checks that it is a directory of ours that others
+/// cannot write to.
+pub fn ensure_dir(dir: &Path) -> anyhow::Result<()> {
+    if !dir.exists() {
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(|e| {
+            anyhow::anyhow!("cannot create {} ({e}); set {LIVE_DIR_ENV} to a writable directory", dir.display())
+        })?;
+    }
+    let m = std::fs::symlink_metadata(dir)?;
+    if !m.is_dir() || m.uid() != uid() || m.permissions().mode() & 0o022 != 0 {
+        anyhow::bail!(
+            "{} is not a private directory of this user (a symlink, someone else's, or writable by others); \
+             remove it or set {LIVE_DIR_ENV} to a directory of yours",
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
+/// A process's start time in clock ticks since boot (/proc/PID/stat field 22).
+pub fn start_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command (field 2) is in parentheses and may hold spaces: count from the last ')'.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Whether the recorder that wrote `snap` still runs (same pid, same start time).
+pub fn recorder_alive(snap: &LiveSnapshot) -> bool {
+    match (start_ticks(snap.recorder_pid), snap.recorder_start_ticks) {
+        (Some(now), Some(then)) => now == then,
+        (Some(_), None) => true,
+        (None, _) => false,
+    }
+}
+
+/// Writes `text` to `path` atomically: a temporary file beside it (not `*.json`, so readers skip it),
+/// renamed over it.
+pub fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.tmp"));
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, path).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
+}
+
+/// The live runs registered in `dirs`, oldest first. Files of recorders that are gone are removed
+/// (only `<pid>.json` files of our format, in directories we own); unreadable or foreign files are skipped.
+pub fn scan(dirs: &[PathBuf]) -> Vec<LiveSnapshot> {
+    let mut runs: Vec<LiveSnapshot> = Vec::new();
+    for dir in dirs {
+        let Ok(entries) = std::fs::read_dir(dir) else { continue };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(pid) = name.strip_suffix(".json").and_then(|p| p.parse::<u32>().ok()) else { continue };
+            let path = e.path();
+            let Ok(text) = std::fs::read_to_string(&path) else { continue };
+            let Ok(snap) = serde_json::from_str::<LiveSnapshot>(&text) else { continue };
+            if snap.format != FORMAT || snap.recorder_pid != pid {
+                continue;
+            }
+            if !recorder_alive(&snap) {
+                let _ = std::fs::remove_file(&path);
+                continue;
+            }
+            if !runs.iter().any(|r| r.recorder_pid == snap.recorder_pid) {
+                runs.push(snap);
+            }
+        }
+    }
+    runs.sort_by(|a, b| a.started_unix_s.total_cmp(&b.started_unix_s).then(a.recorder_pid.cmp(&b.recorder_pid)));
+    runs
+}
+
+/// The state `run --live` draws from.
+#[derive(Clone)]
+pub struct LiveHandle(Arc<Mutex<LiveState>>);
+
+impl LiveHandle {
+    pub fn snapshot(&self) -> LiveSnapshot {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).snapshot(torchmem_core::clock::unix_time_s())
+    }
+}
+
+pub struct LiveSink {
+    state: Arc<Mutex<LiveState>>,
+    /// The state file; None when registering failed (the run goes on, `run --live` still draws).
+    path: Option<PathBuf>,
+    last_write: Option<Instant>,
+}
+
+impl LiveSink {
+    /// Registers the run in `dir`. A directory that cannot be used is said once, and the run goes on
+    /// unregistered (`top` will not see it; nothing else changes).
+    pub fn start(ctx: &RunContext, dir: &Path, program_pid: u32, profile: &Path) -> (LiveSink, LiveHandle) {
+        let me = std::process::id();
+        let profile = std::fs::canonicalize(profile).unwrap_or_else(|_| profile.to_path_buf());
+        let mut state = LiveState::new(ctx, me, Some(program_pid), Some(profile.display().to_string()));
+        state.set_recorder_start_ticks(start_ticks(me));
+        let state = Arc::new(Mutex::new(state));
+        let path = match ensure_dir(dir) {
+            Ok(()) => Some(dir.join(format!("{me}.json"))),
+            Err(e) => {
+                eprintln!("torchmem: warning: `torchmem top` will not see this run: {e:#}");
+                None
+            }
+        };
+        let mut sink = LiveSink { state: state.clone(), path, last_write: None };
+        if let Err(e) = sink.write_now() {
+            eprintln!("torchmem: warning: `torchmem top` will not see this run: {e:#}");
+            sink.path = None;
+        }
+        // The first batch with readings is written at once.
+        sink.last_write = None;
+        (sink, LiveHandle(state))
+    }
+
+    /// Says why the run has no GPU readings (shown by `run --live`).
+    pub fn set_gpu_note(&mut self, note: Option<String>) {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).set_gpu_note(note);
+    }
+
+    /// The state file (tests).
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    fn write_now(&mut self) -> anyhow::Result<()> {
+        if let Some(p) = &self.path {
+            let snap =
+                self.state.lock().unwrap_or_else(|e| e.into_inner()).snapshot(torchmem_core::clock::unix_time_s());
+            write_atomically(p, &serde_json::to_string(&snap)?)
+                .map_err(|e| anyhow::anyhow!("writing {}: {e}", p.display()))?;
+            self.last_write = Some(Instant::now());
+        }
+        Ok(())
+    }
+}
+
+impl Sink for LiveSink {
+    fn consume(&mut self, batch: &RecordBatch) -> anyhow::Result<()> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).apply(batch);
+        if self.last_write.is_none_or(|t| t.elapsed() >= Duration::from_millis(WRITE_INTERVAL_MS)) {
+            self.write_now()?;
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self, _t_ns: u64) -> anyhow::Result<()> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).finish(None);
+        if let Some(p) = self.path.take() {
+            let _ = std::fs::remove_file(p);
+        }
+        Ok(())
+    }
+
+    fn name(&self) -> &'static str {
+        "live view registration"
+    }
+}
+
+impl Drop for LiveSink {
+    fn drop(&mut self) {
+        if let Some(p) = self.path.take() {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tui::state::tests::{cpu, process};
+
+    #[test]
+    fn a_run_registers_updates_and_unregisters() {
+        let dir = tempfile::tempdir().unwrap();
+        let live = dir.path().join("live");
+        let ctx = RunContext { command: vec!["t.py".into()], started_unix_s: 5.0, ..Default::default() };
+        let (mut sink, handle) = LiveSink::start(&ctx, &live, 77, Path::new("/no/such/p.sqlite"));
+        let path = sink.path().unwrap().to_path_buf();
+        assert_eq!(path, live.join(format!("{}.json", std::process::id())));
+        assert_eq!(std::fs::metadata(&live).unwrap().permissions().mode() & 0o777, 0o700);
+        let mut records = process(77, "python t.py", 64);
+        records.push(cpu(64));
+        sink.consume(&RecordBatch { records, t_ns: 1, ..Default::default() }).unwrap();
+        let found = scan(std::slice::from_ref(&live));
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].program_pid, Some(77));
+        assert_eq!(found[0].processes[0].rss_bytes, Some(64 << 20), "the first batch is written at once");
+        assert_eq!(handle.snapshot().tree.rss_bytes, Some(64 << 20));
+        assert_eq!(std::fs::read_dir(&live).unwrap().count(), 1, "no temporary file left");
+        sink.finish(2).unwrap();
+        assert!(!path.exists(), "removed at the end");
+        assert!(scan(&[live]).is_empty());
+    }
+
+    #[test]
+    fn files_of_dead_or_reused_pids_are_skipped_and_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        // A child that has exited: its pid is dead (reaped).
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let snap = |pid: u32, ticks: Option<u64>| LiveSnapshot {
+            format: FORMAT.into(),
+            recorder_pid: pid,
+            recorder_start_ticks: ticks,
+            ..Default::default()
+        };
+        let me = std::process::id();
+        let write = |s: &LiveSnapshot| {
+            write_atomically(&dir.path().join(format!("{}.json", s.recorder_pid)), &serde_json::to_string(s).unwrap())
+                .unwrap()
+        };
+        write(&snap(dead, Some(1)));
+        write(&snap(me, Some(start_ticks(me).unwrap() + 1)));
+        std::fs::write(dir.path().join("notes.json"), "{}").unwrap();
+        std::fs::write(dir.path().join("123.json"), "not json").unwrap();
+        assert!(scan(&[dir.path().to_path_buf()]).is_empty());
+        assert!(!dir.path().join(format!("{dead}.json")).exists(), "a dead recorder's file is removed");
+        assert!(!dir.path().join(format!("{me}.json")).exists(), "a reused pid's too");
+        assert!(dir.path().join("notes.json").exists(), "files that are not ours stay");
+        write(&snap(me, start_ticks(me)));
+        assert_eq!(scan(&[dir.path().to_path_buf()]).len(), 1);
+    }
+
+    #[test]
+    fn a_directory_others_can_write_is_refused_and_the_run_goes_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let open = dir.path().join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let err = ensure_dir(&open).unwrap_err().to_string();
+        assert!(err.contains("not a private directory") && err.contains(LIVE_DIR_ENV), "{err}");
+        let (sink, handle) = LiveSink::start(&RunContext::default(), &open, 1, Path::new("p.sqlite"));
+        assert!(sink.path().is_none());
+        assert_eq!(handle.snapshot().program_pid, Some(1));
+    }
+}
