@@ -73,6 +73,12 @@ def nvml_index_of_uuid(uuid: str) -> int | None:
     """NVML index of the device with this UUID, as NVML writes it ("GPU-..."/"MIG-...") or as torch does (no
     prefix). Raises TorchmemError without NVML."""
 
+def nvml_index_of_device(torch_index: int, uuid: str | None = None) -> int | None:
+    """NVML index of torch's CUDA device `torch_index` (the one rule of `torchmem.stats()`, the markers and the
+    allocator sampler): by torch's `uuid` of the device, else by its CUDA_VISIBLE_DEVICES entry (an index or
+    a UUID), else (no CUDA_VISIBLE_DEVICES) `torch_index`. None without NVML or when the entry maps to no
+    device."""
+
 def nvml_read(index: int, pid: int) -> tuple[int, int, int, int | None, int]:
     """NVML device `index`: (total_bytes, used_bytes, free_bytes, bytes charged to `pid` or None,
     bytes of all other processes). Raises TorchmemError without NVML."""

@@ -1,12 +1,14 @@
 //! `torchmem info`: the machine's memory as PyTorch users need it: each GPU's total, free and used memory and
-//! who uses it (NVML), driver and CUDA versions, the torch that the current Python sees, and host RAM.
+//! who uses it (NVML), driver and CUDA versions, the torch that the current Python sees, and host RAM. The
+//! machine part is core's `sources::device_info` (the value `torchmem.device_info()` returns too).
 
 use std::process::Command;
 
 use serde::Serialize;
-use torchmem_core::sources::gpu::{GpuSource, NvmlSource};
-use torchmem_core::sources::{host, procfs};
-use torchmem_core::units::format_bytes;
+use serde_json::json;
+use torchmem_core::sources::device_info::device_info;
+use torchmem_core::sources::procfs;
+use torchmem_core::units::{format_bytes, format_opt_bytes};
 
 #[derive(Debug, clap::Args)]
 pub struct InfoArgs {
@@ -15,42 +17,12 @@ pub struct InfoArgs {
     pub json: bool,
 }
 
-#[derive(Debug, Serialize)]
-struct GpuProcess {
-    pid: u32,
-    used_bytes: u64,
-    cmdline: String,
-}
-
-#[derive(Debug, Serialize)]
-struct GpuInfo {
-    index: u32,
-    name: String,
-    uuid: String,
-    total_bytes: u64,
-    free_bytes: u64,
-    used_bytes: u64,
-    processes: Vec<GpuProcess>,
-}
-
 #[derive(Debug, Serialize, Default)]
 struct TorchInfo {
     python: String,
     torch_version: Option<String>,
     torch_cuda_version: Option<String>,
     error: Option<String>,
-}
-
-#[derive(Debug, Serialize)]
-struct Info {
-    host_total_bytes: Option<u64>,
-    host_available_bytes: Option<u64>,
-    /// Why there is no GPU list, when there is none.
-    gpu_unavailable: Option<String>,
-    driver_version: Option<String>,
-    cuda_driver_version: Option<String>,
-    gpus: Vec<GpuInfo>,
-    torch: TorchInfo,
 }
 
 /// Asks the current Python for its torch version (torch is imported in a child so the CLI never links it).
@@ -77,63 +49,60 @@ fn torch_info() -> TorchInfo {
 }
 
 pub fn run(args: InfoArgs) -> anyhow::Result<i32> {
-    let host = host::host_memory();
-    let mut info = Info {
-        host_total_bytes: host.map(|h| h.total_bytes),
-        host_available_bytes: host.map(|h| h.available_bytes),
-        gpu_unavailable: None,
-        driver_version: None,
-        cuda_driver_version: None,
-        gpus: Vec::new(),
-        torch: torch_info(),
-    };
-    match NvmlSource::open() {
-        Ok(nvml) => {
-            let driver = nvml.driver_info();
-            info.driver_version = Some(driver.driver_version);
-            info.cuda_driver_version = Some(driver.cuda_driver_version);
-            let readings = nvml.read();
-            for (dev, r) in nvml.devices().iter().zip(readings) {
-                info.gpus.push(GpuInfo {
-                    index: dev.index,
-                    name: dev.name.clone(),
-                    uuid: dev.uuid.clone(),
-                    total_bytes: r.total_bytes,
-                    free_bytes: r.free_bytes,
-                    used_bytes: r.used_bytes,
-                    processes: r
-                        .process_bytes
-                        .iter()
-                        .map(|(&pid, &b)| GpuProcess { pid, used_bytes: b, cmdline: procfs::cmdline(pid) })
-                        .collect(),
-                });
-            }
-            if info.gpus.is_empty() {
-                info.gpu_unavailable = Some("NVML found no GPU".into());
-            }
-        }
-        Err(e) => info.gpu_unavailable = Some(nvml_unavailable(&e.to_string())),
-    }
+    let info = device_info(std::process::id());
+    let torch = torch_info();
+    let gpu_unavailable = info.gpu_unavailable();
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&info)?);
+        // `torchmem info --json`'s own keys (`gpus`, `gpu_unavailable`, each process's `cmdline`, `torch`):
+        // a view of the one `DeviceInfo` that `torchmem.device_info()` returns as it is.
+        let gpus: Vec<serde_json::Value> = info
+            .devices
+            .iter()
+            .map(|g| {
+                let processes: Vec<serde_json::Value> = g
+                    .processes
+                    .iter()
+                    .map(|(&pid, &used_bytes)| json!({"pid": pid, "used_bytes": used_bytes, "cmdline": procfs::cmdline(pid)}))
+                    .collect();
+                json!({
+                    "index": g.index,
+                    "name": g.name,
+                    "uuid": g.uuid,
+                    "total_bytes": g.total_bytes,
+                    "free_bytes": g.free_bytes,
+                    "used_bytes": g.used_bytes,
+                    "processes": processes,
+                })
+            })
+            .collect();
+        let out = json!({
+            "host_total_bytes": info.host_total_bytes,
+            "host_available_bytes": info.host_available_bytes,
+            "gpu_unavailable": gpu_unavailable,
+            "driver_version": info.driver_version,
+            "cuda_driver_version": info.cuda_driver_version,
+            "gpus": gpus,
+            "torch": torch,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(0);
     }
     let mut out = String::new();
     out.push_str(&format!(
         "Host RAM       total {}, available {}\n",
-        info.host_total_bytes.map(format_bytes).unwrap_or_else(|| "-".into()),
-        info.host_available_bytes.map(format_bytes).unwrap_or_else(|| "-".into())
+        format_opt_bytes(info.host_total_bytes),
+        format_opt_bytes(info.host_available_bytes)
     ));
-    match (&info.torch.torch_version, &info.torch.error) {
+    match (&torch.torch_version, &torch.error) {
         (Some(v), _) => out.push_str(&format!(
             "torch          {v} (CUDA build {}) in {}\n",
-            info.torch.torch_cuda_version.as_deref().unwrap_or("none: CPU-only build"),
-            info.torch.python
+            torch.torch_cuda_version.as_deref().unwrap_or("none: CPU-only build"),
+            torch.python
         )),
         (None, Some(e)) => out.push_str(&format!("torch          not available: {e}\n")),
         _ => {}
     }
-    if let Some(why) = &info.gpu_unavailable {
+    if let Some(why) = &gpu_unavailable {
         out.push_str(&format!("GPU            {why}\n"));
     } else {
         out.push_str(&format!(
@@ -145,19 +114,15 @@ pub fn run(args: InfoArgs) -> anyhow::Result<i32> {
             "\n{:<4} {:<28} {:>12} {:>12} {:>12}  {}\n",
             "GPU", "name", "total", "free", "used", "processes (NVML, CUDA context included)"
         ));
-        for g in &info.gpus {
+        for g in &info.devices {
             let procs = if g.processes.is_empty() {
                 "none".to_string()
             } else {
                 g.processes
                     .iter()
-                    .map(|p| {
-                        format!(
-                            "{} {} ({})",
-                            p.pid,
-                            format_bytes(p.used_bytes),
-                            p.cmdline.chars().take(40).collect::<String>()
-                        )
+                    .map(|(&pid, &used_bytes)| {
+                        let cmdline = procfs::cmdline(pid);
+                        format!("{pid} {} ({})", format_bytes(used_bytes), cmdline.chars().take(40).collect::<String>())
                     })
                     .collect::<Vec<_>>()
                     .join("; ")
@@ -175,29 +140,4 @@ pub fn run(args: InfoArgs) -> anyhow::Result<i32> {
     }
     print!("{out}");
     Ok(0)
-}
-
-/// One short line for why NVML could not be used; the raw libloading text ("a libloading error
-/// occurred: libnvidia-ml.so.1: cannot open shared object file …") only means there is no driver.
-fn nvml_unavailable(err: &str) -> String {
-    if err.contains("libloading") || err.contains("cannot open shared object") || err.contains("LibloadingError") {
-        "NVML not available (libnvidia-ml.so.1 not found): no NVIDIA driver on this machine".into()
-    } else if err.contains("DriverNotLoaded") || err.contains("driver is not loaded") {
-        "NVML not available: the NVIDIA driver is not loaded (no GPU, or the kernel module is missing)".into()
-    } else {
-        format!("NVML not available: {err}")
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn nvml_errors_are_one_short_line() {
-        let raw = "NVML error: a libloading error occurred: libnvidia-ml.so.1: cannot open shared object file: No such file or directory (no NVIDIA driver / libnvidia-ml.so.1 on this machine?)";
-        assert_eq!(
-            super::nvml_unavailable(raw),
-            "NVML not available (libnvidia-ml.so.1 not found): no NVIDIA driver on this machine"
-        );
-        assert!(super::nvml_unavailable("NVML error: Unknown").starts_with("NVML not available: "));
-    }
 }

@@ -1,10 +1,8 @@
 //! What the Python API reads and computes inside the user's own process (this process's memory from /proc
-//! is `sources::self_proc`): NVML's view of this process on one device, the allocator-counter
+//! is `sources::self_proc`, NVML's view of it `sources::gpu`, the machine `sources::device_info`): the allocator-counter
 //! record the in-process sampler sends to the recorder, and the Monitor's summaries (epoch line, tables,
 //! journey) computed from its markers.
 
-use nvml_wrapper::enums::device::UsedGpuMemory;
-use nvml_wrapper::Nvml;
 use serde::{Deserialize, Serialize};
 
 use crate::analysis::{EpochRow, MarkerAggregates, Summary};
@@ -49,71 +47,6 @@ impl AllocatorCounters {
         let mut line = serde_json::to_string(&msg).expect("a wire message always serialises");
         line.push('\n');
         line
-    }
-}
-
-/// NVML opened once for the in-process API: one device's memory and this process's share of it.
-pub struct ProcessGpu {
-    nvml: Nvml,
-}
-
-/// NVML's view of one device and of one process on it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct ProcessGpuReading {
-    pub index: u32,
-    pub total_bytes: u64,
-    pub used_bytes: u64,
-    pub free_bytes: u64,
-    /// What NVML charges to the process (CUDA context, libraries and torch's reserved memory); None when
-    /// NVML does not list the pid (no context yet, or a container whose pids NVML does not see).
-    pub process_bytes: Option<u64>,
-    /// Every other process NVML lists on the device, summed.
-    pub other_processes_bytes: u64,
-}
-
-impl ProcessGpu {
-    pub fn open() -> Result<Self> {
-        let nvml = Nvml::init()
-            .map_err(|e| CoreError::Nvml(format!("{e} (no NVIDIA driver / libnvidia-ml.so.1 on this machine?)")))?;
-        Ok(ProcessGpu { nvml })
-    }
-
-    pub fn device_count(&self) -> Result<u32> {
-        self.nvml.device_count().map_err(|e| CoreError::Nvml(e.to_string()))
-    }
-
-    /// The NVML index of the device with this UUID ("GPU-…" or "MIG-…").
-    pub fn index_of_uuid(&self, uuid: &str) -> Option<u32> {
-        self.nvml.device_by_uuid(uuid).ok()?.index().ok()
-    }
-
-    pub fn read(&self, index: u32, pid: u32) -> Result<ProcessGpuReading> {
-        let nv = |e: nvml_wrapper::error::NvmlError| CoreError::Nvml(e.to_string());
-        let d = self.nvml.device_by_index(index).map_err(nv)?;
-        let mem = d.memory_info().map_err(nv)?;
-        let mut mine: Option<u64> = None;
-        let mut others: std::collections::BTreeMap<u32, u64> = Default::default();
-        for list in [d.running_compute_processes(), d.running_graphics_processes()].into_iter().flatten() {
-            for p in list {
-                let UsedGpuMemory::Used(bytes) = p.used_gpu_memory else {
-                    continue;
-                };
-                if p.pid == pid {
-                    mine = Some(mine.unwrap_or(0).max(bytes));
-                } else {
-                    let e = others.entry(p.pid).or_insert(0);
-                    *e = (*e).max(bytes);
-                }
-            }
-        }
-        Ok(ProcessGpuReading {
-            index,
-            total_bytes: mem.total,
-            used_bytes: mem.used,
-            free_bytes: mem.free,
-            process_bytes: mine,
-            other_processes_bytes: others.values().sum(),
-        })
     }
 }
 
@@ -315,99 +248,5 @@ mod tests {
         assert!(mermaid.starts_with("journey\n"));
         assert!(summary_json(&m, None, None).unwrap().contains("\"phases\""));
         assert!(parse_markers("[{}]").is_err());
-    }
-
-    #[test]
-    fn nvml_absent_is_an_error_not_a_zero() {
-        match ProcessGpu::open() {
-            Ok(g) => {
-                let n = g.device_count().unwrap();
-                if n > 0 {
-                    let r = g.read(0, std::process::id()).unwrap();
-                    assert!(r.total_bytes > 0);
-                }
-            }
-            Err(e) => assert!(e.to_string().contains("NVML unavailable")),
-        }
-    }
-}
-
-/// One NVIDIA device as `torchmem.device_info()` reports it (NVML index order).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct DeviceEntry {
-    pub index: u32,
-    pub name: String,
-    pub uuid: String,
-    pub total_bytes: u64,
-    pub used_bytes: u64,
-    pub free_bytes: u64,
-    /// NVML's used memory of this process on the device; None when NVML does not list it.
-    pub this_process_bytes: Option<u64>,
-    /// Memory used by every other process NVML lists on the device.
-    pub other_processes_bytes: u64,
-    pub processes: std::collections::BTreeMap<u32, u64>,
-}
-
-/// The host and its NVIDIA devices, without torch and without creating a CUDA context.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct DeviceInfo {
-    pub host_total_bytes: Option<u64>,
-    pub host_available_bytes: Option<u64>,
-    /// Why there are no devices (no driver, NVML failed); None when NVML answered.
-    pub nvml_error: Option<String>,
-    pub driver_version: Option<String>,
-    pub cuda_driver_version: Option<String>,
-    pub devices: Vec<DeviceEntry>,
-}
-
-pub fn device_info(pid: u32) -> DeviceInfo {
-    use crate::sources::gpu::{GpuSource, NvmlSource};
-    let host = crate::sources::host::host_memory();
-    let mut info = DeviceInfo {
-        host_total_bytes: host.map(|h| h.total_bytes),
-        host_available_bytes: host.map(|h| h.available_bytes),
-        nvml_error: None,
-        driver_version: None,
-        cuda_driver_version: None,
-        devices: Vec::new(),
-    };
-    match NvmlSource::open() {
-        Err(e) => info.nvml_error = Some(e.to_string()),
-        Ok(src) => {
-            let driver = src.driver_info();
-            info.driver_version = Some(driver.driver_version);
-            info.cuda_driver_version = Some(driver.cuda_driver_version);
-            let readings = src.read();
-            for dev in src.devices() {
-                let Some(r) = readings.iter().find(|r| r.index == dev.index) else {
-                    continue;
-                };
-                info.devices.push(DeviceEntry {
-                    index: dev.index,
-                    name: dev.name.clone(),
-                    uuid: dev.uuid.clone(),
-                    total_bytes: r.total_bytes,
-                    used_bytes: r.used_bytes,
-                    free_bytes: r.free_bytes,
-                    this_process_bytes: r.process_bytes.get(&pid).copied(),
-                    other_processes_bytes: r.process_bytes.iter().filter(|(p, _)| **p != pid).map(|(_, b)| b).sum(),
-                    processes: r.process_bytes.clone(),
-                });
-            }
-        }
-    }
-    info
-}
-
-#[cfg(test)]
-mod device_info_tests {
-    #[test]
-    fn host_is_always_there_and_gpus_only_with_nvml() {
-        let info = super::device_info(std::process::id());
-        assert!(info.host_total_bytes.unwrap() >= info.host_available_bytes.unwrap());
-        assert_eq!(info.nvml_error.is_some(), info.driver_version.is_none());
-        if info.nvml_error.is_some() {
-            assert!(info.devices.is_empty());
-        }
     }
 }

@@ -11,10 +11,11 @@ use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use torchmem_core::inprocess::{self, AllocatorCounters, ProcessGpu};
-use torchmem_core::sources::self_proc;
+use torchmem_core::inprocess::{self, AllocatorCounters};
+use torchmem_core::sources::gpu::{nvml_index_of_torch_device, NvmlLib};
+use torchmem_core::sources::{device_info, self_proc};
 
-use crate::errors::{to_py, Error};
+use crate::errors::{to_py, Error, Result};
 
 // --- this process's memory -------------------------------------------------------------------------------
 
@@ -57,45 +58,61 @@ fn format_bytes(bytes: u64) -> String {
 
 // --- NVML ------------------------------------------------------------------------------------------------
 
-static NVML: OnceLock<std::result::Result<Mutex<ProcessGpu>, String>> = OnceLock::new();
+static NVML: OnceLock<std::result::Result<Mutex<NvmlLib>, String>> = OnceLock::new();
 
-fn nvml() -> PyResult<&'static Mutex<ProcessGpu>> {
-    NVML.get_or_init(|| ProcessGpu::open().map(Mutex::new).map_err(|e| e.to_string()))
+/// NVML, opened once per process (core's one wrapper, `sources::gpu::NvmlLib`).
+fn nvml() -> Result<&'static Mutex<NvmlLib>> {
+    NVML.get_or_init(|| NvmlLib::open().map(Mutex::new).map_err(|e| e.to_string()))
         .as_ref()
-        .map_err(|e| Error::Tool(e.clone()).into())
+        .map_err(|e| Error::Tool(e.clone()))
 }
 
 /// Why NVML cannot be used here, or None when it can (opens it once per process).
 #[pyfunction]
 fn nvml_error(py: Python<'_>) -> Option<String> {
-    py.detach(|| nvml().err().map(|e| e.to_string()))
+    py.detach(|| nvml().err().map(|e| PyErr::from(e).to_string()))
+}
+
+/// The NVML index of torch's CUDA device `torch_index` (`sources::gpu::nvml_index_of_torch_device`: by
+/// torch's `uuid` of it, else by CUDA_VISIBLE_DEVICES, else torch's index); None without NVML or when
+/// CUDA_VISIBLE_DEVICES names the device in a way NVML cannot map.
+#[pyfunction]
+#[pyo3(signature = (torch_index, uuid=None))]
+fn nvml_index_of_device(py: Python<'_>, torch_index: u32, uuid: Option<String>) -> Option<u32> {
+    py.detach(|| nvml_index_of_torch(torch_index, uuid.as_deref()))
 }
 
 /// The NVML index of the device with this UUID, as NVML writes it ("GPU-…"/"MIG-…") or as torch does
 /// (without the prefix); None when NVML does not know it.
 #[pyfunction]
 fn nvml_index_of_uuid(py: Python<'_>, uuid: &str) -> PyResult<Option<u32>> {
-    nvml()?;
-    let uuid = uuid.to_string();
-    Ok(py.detach(|| nvml_index_of_torch_uuid(&uuid)))
+    let nvml = nvml()?;
+    Ok(py.detach(|| nvml.lock().expect("NVML lock").index_of_uuid(uuid)))
+}
+
+/// The one rule, read without the interpreter (opening NVML can take milliseconds).
+fn nvml_index_of_torch(torch_index: u32, uuid: Option<&str>) -> Option<u32> {
+    let nvml = nvml().ok()?.lock().expect("NVML lock");
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    nvml_index_of_torch_device(|u| nvml.index_of_uuid(u), torch_index, uuid, visible.as_deref())
 }
 
 /// `(total_bytes, used_bytes, free_bytes, process_bytes or None, other_processes_bytes)` of NVML device
 /// `index`, where process_bytes is what NVML charges to `pid`.
 #[pyfunction]
-fn nvml_read(py: Python<'_>, index: u32, pid: u32) -> PyResult<(u64, u64, u64, Option<u64>, u64)> {
+fn nvml_read(py: Python<'_>, index: u32, pid: u32) -> Result<(u64, u64, u64, Option<u64>, u64)> {
     py.detach(|| {
-        let r = nvml()?.lock().expect("NVML lock").read(index, pid).map_err(to_py)?;
-        Ok((r.total_bytes, r.used_bytes, r.free_bytes, r.process_bytes, r.other_processes_bytes))
+        let r = nvml()?.lock().expect("NVML lock").read(index)?;
+        Ok((r.total_bytes, r.used_bytes, r.free_bytes, r.this_process_bytes(pid), r.other_processes_bytes(pid)))
     })
 }
 
-/// The host and its NVIDIA devices as JSON (`inprocess::DeviceInfo`); never creates a CUDA context.
+/// The host and its NVIDIA devices as JSON (`sources::device_info::DeviceInfo`); never creates a CUDA context.
 #[pyfunction]
-fn device_info_json(py: Python<'_>) -> PyResult<String> {
+fn device_info_json(py: Python<'_>) -> Result<String> {
     let pid = std::process::id();
-    let info = py.detach(|| inprocess::device_info(pid));
-    serde_json::to_string(&info).map_err(|e| to_py(e.into()))
+    let info = py.detach(|| device_info::device_info(pid));
+    Ok(serde_json::to_string(&info)?)
 }
 
 // --- Monitor summaries -----------------------------------------------------------------------------------
@@ -375,20 +392,9 @@ fn torch_device_uuid(py: Python<'_>, dev: u32) -> Option<String> {
     props.getattr("uuid").ok()?.str().ok().map(|s| s.to_string())
 }
 
-/// The NVML index of the device with torch's `uuid` ("GPU-" or "MIG-" prefixed for NVML), found without
-/// the interpreter; None without NVML or for a UUID it does not know.
-fn nvml_index_of_torch_uuid(uuid: &str) -> Option<u32> {
-    let nvml = nvml().ok()?;
-    let nvml = nvml.lock().expect("NVML lock");
-    if uuid.starts_with("GPU-") || uuid.starts_with("MIG-") {
-        return nvml.index_of_uuid(uuid);
-    }
-    ["GPU-", "MIG-", ""].iter().find_map(|prefix| nvml.index_of_uuid(&format!("{prefix}{uuid}")))
-}
-
 /// Torch device index → NVML device index, learned once per device: the profile keys GPU rows by NVML index,
 /// so the allocator's numbers land on the GPU they belong to even when CUDA_VISIBLE_DEVICES renumbers
-/// devices for the program (torch's cuda:0 can be NVML's GPU 3). Where NVML cannot say, torch's index.
+/// devices for the program (torch's cuda:0 can be NVML's GPU 3).
 #[derive(Default)]
 struct DeviceMap {
     nvml_of: std::collections::HashMap<u32, u32>,
@@ -404,10 +410,11 @@ impl DeviceMap {
             .collect()
     }
 
-    /// Maps them through NVML (without the interpreter: opening NVML can take milliseconds).
+    /// Maps them through NVML (without the interpreter: opening NVML can take milliseconds), by the rule
+    /// `torchmem.stats()` uses; where it cannot say, torch's index.
     fn learn(&mut self, uuids: Vec<(u32, Option<String>)>) {
         for (dev, uuid) in uuids {
-            let index = uuid.as_deref().and_then(nvml_index_of_torch_uuid).unwrap_or(dev);
+            let index = nvml_index_of_torch(dev, uuid.as_deref()).unwrap_or(dev);
             self.nvml_of.insert(dev, index);
         }
     }
@@ -583,6 +590,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(format_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(nvml_error, m)?)?;
     m.add_function(wrap_pyfunction!(nvml_index_of_uuid, m)?)?;
+    m.add_function(wrap_pyfunction!(nvml_index_of_device, m)?)?;
     m.add_function(wrap_pyfunction!(nvml_read, m)?)?;
     m.add_function(wrap_pyfunction!(device_info_json, m)?)?;
     m.add_function(wrap_pyfunction!(summary_json, m)?)?;
