@@ -56,6 +56,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--blocks", type=int, default=6, help="blocks per mode")
     ap.add_argument("--steps", type=int, default=5, help="steps per block")
+    ap.add_argument(
+        "--modes",
+        default="untraced,monitor,breakdown,breakdown+modules,torch.profiler",
+        help="comma-separated modes to run (untraced always runs)",
+    )
     args = ap.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -111,7 +116,11 @@ def main() -> None:
             monitors.pop(mode)
         return dt
 
-    modes = ["untraced", "monitor", "breakdown", "breakdown+modules", "torch.profiler"]
+    known = ["untraced", "monitor", "breakdown", "breakdown+modules", "torch.profiler"]
+    asked = set(args.modes.split(",")) | {"untraced", "monitor", "breakdown"}
+    if asked - set(known):
+        raise SystemExit(f"--modes: unknown {sorted(asked - set(known))}; expected some of {known}")
+    modes = [m for m in known if m in asked]
     for mode in modes:  # warm-up: optimizer state, allocator, lazy imports
         block(mode)
     times: dict[str, list[float]] = {m: [] for m in modes}

@@ -251,7 +251,7 @@ def run_script(c: Checks, name: str, args: list[str], timeout_s: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "docs" / "gpu-check.md"))
-    parts_help = "skip a part: run, interplay, remap, api, line, snapshot, bench"
+    parts_help = "skip a part: run, interplay, remap, api, line, snapshot, breakdown, bench"
     ap.add_argument("--skip", action="append", default=[], help=parts_help)
     ap.add_argument("--only", action="append", default=[], help="run only these parts (same names as --skip)")
     args = ap.parse_args()
@@ -284,6 +284,7 @@ def main() -> None:
         ("api", "scripts/gpu_check_api.py", [], 400),
         ("line", "scripts/gpu_check_line.py", [], 600),
         ("snapshot", "scripts/gpu_check_snapshot.py", [], 600),
+        ("breakdown", "scripts/gpu_check_breakdown.py", [], 300),
         (
             "bench",
             "bench/run_overhead.py",
