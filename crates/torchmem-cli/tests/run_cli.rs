@@ -181,25 +181,62 @@ fn a_corrupt_profile_is_a_clear_error() {
     assert!(stderr(&out).contains("is not a torchmem profile"), "{}", stderr(&out));
 }
 
+/// `profile_table` on a profile that is still being written: None while the file or its tables are not there yet.
+fn try_profile_table(profile: &Path, sql: &str) -> Option<Vec<Vec<i64>>> {
+    let code = format!(
+        "import sqlite3,json; print(json.dumps(sqlite3.connect({:?}).execute({sql:?}).fetchall()))",
+        profile.display().to_string()
+    );
+    let out = Command::new(python()).args(["-c", &code]).output().ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    serde_json::from_slice(&out.stdout).ok()
+}
+
 #[test]
 fn worker_children_are_summed_without_double_counting() {
     // A parent touches 200 MiB, then forks 3 workers that only read it (shared pages) and each touch 50 MiB
-    // of their own, then hold it for 4 s (several PSS reads even when a loaded machine stretches the PSS interval).
-    // RSS summed over the tree counts the shared 200 MiB four times; PSS counts it once.
+    // of their own, say so with a file, then hold it until the test has seen two PSS reads of the tree after all
+    // three were ready (a loaded machine stretches the PSS interval to seconds), or 120 s. RSS summed over the
+    // tree counts the shared 200 MiB four times; PSS counts it once.
     let dir = tempfile::tempdir().unwrap();
-    let s = script(
-        dir.path(),
-        "workers.py",
-        "import os, time\nshared = bytearray(b'\\x01' * (200 << 20))\npids = []\nfor i in range(3):\n    pid = os.fork()\n    if pid == 0:\n        s = 0\n        for off in range(0, len(shared), 4096):\n            s += shared[off]\n        own = b'\\x02' * (50 << 20)\n        time.sleep(4)\n        os._exit(0)\n    pids.append(pid)\nfor p in pids:\n    os.waitpid(p, 0)\n",
+    let stop = dir.path().join("stop");
+    let body = format!(
+        "import os, time\nshared = bytearray(b'\\x01' * (200 << 20))\npids = []\nfor i in range(3):\n    pid = os.fork()\n    if pid == 0:\n        s = 0\n        for off in range(0, len(shared), 4096):\n            s += shared[off]\n        own = b'\\x02' * (50 << 20)\n        open(os.path.join({dir:?}, f'ready{{i}}'), 'w').close()\n        t0 = time.monotonic()\n        while not os.path.exists({stop:?}) and time.monotonic() - t0 < 120:\n            time.sleep(0.05)\n        os._exit(0)\n    pids.append(pid)\nfor p in pids:\n    os.waitpid(p, 0)\n",
+        dir = dir.path().display().to_string(),
+        stop = stop.display().to_string()
     );
+    let s = script(dir.path(), "workers.py", &body);
     let prof = dir.path().join("p.sqlite");
-    let out = torchmem().args(["run", "-q", "--pss-interval", "100", "-o"]).arg(&prof).arg(&s).output().unwrap();
+    let child = torchmem()
+        .args(["run", "-q", "--pss-interval", "100", "-o"])
+        .arg(&prof)
+        .arg(&s)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let reads = "select count(*) from cpu_samples where pss_bytes is not null and process_count = 4";
+    let count = || try_profile_table(&prof, reads).and_then(|r| r.first().map(|row| row[0])).unwrap_or(0);
+    let started = std::time::Instant::now();
+    let mut reads_when_ready = None;
+    while started.elapsed() < Duration::from_secs(120) {
+        match reads_when_ready {
+            None if (0..3).all(|i| dir.path().join(format!("ready{i}")).exists()) => reads_when_ready = Some(count()),
+            Some(n) if count() >= n + 2 => break,
+            _ => {}
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    std::fs::write(&stop, b"").unwrap();
+    let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
-    let rows = profile_table(&prof, "select rss_bytes, pss_bytes, process_count from cpu_samples where pss_bytes is not null and process_count = 4 order by rss_bytes desc limit 1");
+    assert!(reads_when_ready.is_some(), "the workers never got ready");
+    let rows = profile_table(&prof, "select rss_bytes, pss_bytes, process_count from cpu_samples where pss_bytes is not null and process_count = 4 order by t_ns desc limit 1");
     assert!(!rows.is_empty(), "no sample saw all four processes");
     let (rss, pss) = (rows[0][0] as u64, rows[0][1] as u64);
     assert!(rss >= (200 * 4 + 150) * MIB, "tree RSS {} MiB", rss / MIB);
-    // PSS: shared 200 MiB once + 3 × 50 MiB + interpreters (~10 MiB each): well under 500 MiB.
+    // PSS: shared 200 MiB once + 3 × 50 MiB + interpreters (a few MiB each): well under 500 MiB.
     assert!((350 * MIB..500 * MIB).contains(&pss), "tree PSS {} MiB", pss / MIB);
     let procs = report_json(&prof)["processes"].as_array().unwrap().len();
     assert_eq!(procs, 4);
