@@ -11,7 +11,6 @@ pub mod clock;
 pub mod error;
 pub mod fold;
 pub mod gpus;
-pub mod inprocess;
 pub mod journey;
 pub mod lines;
 pub mod model;

@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use torchmem_core::inprocess::{self, AllocatorCounters};
+use torchmem_core::report::monitor;
+use torchmem_core::sources::allocator::AllocatorCounters;
 use torchmem_core::sources::gpu::{nvml_index_of_torch_device, NvmlLib};
 use torchmem_core::sources::{device_info, self_proc};
 
@@ -118,7 +119,7 @@ fn device_info_json(py: Python<'_>) -> Result<String> {
 // --- Monitor summaries -----------------------------------------------------------------------------------
 
 fn aggregates(json: Option<&str>) -> PyResult<Option<torchmem_core::analysis::MarkerAggregates>> {
-    json.map(|j| inprocess::parse_aggregates(j).map_err(to_py)).transpose()
+    json.map(|j| monitor::parse_aggregates(j).map_err(to_py)).transpose()
 }
 
 /// The Monitor's summary (epochs, phases, growth, journey) as JSON, from markers in `model::Marker` form and,
@@ -131,9 +132,9 @@ fn summary_json(
     capacity_bytes: Option<u64>,
     aggregates_json: Option<&str>,
 ) -> PyResult<String> {
-    let markers = inprocess::parse_markers(markers_json).map_err(to_py)?;
+    let markers = monitor::parse_markers(markers_json).map_err(to_py)?;
     let agg = aggregates(aggregates_json)?;
-    py.detach(|| inprocess::summary_json(&markers, capacity_bytes, agg.as_ref())).map_err(to_py)
+    py.detach(|| monitor::summary_json(&markers, capacity_bytes, agg.as_ref())).map_err(to_py)
 }
 
 /// The per-epoch and per-phase tables and growth warnings as text.
@@ -145,9 +146,9 @@ fn summary_text(
     capacity_bytes: Option<u64>,
     aggregates_json: Option<&str>,
 ) -> PyResult<String> {
-    let markers = inprocess::parse_markers(markers_json).map_err(to_py)?;
+    let markers = monitor::parse_markers(markers_json).map_err(to_py)?;
     let agg = aggregates(aggregates_json)?;
-    Ok(py.detach(|| inprocess::summary_text(&markers, capacity_bytes, agg.as_ref())))
+    Ok(py.detach(|| monitor::summary_text(&markers, capacity_bytes, agg.as_ref())))
 }
 
 /// The journey as "text" or "mermaid".
@@ -165,16 +166,16 @@ fn journey(
         "mermaid" => true,
         other => return Err(Error::Input(format!("journey format {other:?}: use \"text\" or \"mermaid\"")).into()),
     };
-    let markers = inprocess::parse_markers(markers_json).map_err(to_py)?;
+    let markers = monitor::parse_markers(markers_json).map_err(to_py)?;
     let agg = aggregates(aggregates_json)?;
-    Ok(inprocess::journey_render(&markers, capacity_bytes, agg.as_ref(), mermaid, title))
+    Ok(monitor::journey_render(&markers, capacity_bytes, agg.as_ref(), mermaid, title))
 }
 
 /// `{"line", "row", "growth", "growth_per_epoch_bytes"}` for the last finished epoch, from epoch markers.
 #[pyfunction]
 fn epoch_report_json(markers_json: &str) -> PyResult<String> {
-    let markers = inprocess::parse_markers(markers_json).map_err(to_py)?;
-    serde_json::to_string(&inprocess::epoch_report(&markers)).map_err(|e| to_py(e.into()))
+    let markers = monitor::parse_markers(markers_json).map_err(to_py)?;
+    serde_json::to_string(&monitor::epoch_report(&markers)).map_err(|e| to_py(e.into()))
 }
 
 // --- the program's peak ledger -------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 //! `torchmem report` formats: `table` (text, `table.rs`), `json`, `csv` (the timeline), `markdown`,
 //! `mermaid` (the journey diagram). `torchmem plot` writes `html.rs` (one offline page: chart, hover
 //! read-out, tables) or `svg.rs` (the chart alone). `cells.rs` builds the tables every format shares;
-//! `timeline.rs` downsamples the timeline for the chart. What each format holds: `docs/reports.md`.
+//! `timeline.rs` downsamples the timeline for the chart. `monitor.rs` renders the in-process Monitor's
+//! summary, journey and epoch line from its markers alone. What each format holds: `docs/reports.md`.
 
 pub mod cells;
 pub mod csv;
@@ -11,6 +12,7 @@ pub mod html;
 pub mod json;
 pub mod markdown;
 pub mod mermaid;
+pub mod monitor;
 pub mod ranks;
 pub mod svg;
 pub mod table;

@@ -1,9 +1,8 @@
-//! What the Python API reads and computes inside the user's own process (this process's memory from /proc
-//! is `sources::self_proc`, NVML's view of it `sources::gpu`, the machine `sources::device_info`): the allocator-counter
-//! record the in-process sampler sends to the recorder, and the Monitor's summaries (epoch line, tables,
-//! journey) computed from its markers.
+//! The Monitor's views, rendered from its markers alone (the Python Monitor keeps the markers and hooks;
+//! this is everything it shows): `summary()` as JSON or text (per-epoch and per-phase tables, growth
+//! warnings), the journey as text or Mermaid, and the line and growth warnings printed when an epoch ends.
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 use crate::analysis::{EpochRow, MarkerAggregates, Summary};
 use crate::error::{CoreError, Result};
@@ -11,44 +10,6 @@ use crate::journey;
 use crate::model::Marker;
 use crate::report::table;
 use crate::units::{format_delta, format_opt_bytes};
-use crate::wire::ChildMessage;
-
-/// PyTorch's caching-allocator counters for one device, as read from `torch._C._cuda_memoryStats(dev)`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct AllocatorCounters {
-    pub allocated_bytes: u64,
-    pub reserved_bytes: u64,
-    pub peak_allocated_bytes: u64,
-    pub peak_reserved_bytes: u64,
-    pub active_bytes: u64,
-    pub inactive_split_bytes: u64,
-    pub num_alloc_retries: u64,
-    pub num_ooms: u64,
-}
-
-impl AllocatorCounters {
-    /// True when the device's allocator never held memory (a device this process does not use).
-    pub fn never_used(&self) -> bool {
-        self.peak_reserved_bytes == 0 && self.reserved_bytes == 0
-    }
-
-    /// The wire line (`{"type":"torch",...}` and a newline) for the recorder, in `wire::ChildMessage` form.
-    pub fn wire_line(&self, t_ns: u64, device: u32) -> String {
-        let msg = ChildMessage::Torch {
-            t_ns,
-            device,
-            allocated: self.allocated_bytes,
-            reserved: self.reserved_bytes,
-            peak_allocated: self.peak_allocated_bytes,
-            peak_reserved: self.peak_reserved_bytes,
-            active: self.active_bytes,
-            inactive_split: self.inactive_split_bytes,
-        };
-        let mut line = serde_json::to_string(&msg).expect("a wire message always serialises");
-        line.push('\n');
-        line
-    }
-}
 
 /// Parses markers in their `model::Marker` serde form (a JSON list).
 pub fn parse_markers(markers_json: &str) -> Result<Vec<Marker>> {
@@ -158,60 +119,19 @@ pub fn epoch_line(r: &EpochRow) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Edge, MarkerKind, MarkerMemory};
+    use crate::model::Edge;
 
     const MIB: u64 = 1 << 20;
 
-    #[test]
-    fn wire_line_is_what_the_recorder_parses() {
-        let c = AllocatorCounters {
-            allocated_bytes: 1,
-            reserved_bytes: 2,
-            peak_allocated_bytes: 3,
-            peak_reserved_bytes: 4,
-            active_bytes: 5,
-            inactive_split_bytes: 6,
-            ..Default::default()
-        };
-        let line = c.wire_line(77, 1);
-        assert!(line.ends_with('\n'));
-        match ChildMessage::parse_line(line.trim_end()).unwrap() {
-            ChildMessage::Torch {
-                t_ns,
-                device,
-                allocated,
-                reserved,
-                peak_allocated,
-                peak_reserved,
-                active,
-                inactive_split,
-            } => {
-                assert_eq!(
-                    (t_ns, device, allocated, reserved, peak_allocated, peak_reserved, active, inactive_split),
-                    (77, 1, 1, 2, 3, 4, 5, 6)
-                );
-            }
-            other => panic!("{other:?}"),
-        }
-        assert!(!c.never_used());
-        assert!(AllocatorCounters::default().never_used());
-    }
-
+    /// An epoch marker in its wire/serde form (the fields a Python Monitor sends).
     fn epoch(t: u64, edge: Edge, idx: i64, rss: u64) -> Marker {
-        Marker {
-            t_ns: t,
-            kind: MarkerKind::Epoch,
-            edge,
-            name: "epoch".into(),
-            index: Some(idx),
-            memory: MarkerMemory {
-                rss_bytes: Some(rss),
-                peak_rss_bytes: (edge == Edge::End).then_some(rss + MIB),
-                ..Default::default()
-            },
-            origin: Default::default(),
-            device: None,
-        }
+        let peak = (edge == Edge::End).then_some(rss + MIB);
+        let edge = serde_json::to_value(edge).unwrap();
+        serde_json::from_value(serde_json::json!({
+            "t_ns": t, "kind": "epoch", "edge": edge, "name": "epoch", "index": idx,
+            "memory": {"rss_bytes": rss, "peak_rss_bytes": peak},
+        }))
+        .unwrap()
     }
 
     #[test]
