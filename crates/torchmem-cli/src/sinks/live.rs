@@ -127,13 +127,25 @@ pub fn scan(dirs: &[PathBuf]) -> Vec<LiveSnapshot> {
     runs
 }
 
+/// Each process's RSS read now from /proc (statm, cheap): the recorder's per-process rows come with its
+/// PSS reads, which a loaded machine or a large process spaces out to seconds, so a live view would lag.
+pub fn refresh_process_rss(snap: &mut LiveSnapshot) {
+    for p in &mut snap.processes {
+        if let Some(rss) = torchmem_core::sources::procfs::rss_bytes(p.pid).filter(|b| *b > 0) {
+            p.rss_bytes = Some(rss);
+        }
+    }
+}
+
 /// The state `run --live` draws from.
 #[derive(Clone)]
 pub struct LiveHandle(Arc<Mutex<LiveState>>);
 
 impl LiveHandle {
     pub fn snapshot(&self) -> LiveSnapshot {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).snapshot(torchmem_core::clock::unix_time_s())
+        let mut snap = self.0.lock().unwrap_or_else(|e| e.into_inner()).snapshot(torchmem_core::clock::unix_time_s());
+        refresh_process_rss(&mut snap);
+        snap
     }
 }
 
@@ -182,8 +194,9 @@ impl LiveSink {
 
     fn write_now(&mut self) -> anyhow::Result<()> {
         if let Some(p) = &self.path {
-            let snap =
+            let mut snap =
                 self.state.lock().unwrap_or_else(|e| e.into_inner()).snapshot(torchmem_core::clock::unix_time_s());
+            refresh_process_rss(&mut snap);
             write_atomically(p, &serde_json::to_string(&snap)?)
                 .map_err(|e| anyhow::anyhow!("writing {}: {e}", p.display()))?;
             self.last_write = Some(Instant::now());
@@ -278,6 +291,19 @@ mod tests {
         assert!(dir.path().join("notes.json").exists(), "files that are not ours stay");
         write(&snap(me, start_ticks(me)));
         assert_eq!(scan(&[dir.path().to_path_buf()]).len(), 1);
+    }
+
+    #[test]
+    fn process_rss_is_read_fresh_from_proc() {
+        let me = std::process::id();
+        let stale = crate::tui::state::ProcessNow { pid: me, rss_bytes: Some(1), ..Default::default() };
+        let mut snap = LiveSnapshot { processes: vec![stale], ..Default::default() };
+        let before = torchmem_core::sources::procfs::rss_bytes(me).unwrap();
+        refresh_process_rss(&mut snap);
+        let after = torchmem_core::sources::procfs::rss_bytes(me).unwrap();
+        let shown = snap.processes[0].rss_bytes.unwrap();
+        assert!(shown > 1 << 20, "this test process's real RSS, not the stale 1 B: {shown}");
+        assert!(shown.abs_diff(before) < 64 << 20 || shown.abs_diff(after) < 64 << 20);
     }
 
     #[test]

@@ -231,9 +231,24 @@ fn spans_text(run: &LiveSnapshot) -> String {
     }
 }
 
-/// The last `width` points of `data`, so the sparkline shows the newest.
-fn tail(data: &[u64], width: u16) -> &[u64] {
-    &data[data.len().saturating_sub(width as usize)..]
+/// The last `width` points of `data` (the newest), lifted off their lowest value so the bars show how the
+/// memory moves within its range (a sparkline from 0 would be a flat block for 900 MiB ± 50): the lowest
+/// point is a low bar, the highest a full one; a constant series a row of low bars.
+fn tail(data: &[u64], width: u16) -> Vec<u64> {
+    let shown = &data[data.len().saturating_sub(width as usize)..];
+    let lo = shown.iter().copied().min().unwrap_or(0);
+    let hi = shown.iter().copied().max().unwrap_or(0);
+    let floor = (hi - lo) / 8 + 1;
+    shown.iter().map(|v| v - lo + floor).collect()
+}
+
+/// `lo–hi` of the points a sparkline shows.
+fn range_text(data: &[u64], width: u16) -> String {
+    let shown = &data[data.len().saturating_sub(width as usize)..];
+    match (shown.iter().min(), shown.iter().max()) {
+        (Some(lo), Some(hi)) => format!("{}–{}", format_bytes(*lo), format_bytes(*hi)),
+        _ => String::new(),
+    }
 }
 
 /// A label then a sparkline of `data` in the rest of the row.
@@ -244,7 +259,11 @@ fn labelled_sparkline(area: Rect, buf: &mut Buffer, label: &str, data: &[u64], c
     if data.is_empty() {
         Paragraph::new("(no readings yet)").style(Style::new().fg(Color::DarkGray)).render(s, buf);
     } else {
-        Sparkline::default().data(tail(data, s.width)).style(Style::new().fg(color)).render(s, buf);
+        let range = range_text(data, s.width);
+        let [sp, r] =
+            Layout::horizontal([Constraint::Min(1), Constraint::Length(range.chars().count() as u16 + 1)]).areas(s);
+        Sparkline::default().data(tail(data, sp.width)).style(Style::new().fg(color)).render(sp, buf);
+        Paragraph::new(format!(" {range}")).render(r, buf);
     }
 }
 
@@ -573,6 +592,17 @@ mod tests {
             "{}",
             lines[3]
         );
+    }
+
+    #[test]
+    fn sparklines_show_the_range_of_what_they_draw() {
+        assert_eq!(tail(&[100, 150, 300, 200], 10), vec![26, 76, 226, 126]);
+        assert_eq!(tail(&[100, 150, 300, 200], 2), vec![113, 13], "the newest points that fit");
+        assert_eq!(tail(&[5, 5], 4), vec![1, 1]);
+        assert_eq!(range_text(&[1 << 20, 3 << 20], 4), "1.0 MiB–3.0 MiB");
+        let m = model();
+        let lines = screen(120, 30, |a, b| render_top(a, b, &m));
+        assert!(find(&lines, "RSS history").contains(" 150.0 MiB–350.0 MiB"), "{}", lines.join("\n"));
     }
 
     #[test]
