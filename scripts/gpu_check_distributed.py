@@ -17,6 +17,9 @@ stray context is marked "context only"; no foreign context is flagged when every
 torchmem itself (the recorder, torchrun's agent) holds no CUDA context; in the Slurm layout each task's
 profile attributes only its own process. With 2+ GPUs visible, a real foreign context (CUDA used before
 `set_device(1)`) must be flagged on GPU 0 with the set_device cause; on one GPU that check prints SKIP.
+3. One recorder per rank (`torchrun -m torchmem run -o prof/`): one profile per rank, `stats()` in each rank
+   says its rank and GPU, each rank's `on_oom` files (after a real CUDA OOM) carry its rank and pid, and the
+   merged report's first failure is the OOM.
 
     python scripts/gpu_check_distributed.py
 """
@@ -270,12 +273,58 @@ def check_foreign(tmp: Path, worker: Path) -> None:
     )
 
 
+OOM_WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch, torchmem
+    torch.cuda.set_device(0)  # one GPU: every rank shares it
+    torch.ones(1 << 20, device="cuda")
+    handler = torchmem.on_oom(sys.argv[1])
+    s = torchmem.stats()
+    mine = {"pid": os.getpid(), "line": s.rank_line(), "device": s.device}
+    json.dump(mine, open(sys.argv[2] + os.environ["RANK"], "w"))
+    try:
+        torch.empty(1 << 50, dtype=torch.uint8, device="cuda")  # 1 PiB: a real CUDA OOM
+    except torch.OutOfMemoryError:
+        pass
+    """
+)
+
+
+def check_per_rank_files(tmp: Path, worker: Path) -> None:
+    """`torchrun -m torchmem run -o prof/`: one profile per rank on the GPU, `stats()` knows its rank and GPU, and
+    each rank's `on_oom` files carry its rank (no clobbering), the merged report's first failure an OOM."""
+    w = tmp / "oom_worker.py"
+    w.write_text(OOM_WORKER)
+    prof, oomdir, info = tmp / "prof", tmp / "ooms", tmp / "info."
+    cmd = [TORCHRUN, "--standalone", "--nproc-per-node=2", "-m", "torchmem", "run", "-q", "-o", f"{prof}/", "--"]
+    p = subprocess.run([*cmd, str(w), str(oomdir), str(info)], capture_output=True, text=True, env=CLEAN_ENV)
+    report(p.returncode == 0, "per_rank_run", f"rc {p.returncode} {p.stderr[-500:]}")
+    files = sorted(f.name for f in prof.glob("*.sqlite"))
+    report(
+        len(files) == 2 and any("-rank0-" in f for f in files) and any("-rank1-" in f for f in files),
+        "per_rank_files",
+        f"{files}",
+    )
+    for r in (0, 1):
+        got = json.loads(Path(f"{info}{r}").read_text())
+        want = f"rank {r} of 2 (local rank {r}, node 0, restart 0)"
+        report(got["line"] == want and got["device"] == 0, f"stats_rank_{r}", f"{got}")
+        mine = sorted(f.name for f in oomdir.glob(f"oom-rank{r}-{got['pid']}-*-report.json"))
+        report(len(mine) == 1, f"on_oom_files_rank_{r}", f"{sorted(f.name for f in oomdir.iterdir())}")
+    r = json.loads(torchmem("report", "--format", "json", str(prof)).stdout)
+    ranks = [(x["rank"], x["device"], x["restart_count"]) for x in r["ranks"]]
+    report(ranks == [(0, 0, 0), (1, 0, 0)], "per_rank_report", f"{ranks}")
+    first = r["distributed"]["first_failure"]
+    report(first is not None and first["what"] == "CUDA out of memory", "per_rank_first_oom", f"{first}")
+
+
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="torchmem-gpu-dist-") as d:
         tmp = Path(d)
         worker = tmp / "worker.py"
         worker.write_text(WORKER)
-        for c in (check_torchrun, check_slurm, check_foreign):
+        for c in (check_torchrun, check_slurm, check_foreign, check_per_rank_files):
             try:
                 c(tmp, worker)
             except Exception as e:  # noqa: BLE001 - one failing check must not stop the others

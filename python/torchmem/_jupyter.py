@@ -93,7 +93,9 @@ def stats_html(stats: Any) -> str:
         ["CPU PSS", _fmt(stats.pss_bytes), ""],
     ]
     note = "" if stats.device is not None else "GPU: no CUDA device in use (no GPU rows, not zeros)."
-    return _table("torchmem.stats()", ["memory", "now", ""], rows, note)
+    who = stats.rank_line() if hasattr(stats, "rank_line") else None  # inside a torchrun/Slurm job
+    title = "torchmem.stats()" if who is None else f"torchmem.stats(): {who}"
+    return _table(title, ["memory", "now", ""], rows, note)
 
 
 def monitor_html(monitor: Any) -> str:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import _events, _ledger, _native
+from . import _events, _ledger, _native, _rank
 
 # --- reading torch without importing it ----------------------------------------------------------------
 
@@ -191,6 +191,13 @@ class Stats:
     uss_bytes: int | None
     pss_bytes: int | None
     t_ns: int
+    #: This process's place in a torchrun/Slurm job (RANK/LOCAL_RANK/WORLD_SIZE, GROUP_RANK and
+    #: TORCHELASTIC_RESTART_COUNT, else SLURM_*); None outside one, and then left out of repr/str/to_dict.
+    rank: int | None = dataclasses.field(default=None, repr=False)
+    local_rank: int | None = dataclasses.field(default=None, repr=False)
+    world_size: int | None = dataclasses.field(default=None, repr=False)
+    group_rank: int | None = dataclasses.field(default=None, repr=False)
+    restart_count: int | None = dataclasses.field(default=None, repr=False)
 
     allocated = property(lambda self: self.allocated_bytes)
     reserved = property(lambda self: self.reserved_bytes)
@@ -203,8 +210,35 @@ class Stats:
     nvml_process = property(lambda self: self.nvml_process_bytes)
     non_torch = property(lambda self: self.non_torch_bytes)
 
+    _RANK_FIELDS = ("rank", "local_rank", "world_size", "group_rank", "restart_count")
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field; the rank fields only when set (inside a torchrun/Slurm job)."""
+        d = dataclasses.asdict(self)
+        return {k: v for k, v in d.items() if not (k in self._RANK_FIELDS and v is None)}
+
+    def __repr__(self) -> str:
+        shown = [f.name for f in dataclasses.fields(self) if f.repr]
+        shown += [k for k in self._RANK_FIELDS if getattr(self, k) is not None]
+        return f"Stats({', '.join(f'{k}={getattr(self, k)!r}' for k in shown)})"
+
+    def rank_line(self) -> str | None:
+        """'rank 1 of 4 (local rank 1, node 0, restart 1)', or None outside a distributed job."""
+        if self.rank is None and self.local_rank is None:
+            return None
+        head = f"rank {self.rank if self.rank is not None else '?'}"
+        if self.world_size is not None:
+            head += f" of {self.world_size}"
+        parts = [
+            f"{label} {v}"
+            for label, v in (
+                ("local rank", self.local_rank),
+                ("node", self.group_rank),
+                ("restart", self.restart_count),
+            )
+            if v is not None
+        ]
+        return head + (f" ({', '.join(parts)})" if parts else "")
 
     def _repr_html_(self) -> str:  # Jupyter's rich display (torchmem._jupyter)
         from ._jupyter import stats_html
@@ -213,6 +247,9 @@ class Stats:
 
     def __str__(self) -> str:
         lines = []
+        who = self.rank_line()
+        if who is not None:
+            lines.append(who)
         if self.device is None:
             lines.append("GPU: no CUDA device in use")
         else:
@@ -281,12 +318,19 @@ def stats(device: Any = None, *, uss: bool = False) -> Stats:
                 gpu["non_torch_bytes"] = mine - c[1]
     rss = _native.self_rss_bytes()
     rollup = _native.self_rollup() if uss else None
+    rank, local_rank, world_size = _rank.identity()
+    group_rank, restart_count = _rank.launch()
     return Stats(
         device=dev,
         rss_bytes=rss,
         uss_bytes=rollup[2] if rollup else None,
         pss_bytes=rollup[1] if rollup else None,
         t_ns=t_ns,
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        group_rank=group_rank,
+        restart_count=restart_count,
         **gpu,
     )
 

@@ -26,7 +26,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from . import _native
+from . import _native, _rank
 
 __all__ = ["OomHandler", "capture", "checkpointing_hazard", "on_oom", "summary"]
 
@@ -276,9 +276,13 @@ class OomHandler:
 
     def _paths(self) -> tuple[Path, Path, Path]:
         self._count += 1
-        # Under torchrun/Slurm every rank writes its own files, named by rank.
-        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
-        who = f"rank{rank}-{os.getpid()}" if rank is not None else str(os.getpid())
+        # Under torchrun/Slurm every rank writes its own files, named by rank (and attempt, after a restart),
+        # by the same rule as the Monitor and the recorder (`_rank`).
+        rank, _local, _world = _rank.identity()
+        _node, restart = _rank.launch()
+        who = str(os.getpid()) if rank is None else f"rank{rank}-{os.getpid()}"
+        if rank is not None and restart:
+            who = f"rank{rank}-restart{restart}-{os.getpid()}"
         stem = f"oom-{who}-{time.strftime('%Y%m%d-%H%M%S')}-{self._count}"
         self.directory.mkdir(parents=True, exist_ok=True)
         d = self.directory

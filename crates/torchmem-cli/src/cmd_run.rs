@@ -44,6 +44,9 @@ use crate::tui::view::{INLINE_HEIGHT, NO_NVML};
 pub struct RunArgs {
     /// Profile file to write [default: torchmem-<program>-<date>-<time>-<pid>.sqlite in the current
     /// directory]. An existing profile is replaced only with --force; any other existing file never.
+    /// A directory (`-o prof/`, or an existing one) gets a new file of this recorder's own,
+    /// `<host>-rank<R>-<date>-<time>-<pid>.sqlite` (`node<G>` or `pid<PID>` where it is not a rank), so
+    /// every rank or node of a job writes its own; `torchmem report prof/` reads them all.
     #[arg(short = 'o', long = "output", value_name = "PROFILE")]
     pub output: Option<PathBuf>,
     /// Replace an existing profile at -o's path (never a file that is not a torchmem profile, nor a profile
@@ -298,8 +301,15 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
     let module = args.module.as_deref();
     let argv = resolve_command(module, &args.command)?;
     let program = find_program(&argv[0])?;
+    // This recorder's own place in a distributed launch (it runs as a rank, or on a numbered node).
+    let place = torchmem_core::model::JobPlace::from_vars(&|n| std::env::var(n).ok());
+    let hostname =
+        std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_default();
     // Everything about the output is checked before anything is created or removed.
     let (output, existing) = match &args.output {
+        Some(o) if output_path::names_a_directory(o) => {
+            (output_path::dir_output(o, &hostname, place.as_ref())?, Existing::Nothing)
+        }
         Some(o) => (o.clone(), output_path::check_profile_output(o, args.force)?),
         None => (output_path::default_output(&program_name(module, &args.command)), Existing::Nothing),
     };
@@ -323,13 +333,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         started_unix_s: torchmem_core::clock::unix_time_s(),
         interval_ms: args.interval_ms,
         torchmem_version: env!("CARGO_PKG_VERSION").into(),
-        hostname: std::fs::read_to_string("/proc/sys/kernel/hostname")
-            .map(|s| s.trim().to_string())
-            .unwrap_or_default(),
+        hostname,
         gpu_total_bytes: gpu.as_ref().map(|g| g.devices().iter().map(|d| d.total_bytes).collect()).unwrap_or_default(),
         gpu_names: gpu.as_ref().map(|g| g.devices().iter().map(|d| d.name.clone()).collect()).unwrap_or_default(),
         host_total_bytes: host.map(|h| h.total_bytes),
         keep_spans: Some(args.keep_spans),
+        launch: place,
         ..RunMeta::default()
     };
     // Live outputs (a metrics port, event files) are opened here, after the sentinel's fork and before
@@ -339,6 +348,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         hostname: meta.hostname.clone(),
         command: meta.command.clone(),
         started_unix_s: meta.started_unix_s,
+        launch: place,
     };
     let mut live_sinks = args.sinks.build(&sink_context)?;
     let gpu_note = match (&gpu, args.no_gpu) {

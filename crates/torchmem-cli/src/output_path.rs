@@ -144,6 +144,90 @@ pub fn default_output(program: &str) -> PathBuf {
     candidate
 }
 
+/// Whether `run -o VALUE` names a directory: it ends in `/`, or is an existing directory. Then each
+/// recorder writes its own file in it (`dir_output`), so the ranks or nodes of a job never clobber.
+pub fn names_a_directory(path: &Path) -> bool {
+    path.as_os_str().as_bytes().ends_with(b"/") || path.is_dir()
+}
+
+/// The local date and time as `YYYYmmdd-HHMMSS`.
+fn local_timestamp() -> String {
+    // SAFETY: localtime_r fills the tm we own.
+    let tm = unsafe {
+        let mut tm: libc::tm = std::mem::zeroed();
+        let now = libc::time(std::ptr::null_mut());
+        libc::localtime_r(&now, &mut tm);
+        tm
+    };
+    format!(
+        "{:04}{:02}{:02}-{:02}{:02}{:02}",
+        tm.tm_year + 1900,
+        tm.tm_mon + 1,
+        tm.tm_mday,
+        tm.tm_hour,
+        tm.tm_min,
+        tm.tm_sec
+    )
+}
+
+/// A name for a file in a host name or the like: letters, digits, `-`, `_` and `.` kept, the rest `_`.
+fn file_safe(s: &str) -> String {
+    let s: String = s.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
+    if s.is_empty() || s.starts_with('.') {
+        format!("host{s}")
+    } else {
+        s
+    }
+}
+
+/// `run -o DIR/`: this recorder's own profile in `DIR`, `<host>-<who>-<date>-<time>-<pid>.sqlite`, where
+/// `who` is `rank<R>` (the recorder runs as a rank: `torchrun -m torchmem run`, `srun torchmem run`),
+/// else `node<G>` (it wraps a launcher on a node that says its number), else `pid<PID>`; `-restart<N>`
+/// follows a restarted attempt's rank. A missing `DIR` is created (its parent must exist: a typo is not
+/// turned into a tree of directories); several ranks creating it at once is fine. The name is new: with
+/// the pid in it no two live recorders share one, and `-2`, `-3`… is added should the file exist.
+pub fn dir_output(dir: &Path, host: &str, place: Option<&torchmem_core::model::JobPlace>) -> anyhow::Result<PathBuf> {
+    if !dir.is_dir() {
+        let parent = parent_dir(dir.as_os_str().to_string_lossy().trim_end_matches('/').as_ref());
+        if !parent.is_dir() {
+            bail!(
+                "-o {}: directory {} does not exist, so the profile directory cannot be made in it. Create it first, or choose another path with -o",
+                dir.display(),
+                parent.display()
+            );
+        }
+        match std::fs::create_dir(dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => {}
+            Err(e) => bail!("-o {}: cannot create the directory ({e}). Choose another path with -o", dir.display()),
+        }
+    }
+    if let Err(e) = writable_dir(dir) {
+        bail!(
+            "-o {}: cannot create files in this directory ({}). Choose another path with -o",
+            dir.display(),
+            e.to_string().split(" (os error").next().unwrap_or_default()
+        );
+    }
+    let pid = std::process::id();
+    let who = match place {
+        Some(p) if p.rank.is_some() => {
+            let restart = p.restart_count.filter(|&n| n > 0).map(|n| format!("-restart{n}")).unwrap_or_default();
+            format!("rank{}{restart}", p.rank.unwrap_or_default())
+        }
+        Some(p) if p.group_rank.is_some() => format!("node{}", p.group_rank.unwrap_or_default()),
+        _ => format!("pid{pid}"),
+    };
+    let base = format!("{}-{who}-{}-{pid}", file_safe(host), local_timestamp());
+    let mut candidate = dir.join(format!("{base}.sqlite"));
+    let mut n = 2;
+    while candidate.symlink_metadata().is_ok() {
+        candidate = dir.join(format!("{base}-{n}.sqlite"));
+        n += 1;
+    }
+    Ok(candidate)
+}
+
 fn same_file(a: &Path, b: &Path) -> bool {
     match (std::fs::metadata(a), std::fs::metadata(b)) {
         (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
@@ -218,6 +302,40 @@ mod tests {
         std::fs::write(&empty, "").unwrap();
         assert_eq!(check_profile_output(&empty, false).unwrap(), Existing::Empty);
         assert_eq!(check_profile_output(&dir.path().join("new.sqlite"), false).unwrap(), Existing::Nothing);
+    }
+
+    #[test]
+    fn a_directory_output_gives_each_rank_or_node_its_own_new_file() {
+        use torchmem_core::model::JobPlace;
+        let dir = tempfile::tempdir().unwrap();
+        let prof = dir.path().join("prof");
+        assert!(names_a_directory(Path::new("prof/")) && names_a_directory(dir.path()));
+        assert!(!names_a_directory(&prof) && !names_a_directory(&dir.path().join("run.sqlite")));
+        let pid = std::process::id();
+        let rank = JobPlace { rank: Some(3), restart_count: Some(1), group_rank: Some(0), ..Default::default() };
+        let a = dir_output(&prof, "node a", Some(&rank)).unwrap();
+        assert!(prof.is_dir(), "a missing DIR/ is created");
+        let name = a.file_name().unwrap().to_str().unwrap().to_string();
+        assert!(name.starts_with("node_a-rank3-restart1-") && name.ends_with(&format!("-{pid}.sqlite")), "{name}");
+        std::fs::write(&a, "").unwrap();
+        let again = dir_output(&prof, "node a", Some(&rank)).unwrap();
+        assert_ne!(again, a, "an existing file is never chosen");
+        assert!(again.to_str().unwrap().ends_with(&format!("-{pid}-2.sqlite")), "{}", again.display());
+        let node = JobPlace { group_rank: Some(1), ..Default::default() };
+        let n = dir_output(&prof, "vm", Some(&node)).unwrap();
+        assert!(n.file_name().unwrap().to_str().unwrap().starts_with("vm-node1-"), "{}", n.display());
+        let first = JobPlace { rank: Some(0), restart_count: Some(0), ..Default::default() };
+        let f = dir_output(&prof, "vm", Some(&first)).unwrap();
+        assert!(
+            f.to_str().unwrap().contains("vm-rank0-") && !f.to_str().unwrap().contains("restart"),
+            "{}",
+            f.display()
+        );
+        let p = dir_output(&prof, "vm", None).unwrap();
+        assert!(p.file_name().unwrap().to_str().unwrap().starts_with(&format!("vm-pid{pid}-")), "{}", p.display());
+        let e = dir_output(&dir.path().join("no/such/"), "vm", None).unwrap_err().to_string();
+        assert!(e.contains("does not exist") && e.contains("no"), "{e}");
+        assert!(!dir.path().join("no").exists(), "nothing is created on the way");
     }
 
     #[test]

@@ -92,9 +92,9 @@ fn read_connection(stream: UnixStream, tx: Sender<Incoming>, open: Arc<AtomicUsi
             continue;
         }
         let message = match ChildMessage::parse_line(&line) {
-            Ok(ChildMessage::Hello { origin: o }) => {
+            Ok(ChildMessage::Hello { origin: o, launch }) => {
                 origin = o;
-                Some(ChildMessage::Hello { origin: o })
+                Some(ChildMessage::Hello { origin: o, launch })
             }
             Ok(m) => Some(m),
             Err(_) => None,
@@ -468,10 +468,17 @@ impl Recorder {
     fn store_message(&mut self, origin: Origin, msg: ChildMessage) {
         let record = match msg {
             // Who each process is, even one that sends nothing else (the rank view's identity).
-            ChildMessage::Hello { origin: o } => {
+            ChildMessage::Hello { origin: o, launch } => {
                 let t_ns = self.rel(torchmem_core::clock::monotonic_ns());
                 let mut data = serde_json::to_value(o).unwrap_or_default();
                 data["t_ns"] = t_ns.into();
+                // Its node and attempt (torchrun's GROUP_RANK, TORCHELASTIC_RESTART_COUNT), when launched so.
+                if let Some(g) = launch.group_rank {
+                    data["group_rank"] = g.into();
+                }
+                if let Some(r) = launch.restart_count {
+                    data["restart_count"] = r.into();
+                }
                 Record::Blob { t_ns, name: IDENTITY_BLOB.into(), data }
             }
             ChildMessage::Torch {

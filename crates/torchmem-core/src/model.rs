@@ -29,6 +29,73 @@ impl Origin {
     }
 }
 
+/// A distributed launch's variables, by the name torchrun sets first and Slurm's second (the same order
+/// as `Origin`'s: `RANK` then `SLURM_PROCID`, …).
+const RANK_VARS: [&str; 2] = ["RANK", "SLURM_PROCID"];
+const LOCAL_RANK_VARS: [&str; 2] = ["LOCAL_RANK", "SLURM_LOCALID"];
+const WORLD_SIZE_VARS: [&str; 2] = ["WORLD_SIZE", "SLURM_NTASKS"];
+const GROUP_RANK_VARS: [&str; 2] = ["GROUP_RANK", "SLURM_NODEID"];
+const RESTART_COUNT_VARS: [&str; 2] = ["TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"];
+
+fn var_u32(get: &dyn Fn(&str) -> Option<String>, names: [&str; 2]) -> Option<u32> {
+    names.iter().find_map(|n| get(n)?.trim().parse().ok())
+}
+
+/// Where in a distributed launch a process runs beyond its rank (`Origin`): its node (torchrun's
+/// `GROUP_RANK`, else Slurm's `SLURM_NODEID`) and its attempt (`TORCHELASTIC_RESTART_COUNT`, else Slurm's
+/// `SLURM_RESTART_COUNT`: 0 the first time, 1 after one restart). None where the environment does not say.
+/// Carried by the hello and kept in the `identity` blob (no table column).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Launch {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group_rank: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart_count: Option<u32>,
+}
+
+impl Launch {
+    /// From the variables `get` reads (`|n| std::env::var(n).ok()` for this process's environment).
+    pub fn from_vars(get: &dyn Fn(&str) -> Option<String>) -> Self {
+        Launch { group_rank: var_u32(get, GROUP_RANK_VARS), restart_count: var_u32(get, RESTART_COUNT_VARS) }
+    }
+}
+
+/// The recorder's own place in a distributed launch, from its environment: set when `torchmem run` itself
+/// runs as a rank (`torchrun -m torchmem run …`, `srun torchmem run …`), so a profile whose program sent
+/// no hello still says whose it is. Kept in the run's metadata (`RunMeta::launch`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobPlace {
+    #[serde(default)]
+    pub rank: Option<u32>,
+    #[serde(default)]
+    pub local_rank: Option<u32>,
+    #[serde(default)]
+    pub world_size: Option<u32>,
+    #[serde(default)]
+    pub group_rank: Option<u32>,
+    #[serde(default)]
+    pub restart_count: Option<u32>,
+}
+
+impl JobPlace {
+    /// From the variables `get` reads; None when none of them is set (not a distributed launch).
+    pub fn from_vars(get: &dyn Fn(&str) -> Option<String>) -> Option<Self> {
+        let launch = Launch::from_vars(get);
+        let place = JobPlace {
+            rank: var_u32(get, RANK_VARS),
+            local_rank: var_u32(get, LOCAL_RANK_VARS),
+            world_size: var_u32(get, WORLD_SIZE_VARS),
+            group_rank: launch.group_rank,
+            restart_count: launch.restart_count,
+        };
+        (place != JobPlace::default()).then_some(place)
+    }
+
+    pub fn launch(&self) -> Launch {
+        Launch { group_rank: self.group_rank, restart_count: self.restart_count }
+    }
+}
+
 /// CPU memory of the whole profiled process tree at one moment.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CpuSample {
@@ -287,6 +354,9 @@ pub struct RunMeta {
     /// What the kernel's OOM killer did during the run, as far as torchmem could read it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub oom: Option<OomFinding>,
+    /// The recorder's own rank, node and attempt when it runs inside a distributed launch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub launch: Option<JobPlace>,
     /// Not stored: set when the profile is opened while a live `torchmem run` still holds it.
     #[serde(skip)]
     pub recording: bool,

@@ -8,15 +8,17 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::model::{Edge, MarkerKind, MarkerMemory, Origin};
+use crate::model::{Edge, Launch, MarkerKind, MarkerMemory, Origin};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ChildMessage {
-    /// The first line of a connection: the process behind it.
+    /// The first line of a connection: the process behind it (and its node and attempt, when launched so).
     Hello {
         #[serde(flatten)]
         origin: Origin,
+        #[serde(flatten)]
+        launch: Launch,
     },
     /// The allocator's counters for one CUDA device.
     Torch {
@@ -83,7 +85,27 @@ mod tests {
         assert!(ChildMessage::parse_line(r#"{"type":"nope"}"#).is_err());
         let m = ChildMessage::parse_line(r#"{"type":"hello","pid":12,"rank":1,"world_size":2}"#).unwrap();
         let want = Origin { pid: Some(12), rank: Some(1), local_rank: None, world_size: Some(2) };
-        assert_eq!(m, ChildMessage::Hello { origin: want });
+        assert_eq!(m, ChildMessage::Hello { origin: want, launch: Launch::default() });
         assert_eq!(ChildMessage::parse_line(&serde_json::to_string(&m).unwrap()).unwrap(), m);
+        // A torchrun worker's hello also says its node and attempt (a restarted job's second try).
+        let m =
+            ChildMessage::parse_line(r#"{"type":"hello","pid":12,"rank":1,"group_rank":0,"restart_count":1}"#).unwrap();
+        let ChildMessage::Hello { launch, .. } = m else { panic!("{m:?}") };
+        assert_eq!(launch, Launch { group_rank: Some(0), restart_count: Some(1) });
+        let line = serde_json::to_string(&ChildMessage::Hello { origin: want, launch }).unwrap();
+        assert!(line.contains(r#""restart_count":1"#) && line.contains(r#""group_rank":0"#), "{line}");
+    }
+
+    #[test]
+    fn launch_variables_torchrun_first_then_slurm() {
+        let vars = |pairs: &'static [(&'static str, &'static str)]| {
+            move |n: &str| pairs.iter().find(|(k, _)| *k == n).map(|(_, v)| v.to_string())
+        };
+        let torchrun = vars(&[("GROUP_RANK", "2"), ("SLURM_NODEID", "5"), ("TORCHELASTIC_RESTART_COUNT", "1")]);
+        assert_eq!(Launch::from_vars(&torchrun), Launch { group_rank: Some(2), restart_count: Some(1) });
+        let slurm = vars(&[("SLURM_NODEID", "5"), ("SLURM_RESTART_COUNT", " 3 "), ("SLURM_PROCID", "9")]);
+        let place = crate::model::JobPlace::from_vars(&slurm).unwrap();
+        assert_eq!((place.rank, place.group_rank, place.restart_count), (Some(9), Some(5), Some(3)));
+        assert_eq!(crate::model::JobPlace::from_vars(&vars(&[("RANK", "x")])), None, "not a number: not set");
     }
 }

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use crate::errors::Error;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use torchmem_core::model::{Edge, MarkerKind, MarkerMemory, Origin};
+use torchmem_core::model::{Edge, Launch, MarkerKind, MarkerMemory, Origin};
 use torchmem_core::wire::ChildMessage;
 
 /// Flush synchronously when the buffer grows past this, whoever is calling.
@@ -39,13 +39,13 @@ static BUFFER: Mutex<Buffer> = Mutex::new(Buffer { pid: 0, bytes: Vec::new() });
 struct Connection {
     pid: u32,
     stream: OwnedFd,
-    announced: Origin,
+    announced: (Origin, Launch),
 }
 
 static CONNECTION: Mutex<Option<Connection>> = Mutex::new(None);
 /// The identity as last read from the environment (read with the interpreter attached: Python's
 /// `os.environ[...] = ` calls setenv under the GIL, so reading there never races it).
-static IDENTITY: Mutex<Option<(Origin, Instant)>> = Mutex::new(None);
+static IDENTITY: Mutex<Option<(Origin, Launch, Instant)>> = Mutex::new(None);
 /// One write at a time: a line is never cut by another thread's write on the same stream.
 static WRITING: Mutex<()> = Mutex::new(());
 /// How often the queueing path re-reads the rank variables.
@@ -65,19 +65,20 @@ pub fn read_identity() -> Origin {
     }
 }
 
-/// The identity to announce; re-read from the environment at most once a second by callers holding the
-/// interpreter (`fresh`), and whenever the pid changed (fork). The first read comes from a caller holding
-/// the interpreter too (the queueing path, or starting the sampler).
-fn identity(me: u32, fresh: bool) -> Origin {
+/// The identity to announce (with the node and attempt: `GROUP_RANK`, `TORCHELASTIC_RESTART_COUNT`, else
+/// Slurm's); re-read from the environment at most once a second by callers holding the interpreter
+/// (`fresh`), and whenever the pid changed (fork). The first read comes from a caller holding the
+/// interpreter too (the queueing path, or starting the sampler).
+fn identity(me: u32, fresh: bool) -> (Origin, Launch) {
     let mut guard = IDENTITY.lock().expect("identity");
     let stale = match guard.as_ref() {
         None => true,
-        Some((o, at)) => o.pid != Some(me) || (fresh && at.elapsed() >= IDENTITY_REFRESH),
+        Some((o, _, at)) => o.pid != Some(me) || (fresh && at.elapsed() >= IDENTITY_REFRESH),
     };
     if stale {
-        *guard = Some((read_identity(), Instant::now()));
+        *guard = Some((read_identity(), Launch::from_vars(&|n| std::env::var(n).ok()), Instant::now()));
     }
-    guard.as_ref().map(|(o, _)| *o).unwrap_or_default()
+    guard.as_ref().map(|(o, l, _)| (*o, *l)).unwrap_or_default()
 }
 
 fn socket_path() -> Option<&'static std::path::PathBuf> {
@@ -85,8 +86,8 @@ fn socket_path() -> Option<&'static std::path::PathBuf> {
     PATH.get_or_init(|| std::env::var_os("TORCHMEM_EVENT_SOCKET").filter(|p| !p.is_empty()).map(Into::into)).as_ref()
 }
 
-fn hello_line(origin: &Origin) -> String {
-    let mut line = serde_json::to_string(&ChildMessage::Hello { origin: *origin }).unwrap_or_default();
+fn hello_line(&(origin, launch): &(Origin, Launch)) -> String {
+    let mut line = serde_json::to_string(&ChildMessage::Hello { origin, launch }).unwrap_or_default();
     line.push('\n');
     line
 }

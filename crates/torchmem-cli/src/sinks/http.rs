@@ -25,6 +25,35 @@ pub fn parse_listen_address(value: &str) -> Result<String, String> {
     Ok(format!("{host}:{port}"))
 }
 
+/// `--metrics HOST:PORT` plus `by` (`--metrics-port-offset local-rank`: one port per rank on a node).
+/// Port 0 (any free one) stays 0; a sum past 65535 is an error naming both numbers.
+pub fn offset_port(address: &str, by: u32) -> anyhow::Result<String> {
+    let (host, port) = address.rsplit_once(':').ok_or_else(|| anyhow::anyhow!("no port in '{address}'"))?;
+    let port: u32 = port.parse()?;
+    if port == 0 {
+        return Ok(address.to_string());
+    }
+    match u16::try_from(port + by) {
+        Ok(p) => Ok(format!("{host}:{p}")),
+        Err(_) => anyhow::bail!(
+            "--metrics {address} with --metrics-port-offset: port {port} + local rank {by} is past 65535. Pick a lower port"
+        ),
+    }
+}
+
+/// The error of a port another program holds (so a recorder inside a distributed launch can take a free
+/// port instead of ending its rank, and the job).
+#[derive(Debug)]
+pub struct PortInUse(pub String);
+
+impl std::fmt::Display for PortInUse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for PortInUse {}
+
 /// What the server answers with: (body, content type) for `/metrics`, given whether the scraper accepts
 /// OpenMetrics.
 pub type Render = Arc<dyn Fn(bool) -> (String, &'static str) + Send + Sync>;
@@ -43,10 +72,10 @@ impl MetricsServer {
             .map_err(|e| anyhow::anyhow!("--metrics {address}: cannot resolve the host ({e}). Give an IP address or a known host name, e.g. 127.0.0.1:9464"))?
             .collect();
         let listener = TcpListener::bind(&addrs[..]).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::AddrInUse {
+                return anyhow::Error::new(PortInUse(format!("cannot serve metrics on {address}: the port is already in use (another exporter, or another run?). Pick another port, or port 0 for any free one")));
+            }
             let why = match e.kind() {
-                std::io::ErrorKind::AddrInUse => {
-                    "the port is already in use (another exporter, or another run?). Pick another port, or port 0 for any free one".to_string()
-                }
                 std::io::ErrorKind::AddrNotAvailable => {
                     "that address is not one of this machine's. Use 127.0.0.1, 0.0.0.0 or an address of this host".to_string()
                 }
@@ -153,6 +182,11 @@ mod tests {
         assert_eq!(parse_listen_address("[::1]:9464").unwrap(), "[::1]:9464");
         assert!(parse_listen_address("9464").unwrap_err().contains("no port"));
         assert!(parse_listen_address("localhost:99999").unwrap_err().contains("not a port number"));
+        assert_eq!(offset_port("127.0.0.1:9464", 3).unwrap(), "127.0.0.1:9467");
+        assert_eq!(offset_port("[::1]:9464", 1).unwrap(), "[::1]:9465");
+        assert_eq!(offset_port("0.0.0.0:0", 5).unwrap(), "0.0.0.0:0", "any free port stays any free port");
+        let e = offset_port("127.0.0.1:65535", 1).unwrap_err().to_string();
+        assert!(e.contains("65535 + local rank 1") && e.contains("past 65535"), "{e}");
     }
 
     fn get(addr: SocketAddr, request: &str) -> String {
@@ -173,7 +207,9 @@ mod tests {
         let om = get(addr, "GET /metrics HTTP/1.1\r\nAccept: application/openmetrics-text; version=1.0.0\r\n\r\n");
         assert!(om.ends_with("om\n# EOF\n"), "{om}");
         assert!(get(addr, "GET /nope HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 404"));
-        let taken = MetricsServer::start(&addr.to_string(), render).err().unwrap().to_string();
+        let taken = MetricsServer::start(&addr.to_string(), render).err().unwrap();
+        assert!(taken.downcast_ref::<PortInUse>().is_some(), "{taken:?}");
+        let taken = format!("{taken:#}");
         assert!(taken.contains("already in use") && taken.contains("port 0"), "{taken}");
         drop(server);
         assert!(TcpStream::connect(addr).is_err(), "the port is released when the server is dropped");

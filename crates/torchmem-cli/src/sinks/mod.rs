@@ -7,7 +7,7 @@
 
 use std::path::PathBuf;
 
-use torchmem_core::model::{Marker, Profile, RunMeta};
+use torchmem_core::model::{JobPlace, Marker, Profile, RunMeta};
 use torchmem_core::sources::gpu::GpuDevice;
 use torchmem_core::store::{ProfileWriter, Record};
 
@@ -62,6 +62,10 @@ pub struct RunContext {
     pub hostname: String,
     pub command: Vec<String>,
     pub started_unix_s: f64,
+    /// The recorder's own rank when it runs as one (`torchrun -m torchmem run`, `srun torchmem run`): its
+    /// metrics port may follow its local rank, a taken port falls back to a free one, and its tree-wide
+    /// series carry `rank`/`local_rank`.
+    pub launch: Option<JobPlace>,
 }
 
 /// The sinks of one run: the live ones, then the profile. The recorder pushes records here as it makes
@@ -156,6 +160,12 @@ pub struct SinkArgs {
     /// device and UUID (as DCGM's exporter, to join on UUID).
     #[arg(long = "metrics", value_name = "HOST:PORT", value_parser = http::parse_listen_address)]
     pub metrics: Option<String>,
+    /// With --metrics, when one `torchmem run` runs per rank (`torchrun -m torchmem run …`, `srun
+    /// torchmem run …`): serve on PORT + this recorder's LOCAL_RANK (else SLURM_LOCALID; 0 when neither is
+    /// set), so the ranks of a node never ask for the same port. A recorder inside a launch whose port is
+    /// taken anyway serves on a free port (printed) rather than ending its rank.
+    #[arg(long = "metrics-port-offset", value_name = "WHAT", value_enum, requires = "metrics")]
+    pub metrics_port_offset: Option<PortOffset>,
     /// Write the same metrics to PATH (a `*.prom` file in node_exporter's textfile-collector directory)
     /// every few seconds, atomically (a temporary file renamed over it), and once more at the end.
     #[arg(long = "metrics-textfile", value_name = "PATH")]
@@ -167,14 +177,27 @@ pub struct SinkArgs {
     pub tensorboard: Option<PathBuf>,
 }
 
+/// What `--metrics-port-offset` adds to the port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PortOffset {
+    /// The recorder's LOCAL_RANK (else SLURM_LOCALID).
+    LocalRank,
+}
+
 impl SinkArgs {
     /// Builds the sinks asked for; every way this can fail (port taken, directory not writable) is said
     /// here, before the program starts.
     pub fn build(&self, ctx: &RunContext) -> anyhow::Result<Vec<Box<dyn Sink>>> {
         let mut sinks: Vec<Box<dyn Sink>> = Vec::new();
-        if self.metrics.is_some() || self.metrics_textfile.is_some() {
+        let metrics = match (&self.metrics, self.metrics_port_offset) {
+            (Some(a), Some(PortOffset::LocalRank)) => {
+                Some(http::offset_port(a, ctx.launch.and_then(|l| l.local_rank).unwrap_or(0))?)
+            }
+            (a, _) => a.clone(),
+        };
+        if metrics.is_some() || self.metrics_textfile.is_some() {
             sinks.push(Box::new(prometheus::PrometheusSink::start(
-                self.metrics.as_deref(),
+                metrics.as_deref(),
                 self.metrics_textfile.as_deref(),
                 ctx,
             )?));

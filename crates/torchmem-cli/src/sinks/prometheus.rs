@@ -72,6 +72,9 @@ pub struct MetricsState {
     spans: BTreeMap<Option<u32>, SpanState>,
     tree_rss_bytes: Option<u64>,
     tree_pss_bytes: Option<u64>,
+    /// `rank`/`local_rank` of the recorder itself when it runs as one rank (one `torchmem run` per rank):
+    /// its tree-wide series carry them, so the ranks of a node stay apart.
+    recorder: Labels,
 }
 
 impl MetricsState {
@@ -79,6 +82,15 @@ impl MetricsState {
         MetricsState {
             hostname: ctx.hostname.clone(),
             uuids: ctx.devices.iter().map(|d| (d.index, d.uuid.clone())).collect(),
+            recorder: ctx
+                .launch
+                .map(|l| {
+                    [("rank", l.rank), ("local_rank", l.local_rank)]
+                        .into_iter()
+                        .filter_map(|(k, v)| Some((k, v?.to_string())))
+                        .collect()
+                })
+                .unwrap_or_default(),
             ..Default::default()
         }
     }
@@ -114,6 +126,12 @@ impl MetricsState {
                 }
                 Record::Gpu(g) => {
                     self.gpu.insert(g.device, (g.used_bytes, g.total_bytes));
+                }
+                // A process's hello: its rank labels from its first series on, not from its first marker.
+                Record::Blob { name, data, .. } if name == torchmem_core::analysis::ranks::IDENTITY_BLOB => {
+                    if let Ok(o) = serde_json::from_value::<Origin>(data.clone()) {
+                        self.learn(&o);
+                    }
                 }
                 Record::Torch(t) => {
                     self.learn(&t.origin);
@@ -266,10 +284,10 @@ impl MetricsState {
         let tree_rss = gauge("torchmem_tree_rss_bytes", "Summed RSS of the whole profiled process tree");
         let tree_pss = gauge("torchmem_tree_pss_bytes", "Summed PSS of the whole profiled process tree");
         if let Some(v) = self.tree_rss_bytes {
-            set(&tree_rss, &Labels::new(), v);
+            set(&tree_rss, &self.recorder, v);
         }
         if let Some(v) = self.tree_pss_bytes {
-            set(&tree_pss, &Labels::new(), v);
+            set(&tree_pss, &self.recorder, v);
         }
         let step = gauge("torchmem_step", "The program's current step index");
         let epoch = gauge("torchmem_epoch", "The program's current epoch index");
@@ -361,8 +379,20 @@ impl PrometheusSink {
             Some(addr) => {
                 let st = state.clone();
                 let render: Render = Arc::new(move |om| st.lock().unwrap_or_else(|e| e.into_inner()).encode(om));
-                let server = MetricsServer::start(addr, render)?;
-                eprintln!("torchmem: Prometheus metrics at http://{}/metrics", server.local_addr());
+                let server = match MetricsServer::start(addr, render.clone()) {
+                    // A recorder that is one rank of a job: a taken port must not end the rank (and the job).
+                    Err(e) if ctx.launch.is_some() && e.downcast_ref::<super::http::PortInUse>().is_some() => {
+                        let (host, _) = addr.rsplit_once(':').unwrap_or((addr, ""));
+                        let server = MetricsServer::start(&format!("{host}:0"), render)?;
+                        eprintln!(
+                            "torchmem: warning: {e}; this rank's recorder serves on a free port instead (--metrics-port-offset local-rank gives each rank of a node its own)"
+                        );
+                        server
+                    }
+                    other => other?,
+                };
+                let rank = ctx.launch.and_then(|l| l.rank).map(|r| format!(" (rank {r})")).unwrap_or_default();
+                eprintln!("torchmem: Prometheus metrics at http://{}/metrics{rank}", server.local_addr());
                 Some(server)
             }
             None => None,
@@ -500,6 +530,38 @@ mod tests {
         let (text, _) = st.encode(true);
         assert!(!text.contains(r#"pid="42""#), "a process's series end with it\n{text}");
         assert!(text.ends_with("# EOF\n"));
+    }
+
+    #[test]
+    fn a_rank_recorder_labels_its_tree_and_a_hello_labels_a_process_at_once() {
+        use torchmem_core::model::JobPlace;
+        let place = JobPlace { rank: Some(3), local_rank: Some(1), world_size: Some(4), ..Default::default() };
+        let mut st = MetricsState::new(&RunContext { launch: Some(place), ..Default::default() });
+        let hello = serde_json::json!({"pid": 42, "rank": 3, "local_rank": 1, "world_size": 4, "t_ns": 1});
+        st.apply(&RecordBatch {
+            records: vec![
+                Record::Cpu(torchmem_core::model::CpuSample {
+                    t_ns: 1,
+                    rss_bytes: 9,
+                    pss_bytes: None,
+                    uss_bytes: None,
+                    process_count: 1,
+                }),
+                Record::Blob { t_ns: 1, name: torchmem_core::analysis::ranks::IDENTITY_BLOB.into(), data: hello },
+                Record::Process(ProcessSample {
+                    t_ns: 1,
+                    pid: 42,
+                    rss_bytes: 5,
+                    pss_bytes: None,
+                    uss_bytes: None,
+                    gpu_bytes: None,
+                }),
+            ],
+            ..Default::default()
+        });
+        let (text, _) = st.encode(false);
+        assert!(text.contains(r#"torchmem_tree_rss_bytes{rank="3",local_rank="1"} 9"#), "{text}");
+        assert!(text.contains(r#"torchmem_process_rss_bytes{pid="42",rank="3",local_rank="1"} 5"#), "{text}");
     }
 
     #[test]

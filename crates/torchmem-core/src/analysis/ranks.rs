@@ -7,7 +7,9 @@
 //! step number, not wall clock; the first rank to fail, with its OOM post-mortem when `on_oom` sent one.
 //!
 //! Where the facts come from: identity (pid, RANK, LOCAL_RANK, WORLD_SIZE) from the `identity` blobs (each
-//! process's hello) and from every marker and allocator sample; per (pid, GPU) NVML bytes from the
+//! process's hello) and from every marker and allocator sample; the node (`GROUP_RANK`) and attempt
+//! (`TORCHELASTIC_RESTART_COUNT`) from the hello, else from the recorder's own launch (`RunMeta::launch`),
+//! so the attempts of a restarted job are rows of their own, told apart; per (pid, GPU) NVML bytes from the
 //! `gpu_processes` blob the recorder keeps (`GPU_PROCESSES_BLOB`); the OOM post-mortem from `oom` blobs.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -17,7 +19,8 @@ use serde::{Deserialize, Serialize};
 use super::spans::{spans, Span};
 use crate::model::*;
 
-/// Blob name: one per process hello, `{"pid", "rank", "local_rank", "world_size", "t_ns"}`.
+/// Blob name: one per process hello, `{"pid", "rank", "local_rank", "world_size", "t_ns"}` and, when
+/// launched so, `"group_rank"`, `"restart_count"`.
 pub const IDENTITY_BLOB: &str = "identity";
 /// Blob name: the recorder's per (pid, GPU) NVML readings so far (the latest blob holds them all).
 pub const GPU_PROCESSES_BLOB: &str = "gpu_processes";
@@ -99,6 +102,11 @@ pub struct RankRow {
     pub rank: u32,
     pub local_rank: Option<u32>,
     pub world_size: Option<u32>,
+    /// Its node in the job (torchrun's `GROUP_RANK`, Slurm's `SLURM_NODEID`), when launched so.
+    pub group_rank: Option<u32>,
+    /// Its attempt: 0 the first time, 1 after one restart (`TORCHELASTIC_RESTART_COUNT`,
+    /// `SLURM_RESTART_COUNT`); None where the launch did not say.
+    pub restart_count: Option<u32>,
     pub host: String,
     pub pid: u32,
     /// The profile file it was read from.
@@ -193,9 +201,20 @@ pub struct FirstFailure {
     pub rank: u32,
     pub pid: u32,
     pub host: String,
+    /// The attempt it failed in (a restarted job's first attempt, typically).
+    pub restart_count: Option<u32>,
     /// "CUDA out of memory" (an `on_oom` post-mortem), or "stopped inside step 7".
     pub what: String,
     pub oom: Option<serde_json::Value>,
+}
+
+/// One attempt of the job (a torchrun restart starts a new one): its ranks and the profiles holding them.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Attempt {
+    /// None: the launch did not say (not torchrun, or an older profile).
+    pub restart_count: Option<u32>,
+    pub ranks: Vec<u32>,
+    pub profiles: Vec<String>,
 }
 
 /// The merged view of every rank.
@@ -204,7 +223,10 @@ pub struct RankReport {
     pub world_size: Option<u32>,
     pub hosts: Vec<String>,
     pub profiles: Vec<String>,
+    /// Every rank's process, by rank, then attempt.
     pub ranks: Vec<RankRow>,
+    /// The job's attempts in order (one unless it was restarted); imbalance compares the last one's ranks.
+    pub attempts: Vec<Attempt>,
     /// Ranks 0..world_size that no profile holds.
     pub missing_ranks: Vec<u32>,
     pub imbalance: Vec<Imbalance>,
@@ -239,6 +261,22 @@ fn identities(p: &Profile) -> BTreeMap<u32, Origin> {
     p.torch.iter().for_each(|s| note(&s.origin));
     p.aggregates.iter().for_each(|a| note(&a.origin));
     p.line_profile_origins.iter().for_each(&mut note);
+    out
+}
+
+/// Every process's node and attempt, by pid: from its hello, else from the recorder's own launch (the
+/// recorder ran as one rank: its program inherited the same variables).
+fn launches(p: &Profile) -> BTreeMap<u32, Launch> {
+    let mut out: BTreeMap<u32, Launch> = BTreeMap::new();
+    for (name, v) in &p.blobs {
+        if name == IDENTITY_BLOB {
+            if let (Some(pid), Ok(l)) = (v["pid"].as_u64(), serde_json::from_value::<Launch>(v.clone())) {
+                let e = out.entry(pid as u32).or_default();
+                e.group_rank = l.group_rank.or(e.group_rank);
+                e.restart_count = l.restart_count.or(e.restart_count);
+            }
+        }
+    }
     out
 }
 
@@ -327,31 +365,37 @@ impl RankReport {
         let mut gpu_of: Vec<(usize, GpuProcesses)> = Vec::new();
         for (pi, p) in profiles.iter().enumerate() {
             let ids = identities(p);
+            let launch_of = launches(p);
+            let recorder_launch = p.meta.launch.map(|j| j.launch()).unwrap_or_default();
+            let launch = |pid: u32| {
+                let l = launch_of.get(&pid).copied().unwrap_or_default();
+                Launch {
+                    group_rank: l.group_rank.or(recorder_launch.group_rank),
+                    restart_count: l.restart_count.or(recorder_launch.restart_count),
+                }
+            };
             let gp = GpuProcesses::of(p).unwrap_or_default();
             let host = p.meta.hostname.clone();
-            // rank -> pids that said they are it.
-            let mut by_rank: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+            // (rank, attempt) -> pids that said they are it: a restarted rank is a new row.
+            let mut by_rank: BTreeMap<(u32, Option<u32>), Vec<u32>> = BTreeMap::new();
             for (pid, o) in &ids {
                 if let Some(r) = o.rank {
-                    by_rank.entry(r).or_default().push(*pid);
+                    by_rank.entry((r, launch(*pid).restart_count)).or_default().push(*pid);
                 }
             }
             let activity = |pid: u32| {
                 p.markers.iter().filter(|m| m.origin.pid == Some(pid)).count()
                     + p.torch.iter().filter(|s| s.origin.pid == Some(pid)).count()
             };
-            for (rank, pids) in by_rank {
+            for ((rank, _), pids) in by_rank {
                 // The rank's process: its most active one (workers inherit RANK but mark nothing); ties: first.
                 let main = *pids.iter().max_by_key(|&&pid| (activity(pid), std::cmp::Reverse(pid))).expect("non-empty");
                 let origin = ids[&main];
                 let others: Vec<u32> = pids.iter().copied().filter(|&q| q != main).collect();
-                procs.push(RankProc {
-                    profile: p,
-                    origin,
-                    pid: main,
-                    row: Self::rank_row(p, &gp, rank, main, origin, others, &host),
-                    spans: Vec::new(),
-                });
+                let mut row = Self::rank_row(p, &gp, rank, main, origin, others, &host);
+                let l = launch(main);
+                (row.group_rank, row.restart_count) = (l.group_rank, l.restart_count);
+                procs.push(RankProc { profile: p, origin, pid: main, row, spans: Vec::new() });
             }
             gpu_of.push((pi, gp));
         }
@@ -378,12 +422,16 @@ impl RankReport {
             rp.row.stopped_inside = open.into_iter().chain(folded_open).collect();
         }
         procs.sort_by(|a, b| {
-            (a.row.rank, a.row.last_seen_unix_s.map(|s| s as u64))
-                .cmp(&(b.row.rank, b.row.last_seen_unix_s.map(|s| s as u64)))
+            (a.row.rank, a.row.restart_count, a.row.last_seen_unix_s.map(|s| s as u64)).cmp(&(
+                b.row.rank,
+                b.row.restart_count,
+                b.row.last_seen_unix_s.map(|s| s as u64),
+            ))
         });
-        // The same rank from two profiles of different hosts (or runs).
+        // The same rank of the same attempt from two profiles of different hosts (or runs).
         for w in procs.windows(2) {
-            if w[0].row.rank == w[1].row.rank && w[0].row.profile != w[1].row.profile {
+            let same = w[0].row.rank == w[1].row.rank && w[0].row.restart_count == w[1].row.restart_count;
+            if same && w[0].row.profile != w[1].row.profile {
                 warnings.push(format!(
                     "rank {} is in {} (pid {}, host {}) and in {} (pid {}, host {}): profiles of different jobs, or a restarted rank? Both are shown",
                     w[0].row.rank, w[0].row.profile, w[0].pid, w[0].row.host, w[1].row.profile, w[1].pid, w[1].row.host
@@ -476,7 +524,26 @@ impl RankReport {
                     .collect()
             })
             .collect();
-        let imbalance = Self::imbalances(&procs);
+        // The attempts, in order; imbalance compares the ranks of the last one (a rank against itself
+        // in an earlier attempt is no imbalance).
+        let mut by_attempt: BTreeMap<Option<u32>, (BTreeSet<u32>, Vec<String>)> = BTreeMap::new();
+        for rp in &procs {
+            let e = by_attempt.entry(rp.row.restart_count).or_default();
+            e.0.insert(rp.row.rank);
+            if !e.1.contains(&rp.row.profile) {
+                e.1.push(rp.row.profile.clone());
+            }
+        }
+        let attempts: Vec<Attempt> = by_attempt
+            .into_iter()
+            .map(|(restart_count, (ranks, mut profiles))| {
+                profiles.sort();
+                Attempt { restart_count, ranks: ranks.into_iter().collect(), profiles }
+            })
+            .collect();
+        let last_attempt = attempts.last().and_then(|a| a.restart_count);
+        let latest: Vec<&RankProc> = procs.iter().filter(|r| r.row.restart_count == last_attempt).collect();
+        let imbalance = Self::imbalances(&latest);
         let first_failure = Self::first_failure(&procs);
         let world_size = most_common(procs.iter().filter_map(|r| r.origin.world_size));
         let sizes: BTreeSet<u32> = procs.iter().filter_map(|r| r.origin.world_size).collect();
@@ -508,6 +575,7 @@ impl RankReport {
             hosts,
             profiles: profiles.iter().map(|p| p.path.display().to_string()).collect(),
             ranks: procs.iter().map(|r| r.row.clone()).collect(),
+            attempts,
             missing_ranks,
             imbalance,
             matrix,
@@ -613,6 +681,8 @@ impl RankReport {
             rank,
             local_rank: origin.local_rank,
             world_size: origin.world_size,
+            group_rank: None,
+            restart_count: None,
             host: host.to_string(),
             pid,
             profile: p.path.display().to_string(),
@@ -639,7 +709,7 @@ impl RankReport {
         }
     }
 
-    fn imbalances(procs: &[RankProc]) -> Vec<Imbalance> {
+    fn imbalances(procs: &[&RankProc]) -> Vec<Imbalance> {
         let mut out = Vec::new();
         let metric = |f: &dyn Fn(&RankRow) -> Option<u64>| -> Vec<(u32, u64)> {
             procs.iter().filter_map(|r| Some((r.row.rank, f(&r.row)?))).collect()
@@ -658,7 +728,7 @@ impl RankReport {
         type PerPhase = BTreeMap<(String, &'static str), Vec<(u32, u64)>>;
         let mut per_phase: PerPhase = BTreeMap::new();
         let mut first_seen: HashMap<String, u64> = HashMap::new();
-        for rp in procs {
+        for &rp in procs {
             let mut mine: BTreeMap<(&str, &'static str), u64> = BTreeMap::new();
             let mut put = |name, unit, v: Option<u64>| {
                 if let Some(v) = v {
@@ -708,6 +778,7 @@ impl RankReport {
                 rank: r.row.rank,
                 pid: r.pid,
                 host: r.row.host.clone(),
+                restart_count: r.row.restart_count,
                 what: "CUDA out of memory".into(),
                 oom: r.row.oom.clone(),
             });
@@ -718,7 +789,7 @@ impl RankReport {
             .min_by(|a, b| at(&a.row).total_cmp(&at(&b.row)))?;
         let others_later = procs
             .iter()
-            .filter(|r| r.pid != stopped.pid)
+            .filter(|r| r.pid != stopped.pid && r.row.restart_count == stopped.row.restart_count)
             .filter_map(|r| r.row.last_seen_unix_s)
             .fold(None::<f64>, |m, t| Some(m.map_or(t, |m| m.max(t))));
         let longer = match (others_later, stopped.row.last_seen_unix_s) {
@@ -729,6 +800,7 @@ impl RankReport {
             rank: stopped.row.rank,
             pid: stopped.pid,
             host: stopped.row.host.clone(),
+            restart_count: stopped.row.restart_count,
             what: format!("stopped inside {}{longer}", stopped.row.stopped_inside.join(", ")),
             oom: None,
         })
@@ -937,6 +1009,52 @@ mod tests {
         c.markers.iter_mut().for_each(|m| m.origin.world_size = Some(4));
         let r = RankReport::build(&[node(), c]);
         assert!(r.warnings.iter().any(|w| w.contains("disagree on WORLD_SIZE (2, 4)")), "{:?}", r.warnings);
+    }
+
+    #[test]
+    fn a_restarted_job_has_one_row_per_rank_and_attempt_and_no_duplicate_warning() {
+        // Attempt 0: the hello says restart 0 (torchrun's workers). Attempt 1: no restart in the hello, the
+        // recorder's own launch says 1 (`torchrun -m torchmem run`, an older extension).
+        let mut first = node();
+        first.path = "a0.sqlite".into();
+        for pid in [10u32, 11] {
+            let hello = serde_json::json!({"pid": pid, "rank": pid - 10, "group_rank": 0, "restart_count": 0});
+            first.blobs.push((IDENTITY_BLOB.into(), hello));
+        }
+        let mut second = node();
+        second.path = "a1.sqlite".into();
+        second.meta.launch = Some(JobPlace { restart_count: Some(1), group_rank: Some(0), ..Default::default() });
+        for m in second.markers.iter_mut().filter(|m| m.origin.rank == Some(1)) {
+            m.memory.rss_bytes = Some(50 * MIB); // rank 1 is the smaller one in attempt 1
+        }
+        let r = RankReport::build(&[second, first]);
+        assert_eq!(
+            r.ranks.iter().map(|x| (x.rank, x.restart_count, x.group_rank, x.profile.as_str())).collect::<Vec<_>>(),
+            [
+                (0, Some(0), Some(0), "a0.sqlite"),
+                (0, Some(1), Some(0), "a1.sqlite"),
+                (1, Some(0), Some(0), "a0.sqlite"),
+                (1, Some(1), Some(0), "a1.sqlite")
+            ]
+        );
+        assert_eq!(
+            r.attempts.iter().map(|a| (a.restart_count, a.ranks.clone(), a.profiles.clone())).collect::<Vec<_>>(),
+            [(Some(0), vec![0, 1], vec!["a0.sqlite".to_string()]), (Some(1), vec![0, 1], vec!["a1.sqlite".into()])]
+        );
+        assert!(
+            !r.warnings.iter().any(|w| w.contains("rank 0 is in")),
+            "attempts are not duplicates: {:?}",
+            r.warnings
+        );
+        // Imbalance compares the last attempt's ranks: there rank 1 is the smaller.
+        let fwd = r.imbalance.iter().find(|i| i.what == "phase forward: peak CPU RSS").unwrap();
+        assert_eq!((fwd.max_rank, fwd.min_rank), (0, 1), "{fwd:?}");
+        // The same attempt of a rank in two profiles is still a duplicate.
+        let mut twin = node();
+        twin.path = "b.sqlite".into();
+        let r = RankReport::build(&[node(), twin]);
+        assert!(r.warnings.iter().any(|w| w.contains("rank 0 is in node-a.sqlite")), "{:?}", r.warnings);
+        assert_eq!(r.attempts.len(), 1);
     }
 
     #[test]

@@ -39,6 +39,7 @@ pub fn to_value(profile: &Profile, summary: &Summary) -> Value {
             "gpu_names": m.gpu_names,
             "gpu_total_bytes": m.gpu_total_bytes,
             "torchmem_version": m.torchmem_version,
+            "launch": m.launch,
         },
         "samples": summary.samples,
         "torch_samples": summary.torch_samples,

@@ -32,17 +32,63 @@ fn gpu_label(device: Option<u32>, uuid: Option<&str>) -> String {
     }
 }
 
+/// Whether the job was restarted (torchrun's `--max-restarts`, a Slurm requeue): then every rank row,
+/// step column and chart says its attempt.
+fn restarted(r: &RankReport) -> bool {
+    r.attempts.len() > 1 || r.ranks.iter().any(|x| x.restart_count.unwrap_or(0) > 0)
+}
+
+/// "rank 1" or, in a restarted job, "rank 1 restart 0".
+fn rank_label(r: &RankReport, rank: u32, restart_count: Option<u32>) -> String {
+    match restart_count.filter(|_| restarted(r)) {
+        Some(n) => format!("rank {rank} restart {n}"),
+        None => format!("rank {rank}"),
+    }
+}
+
 /// The job's facts as (key, value) lines.
 pub fn header_lines(r: &RankReport) -> Vec<(String, String)> {
+    let ranks = if restarted(r) {
+        let distinct: std::collections::BTreeSet<u32> = r.ranks.iter().map(|x| x.rank).collect();
+        format!(
+            "{} of WORLD_SIZE {} in {} attempts ({} rank processes)",
+            distinct.len(),
+            opt(r.world_size),
+            r.attempts.len(),
+            r.ranks.len()
+        )
+    } else {
+        format!("{} of WORLD_SIZE {}", r.ranks.len(), opt(r.world_size))
+    };
     let mut out = vec![
-        ("ranks".to_string(), format!("{} of WORLD_SIZE {}", r.ranks.len(), opt(r.world_size))),
+        ("ranks".to_string(), ranks),
         ("hosts".to_string(), r.hosts.join(", ")),
         ("profiles".to_string(), r.profiles.join(", ")),
     ];
+    if restarted(r) {
+        // Which attempt each file is.
+        for a in &r.attempts {
+            let ranks = a.ranks.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(", ");
+            out.push((
+                a.restart_count.map(|n| format!("restart {n}")).unwrap_or_else(|| "attempt ?".into()),
+                format!("ranks {ranks}: {}", a.profiles.join(", ")),
+            ));
+        }
+    }
     if let Some(f) = &r.first_failure {
-        out.push(("first to fail".into(), format!("rank {} (pid {}, {}): {}", f.rank, f.pid, f.host, f.what)));
+        let attempt = f.restart_count.filter(|_| restarted(r)).map(|n| format!(", restart {n}")).unwrap_or_default();
+        out.push(("first to fail".into(), format!("rank {} (pid {}, {}{attempt}): {}", f.rank, f.pid, f.host, f.what)));
     }
     out
+}
+
+/// Inserts a column before column `at` (its header, whether numeric, one cell per row).
+fn insert_column(t: &mut Table, at: usize, header: &str, numeric: bool, cells: Vec<String>) {
+    t.headers.insert(at, header.into());
+    t.numeric.insert(at, numeric);
+    for (row, cell) in t.rows.iter_mut().zip(cells) {
+        row.insert(at, cell);
+    }
 }
 
 /// Every table of the distributed sections, in report order.
@@ -107,6 +153,17 @@ pub fn tables(r: &RankReport) -> Vec<Table> {
                 stopped,
             ]
         });
+    }
+    // The node (GROUP_RANK) and the attempt, after the local rank, when the launch said them.
+    if restarted(r) || r.ranks.iter().any(|x| x.restart_count.is_some()) {
+        let cells = r.ranks.iter().map(|x| opt(x.restart_count)).collect();
+        insert_column(&mut t, 2, "restart", true, cells);
+    }
+    if r.ranks.iter().any(|x| x.group_rank.is_some()) {
+        insert_column(&mut t, 2, "node", true, r.ranks.iter().map(|x| opt(x.group_rank)).collect());
+    }
+    if restarted(r) {
+        t.notes.push("restart: the attempt (torchrun's TORCHELASTIC_RESTART_COUNT): 0 the first time, 1 after one restart; imbalance compares the last attempt's ranks.".into());
     }
     if gpu {
         t.notes.push("non-torch = peak NVML − peak reserved on the rank's own GPU: CUDA context + NCCL + library workspaces (cuBLAS, cuDNN). foreign = NVML memory on GPUs that are not the rank's own.".into());
@@ -212,7 +269,7 @@ pub fn tables(r: &RankReport) -> Vec<Table> {
 /// Steps × ranks: up to 12 step numbers, evenly spread, first and last included.
 fn step_table(r: &RankReport, gpu: bool) -> Table {
     let mut headers = vec!["step".to_string()];
-    headers.extend(r.ranks.iter().map(|x| format!("rank {}", x.rank)));
+    headers.extend(r.ranks.iter().map(|x| rank_label(r, x.rank, x.restart_count)));
     let mut t = Table {
         title: "Steps, aligned by step number".into(),
         numeric: vec![true; headers.len()],
@@ -250,12 +307,13 @@ pub fn json_sections(r: &RankReport) -> (Value, Value) {
         .ranks
         .iter()
         .zip(&r.steps)
-        .map(|(x, s)| json!({"rank": x.rank, "pid": x.pid, "host": x.host, "steps": s}))
+        .map(|(x, s)| json!({"rank": x.rank, "restart_count": x.restart_count, "pid": x.pid, "host": x.host, "steps": s}))
         .collect();
     let dist = json!({
         "world_size": r.world_size,
         "hosts": r.hosts,
         "profiles": r.profiles,
+        "attempts": r.attempts,
         "missing_ranks": r.missing_ranks,
         "imbalance": r.imbalance,
         "matrix": r.matrix,
@@ -289,9 +347,9 @@ pub fn html_charts(r: &RankReport) -> String {
     let mut out = String::from("<h3>Per rank, aligned by step</h3>\n<div class=\"rank-charts\">\n");
     for (x, steps) in r.ranks.iter().zip(&r.steps) {
         out.push_str(&format!(
-            "<figure class=\"rank-chart\" data-rank=\"{}\"><figcaption>rank {} (pid {}, {})</figcaption>\n<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{}\" role=\"img\">\n",
+            "<figure class=\"rank-chart\" data-rank=\"{}\"><figcaption>{} (pid {}, {})</figcaption>\n<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{}\" role=\"img\">\n",
             x.rank,
-            x.rank,
+            rank_label(r, x.rank, x.restart_count),
             x.pid,
             escape_html(&x.host),
             w + left + 10.0,
