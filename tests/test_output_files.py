@@ -243,10 +243,15 @@ def test_output_path_errors_name_their_cause_once(tmp_path) -> None:
     assert r.returncode == 1
     assert f"directory {tmp_path / 'nodir' / 'sub'} does not exist" in r.stderr, r.stderr
     assert "unable to open" not in r.stderr and r.stderr.count("does not exist") == 1, r.stderr
+    # A directory (existing, or with a trailing slash) gets a new profile of this run's own in it.
     (tmp_path / "outdir").mkdir()
-    r = tm(tmp_path, "run", "-o", "outdir", "--", str(s))
-    assert r.returncode == 1 and "-o points to a directory (outdir)" in r.stderr, r.stderr
-    assert "os error" not in r.stderr
+    r = tm(tmp_path, "run", "-q", "-o", "outdir", "--", str(s))
+    assert r.returncode == 0, r.stderr
+    made = list((tmp_path / "outdir").glob("*-pid*.sqlite"))
+    assert len(made) == 1, made
+    r = tm(tmp_path, "run", "-o", str(tmp_path / "nodir" / "sub") + "/", "--", str(s))
+    assert r.returncode == 1 and f"directory {tmp_path / 'nodir'} does not exist" in r.stderr, r.stderr
+    assert "os error" not in r.stderr and not (tmp_path / "nodir").exists()
 
 
 def test_directories_and_modules_as_programs(tmp_path) -> None:
