@@ -4,7 +4,8 @@
 //! The file is rewritten atomically (a temporary file renamed over it) a few times a second from the
 //! record batches, and removed when the run ends. A recorder killed with SIGKILL leaves its file behind:
 //! readers (`scan`) skip files whose recorder is gone (pid dead, or reused: its start time differs) and
-//! remove them. `run --live` draws from the same state (`LiveHandle`).
+//! remove them, and so does the next run's registration. `run --live` draws from the same state
+//! (`LiveHandle`).
 
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -166,7 +167,11 @@ impl LiveSink {
         state.set_recorder_start_ticks(start_ticks(me));
         let state = Arc::new(Mutex::new(state));
         let path = match ensure_dir(dir) {
-            Ok(()) => Some(dir.join(format!("{me}.json"))),
+            Ok(()) => {
+                // Files left by killed recorders go now too, not only when a `top` looks.
+                scan(&[dir.to_path_buf()]);
+                Some(dir.join(format!("{me}.json")))
+            }
             Err(e) => {
                 eprintln!("torchmem: warning: `torchmem top` will not see this run: {e:#}");
                 None
