@@ -37,7 +37,7 @@ def cpu_entry(marker: dict) -> dict:
 
 def boundaries(mon) -> dict[str, dict]:
     """The last step's boundary markers' CPU breakdown entries, by boundary name."""
-    return {b["boundary"]: {**cpu_entry(b), "_raw": b} for b in mon.to_dict()["breakdown"]["boundaries"]}
+    return {b["boundary"]: {**cpu_entry(b), "_raw": b} for b in mon.breakdown()["boundaries"]}
 
 
 class TiedLM(nn.Module):
@@ -543,7 +543,7 @@ def test_compiled_model_has_no_activation_tracking():
     with mon.step():
         compiled(torch.randn(4, 64)).sum().backward()
         opt.step()
-    d = mon.to_dict()["breakdown"]
+    d = mon.breakdown()
     assert d["activations_tracked"] is False
     for b in d["boundaries"]:
         assert cpu_entry(b)["activations_bytes"] is None
@@ -554,13 +554,13 @@ def test_breakdown_off_and_bad_activations_argument():
     model = mlp()
     mon = torchmem.Monitor(model, verbose=False, breakdown=False)
     one_step(mon, model, torch.randn(2, 64))
-    assert all("breakdown" not in m for m in mon.markers) and mon.to_dict()["breakdown"] is None
-    assert torchmem.Monitor(verbose=False).to_dict()["breakdown"] is None  # no model: off by default
+    assert all("breakdown" not in m for m in mon.markers) and mon.breakdown() is None
+    assert torchmem.Monitor(verbose=False).breakdown() is None  # no model: off by default
     with pytest.raises(ValueError, match="activations='layers'.*'total'.*'modules'.*None"):
         torchmem.Monitor(model, verbose=False, activations="layers")
     mon = torchmem.Monitor(model, verbose=False, activations=None)
     one_step(mon, model, torch.randn(2, 64))
-    assert all(cpu_entry(b)["activations_bytes"] is None for b in mon.to_dict()["breakdown"]["boundaries"])
+    assert all(cpu_entry(b)["activations_bytes"] is None for b in mon.breakdown()["boundaries"])
 
 
 def test_peak_composition_names_the_phase_of_the_peak():
@@ -569,7 +569,7 @@ def test_peak_composition_names_the_phase_of_the_peak():
     opt = torch.optim.AdamW(model.parameters())
     mon = torchmem.Monitor(model, opt, verbose=False)
     one_step(mon, model, torch.randn(64, 64), opt)
-    peak = mon.to_dict()["breakdown"]["peak"]
+    peak = mon.breakdown()["peak"]
     assert peak["phase"] in ("forward", "backward", "optimizer step", None)
     opened = {"forward": "step start", "backward": "end of forward", "optimizer step": "end of backward"}
     assert peak["boundary"] == opened.get(peak["phase"], "step start")
@@ -577,6 +577,13 @@ def test_peak_composition_names_the_phase_of_the_peak():
     b = boundaries(mon)[peak["boundary"]]
     assert all(cpu[k] == b[k] for k in CATEGORIES)
     assert cpu["other_bytes"] is None and cpu["cache_bytes"] is None and cpu["peak_rss_bytes"] > 0
+    # to_dict(): the Rust analysis's breakdown over the run when the extension has it (with the last step
+    # under "last_step"), else the last step's as breakdown() gives it.
+    d = mon.to_dict()["breakdown"]
+    if "recorded" in d:
+        assert d["recorded"] is True and d["last_step"] == mon.breakdown()
+    else:
+        assert d == mon.breakdown()
 
 
 # --- the recorder and torchmem.watch ---------------------------------------------------------------------

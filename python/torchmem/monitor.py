@@ -299,8 +299,14 @@ class Monitor:
             if marker["kind"] == "phase":
                 self._step_phase_ends.append(marker)
 
+    def breakdown(self) -> dict[str, Any] | None:
+        """What the memory was in the last finished step: `{"step", "boundaries": [{"boundary", "t_ns",
+        "breakdown", ["activations_by_module"]}, ...], "peak": {"phase", "boundary", "devices"},
+        "activations_tracked"}`; None without a breakdown (no model, or `breakdown=False`)."""
+        return self._breakdown_dict()
+
     def _breakdown_dict(self) -> dict[str, Any] | None:
-        """`to_dict()["breakdown"]`: the last finished step's boundaries and its peak's composition."""
+        """The last finished step's boundaries and its peak's composition (see `breakdown()`)."""
         if self._bd is None:
             return None
         if self._watching and self._step_boundaries:  # watch: the boundaries since the last forward began
@@ -463,7 +469,13 @@ class Monitor:
             data.pop(key, None)
         data["rank"], data["local_rank"], data["world_size"] = self.rank, self.local_rank, self.world_size
         data["epoch_lines"] = list(self.epoch_lines)
-        data["breakdown"] = self._breakdown_dict()
+        # The Rust analysis's breakdown of the kept markers (tables over the run) when the extension has it;
+        # else (an older extension) the last step's, computed here. The last step's is `breakdown()`.
+        native = data.get("breakdown")
+        if isinstance(native, dict) and native.get("recorded") is not None:
+            native["last_step"] = self._breakdown_dict()
+        else:
+            data["breakdown"] = self._breakdown_dict()
         data["markers"] = list(self.markers)
         return data
 
