@@ -235,6 +235,11 @@ def test_top_without_a_terminal_prints_a_table_and_replays_a_finished_profile(tm
         assert "\x1b" not in text, "plain text, no escape sequences"
         row = next(line for line in text.splitlines() if line.startswith(f"{pid} "))
         assert short_bytes(row.split()[1]) >= 200 * MIB, row
+        # The live run's profile is followed (not replayed) while it records.
+        out = subprocess.run(
+            [TM, "top", "--once", str(tmp_path / "p.sqlite")], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert f"following {tmp_path / 'p.sqlite'}" in out.stdout and f"{pid} " in out.stdout, out.stdout + out.stderr
         # Not a terminal and no --once: a table every interval, ended by SIGINT with exit 0.
         p = subprocess.Popen([TM, "top", "--interval", "200"], env=env, stdout=subprocess.PIPE, text=True)
         time.sleep(3)
