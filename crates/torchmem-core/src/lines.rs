@@ -12,7 +12,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::units::{format_bytes, format_delta};
+use crate::units::{escape_html, format_bytes, format_delta};
 
 /// One payload as sent by the Python side.
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
@@ -182,10 +182,6 @@ pub fn render_text(profiles: &[Value]) -> String {
     out
 }
 
-fn escape(s: &str) -> String {
-    crate::units::escape_html(s)
-}
-
 /// A self-contained HTML fragment (inline styles, no scripts, nothing fetched): annotated source per
 /// function, the heaviest lines highlighted (shade grows with the line's weight; the top 3 are bold; red
 /// where the line allocated, green where it freed).
@@ -208,8 +204,8 @@ pub fn render_html(profiles: &[Value]) -> String {
             let top: Vec<u64> = ranked.iter().take(3).map(|(_, l)| *l).collect();
             out.push_str(&format!(
                 "<h3 style=\"font-size:1em\">{} <span style=\"color:#666;font-weight:normal\">{}:{} · calls {} · threads {}</span></h3>\n",
-                escape(&f.name),
-                escape(&f.filename),
+                escape_html(&f.name),
+                escape_html(&f.filename),
                 f.first_line,
                 f.calls,
                 f.threads
@@ -261,17 +257,17 @@ pub fn render_html(profiles: &[Value]) -> String {
                     ]);
                 }
                 for c in cells {
-                    out.push_str(&format!("<td {td}>{}</td>", escape(&c)));
+                    out.push_str(&format!("<td {td}>{}</td>", escape_html(&c)));
                 }
                 out.push_str(&format!(
                     "<td style=\"padding:1px 8px;font-family:monospace;white-space:pre\">{}</td></tr>\n",
-                    escape(r.source.trim_end())
+                    escape_html(r.source.trim_end())
                 ));
             }
             out.push_str("</table>\n");
         }
         for w in &p.warnings {
-            out.push_str(&format!("<p style=\"color:#a60\">warning: {}</p>\n", escape(w)));
+            out.push_str(&format!("<p style=\"color:#a60\">warning: {}</p>\n", escape_html(w)));
         }
     }
     out.push_str("</section>\n");

@@ -1,28 +1,9 @@
-//! Byte and time formatting shared by the text reports (binary units, like PyTorch's messages).
+//! Byte and time formatting shared by the snapshot views (binary units, like PyTorch's messages); the byte
+//! formatter and the HTML escaper are `torchmem-units`'.
 
-/// Formats bytes as PyTorch does: B, KiB, MiB, GiB, TiB with two decimals.
-pub fn bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    if n < 1024 {
-        return format!("{n} B");
-    }
-    let mut v = n as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    format!("{v:.2} {}", UNITS[u])
-}
-
-/// Signed bytes (for diffs).
-pub fn signed_bytes(n: i64) -> String {
-    if n < 0 {
-        format!("-{}", bytes(n.unsigned_abs()))
-    } else {
-        format!("+{}", bytes(n as u64))
-    }
-}
+/// Bytes as PyTorch's allocator messages print them (`1.00 MiB`, `60.00 GiB`), signed bytes for diffs
+/// (`+0 B`, `-2.00 KiB`) and the HTML escaper: the one copy in `torchmem-units`, under this crate's names.
+pub use torchmem_units::{escape_html as html_escape, format_bytes_torch as bytes, format_delta_torch as signed_bytes};
 
 /// Percent with one decimal; 0 when the whole is 0.
 pub fn pct(part: u64, whole: u64) -> f64 {
@@ -48,22 +29,6 @@ pub fn since_start(time_us: i64, start_us: i64) -> String {
 /// A duration in microseconds as ms (or s from 10 s on), three decimals.
 pub fn duration_us(d_us: i64) -> String {
     since_start(d_us, 0).trim_start_matches('+').to_string()
-}
-
-/// Escapes text for HTML.
-pub fn html_escape(s: &str) -> String {
-    let mut o = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '&' => o.push_str("&amp;"),
-            '<' => o.push_str("&lt;"),
-            '>' => o.push_str("&gt;"),
-            '"' => o.push_str("&quot;"),
-            '\'' => o.push_str("&#39;"),
-            c => o.push(c),
-        }
-    }
-    o
 }
 
 #[cfg(test)]
