@@ -202,6 +202,12 @@ def simulate_json(
     `torchmem simulate --json` plus `text` (and `min_memory` when asked). Raises SnapshotError, InputError
     (bad settings)."""
 
+def whatif_json(path: str, memory_limit_bytes: int | None = None, device_total_bytes: int | None = None) -> str:
+    """The what-if panel of a snapshot file (pickle, JSON, gzipped): `devices` (per device `headline`,
+    `rows` of the common settings with peaks, `avoids_recorded_oom`, `min_memory_bytes`, or `unavailable`:
+    one line on why the trace cannot be simulated) and `text`. `memory_limit_bytes`: the per-process cap
+    the run had. Raises SnapshotError."""
+
 # --- allocator snapshots (crates/torchmem-py/src/snapshot.rs) ---
 def snapshot_summary_json(path: str, top: int = 10, at_time_us: int | None = None) -> str:
     """Summary (per-device reserved/allocated/active/requested bytes now and at the traced peak,
@@ -214,9 +220,10 @@ def snapshot_summary_bytes_json(data: bytes, top: int = 10, at_time_us: int | No
 def snapshot_text(path: str, top: int = 10) -> str:
     """The text of `torchmem snapshot FILE` followed by `--top top`. Raises SnapshotError."""
 
-def snapshot_html(path: str, out_path: str) -> None:
-    """Writes the self-contained offline HTML report of a snapshot file. Raises SnapshotError, or the OSError
-    subclass of a failed write (PermissionError, FileNotFoundError, IsADirectoryError)."""
+def snapshot_html(path: str, out_path: str, memory_limit_bytes: int | None = None) -> None:
+    """Writes the self-contained offline HTML report of a snapshot file, with the what-if panel (the trace
+    under other allocator settings; `memory_limit_bytes`: the cap the run had). Raises SnapshotError, or the
+    OSError subclass of a failed write (PermissionError, FileNotFoundError, IsADirectoryError)."""
 
 def oom_diagnosis_json(
     requested_bytes: int,

@@ -1,5 +1,7 @@
 """Allocator snapshots from Python: `capture(path)` records PyTorch's allocator history around a block and
-writes the snapshot; `on_oom(directory)` writes a snapshot and a short diagnosis when CUDA runs out of memory.
+writes the snapshot; `on_oom(directory)` writes a snapshot and a short diagnosis when CUDA runs out of memory,
+with a what-if (the trace replayed by the allocator simulator: would expandable segments or another common
+setting have avoided it, and the smallest memory that runs it).
 Reading and analysis happen in Rust (`torchmem snapshot FILE`, `summary(path)`); no pickle is ever loaded
 with Python's `pickle` module.
 
@@ -222,6 +224,24 @@ def _user_frames(limit: int = 8) -> list[str]:
     return out[:limit]
 
 
+def _whatif(
+    snap_path: Path, device: int, memory_limit_bytes: int | None, physical_total_bytes: int | None
+) -> dict[str, Any]:
+    """The what-if panel of the OOM snapshot (the trace under the common allocator settings: which avoid the
+    OOM, the smallest memory that runs it), for the failing device: `{"device": panel, "text": text}`. A
+    simulator failure becomes the panel's one line, never an exception."""
+    try:
+        w = json.loads(_native.whatif_json(str(snap_path), memory_limit_bytes, physical_total_bytes))
+    except Exception as e:
+        why = f"the allocator simulator could not read the snapshot ({e})"
+        return {"device": {"device": device, "unavailable": why, "rows": []}, "text": f"What if: no what-if: {why}"}
+    panels = [p for p in w["devices"] if p["device"] == device]
+    if not panels:
+        why = f"the snapshot has no trace or segments for GPU {device}"
+        return {"device": {"device": device, "unavailable": why, "rows": []}, "text": f"What if: no what-if: {why}"}
+    return {"device": panels[0], "text": w["text"]}
+
+
 def _observer(device: int, alloc: int, device_total: int, device_free: int) -> None:
     """Called by PyTorch's allocator (GIL held) right before it raises OutOfMemoryError."""
     for h in list(_handlers):
@@ -300,11 +320,52 @@ class OomHandler:
             torch.cuda.memory._dump_snapshot(str(snap_path))
         except Exception as e:
             snapshot_error = str(e)
+        # The observer gets the allowed maximum instead of the device total when a memory fraction is set.
+        try:
+            physical_total = int(torch.cuda.get_device_properties(device).total_memory)
+        except Exception:
+            physical_total = None
+        memory_limit = device_total if physical_total is not None and device_total < physical_total else None
+        self._write_report(
+            snap_path if snapshot_error is None else None,
+            (txt_path, json_path),
+            device=device,
+            alloc=alloc,
+            allocated=allocated,
+            reserved=reserved,
+            device_total=device_total,
+            device_free=device_free,
+            where=where,
+            snapshot_error=snapshot_error,
+            memory_limit_bytes=memory_limit,
+            physical_total_bytes=physical_total,
+        )
+
+    def _write_report(
+        self,
+        snap_path: Path | None,
+        out: tuple[Path, Path],
+        *,
+        device: int,
+        alloc: int,
+        allocated: int,
+        reserved: int,
+        device_total: int,
+        device_free: int,
+        where: list[str],
+        snapshot_error: str | None = None,
+        memory_limit_bytes: int | None = None,
+        physical_total_bytes: int | None = None,
+    ) -> None:
+        """Writes the text and JSON report from the numbers at the failure and the snapshot written then
+        (None: not written, `snapshot_error` says why). Needs no GPU: the snapshot is read in Rust."""
+        txt_path, json_path = out
         diag = json.loads(
             _native.oom_diagnosis_json(alloc, allocated, reserved, device_total, device_free, None, device)
         )
         holders: list[dict[str, Any]] = []
-        if snapshot_error is None:
+        whatif: dict[str, Any] | None = None
+        if snap_path is not None:
             try:
                 s = json.loads(_native.snapshot_summary_json(str(snap_path), 10, 2**62))
                 for t in s["top"]:
@@ -312,19 +373,24 @@ class OomHandler:
                         holders = t["rows"]
             except Exception as e:
                 snapshot_error = f"snapshot written but unreadable: {e}"
+                snap_path = None
+        if snap_path is not None:
+            whatif = _whatif(snap_path, device, memory_limit_bytes, physical_total_bytes)
         report = {
             "pid": os.getpid(),
             "device": device,
             "requested_bytes": alloc,
             "device_total_bytes": device_total,
             "device_free_bytes": device_free,
+            "memory_limit_bytes": memory_limit_bytes,
             "allocated_bytes": allocated,
             "reserved_bytes": reserved,
             "reserved_unallocated_bytes": reserved - allocated,
             "allocating_frames": where,
             "top_holders": holders,
             "diagnosis": {k: v for k, v in diag.items() if k != "text"},
-            "snapshot": str(snap_path) if snapshot_error is None else None,
+            "what_if": None if whatif is None else whatif["device"],
+            "snapshot": str(snap_path) if snap_path is not None else None,
             "snapshot_error": snapshot_error,
             "recording": self.recording,
         }
@@ -337,10 +403,18 @@ class OomHandler:
                 lines.append(f"  {h['bytes']:>16,d} B  {h['count']:>6} blocks  {h['site']}")
         else:
             lines.append("  (unknown: no snapshot)" if snapshot_error else "  (no live blocks)")
-        if snapshot_error:
+        lines.append("")
+        if whatif is not None:
+            lines.append(whatif["text"].rstrip())
+        else:
+            lines.append("What if: no what-if: the allocator simulator needs the snapshot, which was not written")
+        if snap_path is None:
             lines.append(f"\nSnapshot: not written ({snapshot_error})")
         else:
-            lines.append(f"\nSnapshot: {snap_path}\n  torchmem snapshot {snap_path} --top 20 --html {snap_path}.html")
+            limit = f" --memory-limit {memory_limit_bytes}" if memory_limit_bytes is not None else ""
+            lines.append(
+                f"\nSnapshot: {snap_path}\n  torchmem snapshot {snap_path} --top 20 --html {snap_path}.html{limit}"
+            )
         txt_path.write_text("\n".join(lines) + "\n")
         json_path.write_text(json.dumps(report, indent=2) + "\n")
         # Under `torchmem run` the post-mortem goes into the profile too (the merged report's first OOM).
@@ -351,7 +425,7 @@ class OomHandler:
         )
         _events.flush()
         self.reports.append(txt_path)
-        if snapshot_error is None:
+        if snap_path is not None:
             self.snapshots.append(snap_path)
         print(f"torchmem: CUDA out of memory; report written to {txt_path}", file=sys.stderr)
 
@@ -372,9 +446,12 @@ def on_oom(
     """On a CUDA out-of-memory error, write a snapshot and a short report to `directory`.
 
     The report says what was being allocated (size and Python frames); allocated, reserved, and
-    reserved-but-unallocated bytes at the failure; the top holders by allocation site; and next steps
-    computed from the numbers. With `record_history=True` (default) the allocator's history is recorded
-    from now on (ring buffer of `max_entries`), so the snapshot has the timeline leading to the failure.
+    reserved-but-unallocated bytes at the failure; the top holders by allocation site; next steps
+    computed from the numbers; and what if: the recorded trace replayed under the common allocator
+    settings (expandable segments, max_split_size_mb, ...): which would have avoided the error, and the
+    smallest memory that runs it (needs the history). With `record_history=True` (default) the allocator's
+    history is recorded from now on (ring buffer of `max_entries`), so the snapshot has the timeline leading
+    to the failure.
     The OutOfMemoryError still propagates as usual. Without CUDA: warns and returns an inactive handler."""
     global _observer_attached
     if stacks not in _VALID_STACKS:

@@ -1,5 +1,6 @@
 //! `torchmem snapshot` (summary, `--top`, `--at`, `--json`, `--html`, and `snapshot diff A B`) and
-//! `torchmem explain-oom "MESSAGE"`. All the work is in the torchmem-snapshot crate.
+//! `torchmem explain-oom "MESSAGE"`. All the work is in the torchmem-snapshot crate; the page's what-if panel
+//! (the trace under other allocator settings) is computed by torchmem-sim and handed to the page as rows.
 
 use std::path::{Path, PathBuf};
 
@@ -26,6 +27,10 @@ pub struct SnapshotArgs {
     /// With --html: overwrite an existing file even when it is not a page torchmem wrote (never the input).
     #[arg(long)]
     pub force: bool,
+    /// With --html: the per-process memory cap the run had (set_per_process_memory_fraction), e.g. 14GiB;
+    /// a snapshot does not record it. The what-if panel replays an OOM snapshot under it.
+    #[arg(long, value_name = "SIZE")]
+    pub memory_limit: Option<String>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -63,6 +68,15 @@ pub fn run(args: SnapshotArgs) -> anyhow::Result<i32> {
         return usage_error("--at needs --top N (the sites alive at that moment)".into());
     }
     let path = &args.files[0];
+    if args.memory_limit.is_some() && args.html.is_none() {
+        return usage_error("--memory-limit is for the --html page's what-if panel: add --html OUT.html".into());
+    }
+    let memory_limit_bytes = args
+        .memory_limit
+        .as_deref()
+        .map(torchmem_sim::config::parse_size)
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("--memory-limit: {e}"))?;
     if let Some(out) = &args.html {
         crate::output_path::check_html_output(out, &[path], args.force, "--html")?;
     }
@@ -75,7 +89,9 @@ pub fn run(args: SnapshotArgs) -> anyhow::Result<i32> {
     let tops =
         if args.top.is_some() || args.json { sites::top_sites(&snap, &sum.peaks(), top_n, at_us) } else { Vec::new() };
     if let Some(out) = &args.html {
-        let page = html::render(&snap, &sum, &name);
+        let opts = torchmem_sim::whatif::WhatIfOptions { memory_limit_bytes, ..Default::default() };
+        let whatif = torchmem_sim::whatif::whatif(&snap, &opts);
+        let page = html::render_with_whatif(&snap, &sum, &name, Some(&whatif));
         crate::output_path::write_atomically(out, page.as_bytes())?;
         if !args.json {
             eprintln!("torchmem: wrote {} ({})", out.display(), bytes(page.len() as u64));
@@ -182,6 +198,12 @@ fn read_oom_input(arg: &std::ffi::OsStr) -> anyhow::Result<String> {
     Ok(String::from_utf8_lossy(&raw).into_owned())
 }
 
+/// What explain-oom cannot answer from a message, in one line.
+pub const WHATIF_NEEDS_A_TRACE: &str =
+    "What if (would expandable segments or another setting have avoided it, and the \
+smallest memory that runs it): a message has no allocation trace to replay; run under torchmem.on_oom(dir): its \
+report and its snapshot's page (torchmem snapshot SNAPSHOT --html OUT.html) answer it.";
+
 pub fn explain_oom(args: ExplainOomArgs) -> anyhow::Result<i32> {
     let text = read_oom_input(&args.message)?;
     let all = oom::explain_all(&text);
@@ -206,6 +228,11 @@ pub fn explain_oom(args: ExplainOomArgs) -> anyhow::Result<i32> {
             }
         }
         print!("{}", oom::render_all_text(&all));
+        if all.iter().any(|e| {
+            matches!(&e.result, oom::ExplainedResult::Diagnosis(d) if matches!(d.numbers.backend, oom::Backend::Cuda | oom::Backend::Hip))
+        }) {
+            println!("{WHATIF_NEEDS_A_TRACE}");
+        }
     }
     if readable == 0 {
         eprintln!("torchmem: error: none of the {} out-of-memory messages could be read", all.len());

@@ -1,10 +1,11 @@
 //! The allocator simulator for Python: replay a snapshot (file or bytes) through the caching-allocator model
 //! (the torchmem-sim crate) under its recorded settings or a what-if, returning the result as JSON (with the text
 //! report inside). Bad snapshots raise `torchmem.SnapshotError`, bad settings `torchmem.InputError` (a
-//! `ValueError`); errors.rs converts them.
+//! `ValueError`); errors.rs converts them. `whatif_json` is the what-if panel of on_oom's report and of the
+//! snapshot page (the trace under the common settings; for an OOM snapshot, whether each avoids it).
 
 use pyo3::prelude::*;
-use torchmem_sim::{render, search, AllocConf, Prepared, SimOptions};
+use torchmem_sim::{render, search, whatif, AllocConf, Prepared, SimOptions};
 
 use crate::errors::Error;
 
@@ -62,7 +63,27 @@ fn simulate_json(
     })
 }
 
+/// The what-if panel of a snapshot file: `{"devices": [WhatIf...], "text": ...}`. `memory_limit_bytes`: the
+/// per-process cap the run had (on_oom knows it); `device_total_bytes`: the device's total memory.
+#[pyfunction]
+#[pyo3(signature = (path, memory_limit_bytes=None, device_total_bytes=None))]
+fn whatif_json(
+    py: Python<'_>,
+    path: String,
+    memory_limit_bytes: Option<u64>,
+    device_total_bytes: Option<u64>,
+) -> Result<String, Error> {
+    py.detach(move || -> Result<String, Error> {
+        let snap = torchmem_sim::read_snapshot(std::path::Path::new(&path))?;
+        let opts = whatif::WhatIfOptions { memory_limit_bytes, device_total_bytes };
+        let panels = whatif::whatif(&snap, &opts);
+        let v = serde_json::json!({ "devices": panels, "text": whatif::text(&panels) });
+        Ok(serde_json::to_string(&v)?)
+    })
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(simulate_json, m)?)?;
+    m.add_function(wrap_pyfunction!(whatif_json, m)?)?;
     Ok(())
 }

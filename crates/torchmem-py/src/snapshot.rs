@@ -45,12 +45,15 @@ fn snapshot_text(py: Python<'_>, path: String, top: usize) -> Result<String> {
     Ok(format!("{}\n{}", summary::render_text(&sum, &path), sites::render_top_text(&tops)))
 }
 
-/// Writes the offline HTML report of a snapshot file to `out_path`.
+/// Writes the offline HTML report of a snapshot file to `out_path`, with the what-if panel (torchmem-sim).
 #[pyfunction]
-fn snapshot_html(py: Python<'_>, path: String, out_path: String) -> Result<()> {
+#[pyo3(signature = (path, out_path, memory_limit_bytes=None))]
+fn snapshot_html(py: Python<'_>, path: String, out_path: String, memory_limit_bytes: Option<u64>) -> Result<()> {
     let snap = py.detach(|| load(&path))?;
     let sum = summary::summarize(&snap);
-    let page = html::render(&snap, &sum, &path);
+    let opts = torchmem_sim::whatif::WhatIfOptions { memory_limit_bytes, ..Default::default() };
+    let whatif = py.detach(|| torchmem_sim::whatif::whatif(&snap, &opts));
+    let page = html::render_with_whatif(&snap, &sum, &path, Some(&whatif));
     std::fs::write(&out_path, page).map_err(|e| Error::io_at(&out_path, e))?;
     Ok(())
 }

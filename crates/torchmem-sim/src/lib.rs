@@ -5,7 +5,8 @@
 //! One file per concern: `config` (allocator settings: parsing and the snapshot's), `rounding` (sizes),
 //! `pool` (blocks and pools), `allocator` (the state machine), `expandable` (expandable segments' pages),
 //! `device` (capacity and addresses), `start` (the state at a trace's start), `replay` (the driver and
-//! the check against the recording), `search` (`--min-memory`, `--compare`), `render` (text and JSON).
+//! the check against the recording), `search` (`--min-memory`, `--compare`), `render` (text and JSON),
+//! `whatif` (the what-if panel of the snapshot page and of on_oom's report).
 
 pub mod allocator;
 pub mod config;
@@ -17,6 +18,7 @@ pub mod replay;
 pub mod rounding;
 pub mod search;
 pub mod start;
+pub mod whatif;
 
 use std::io::Read;
 use std::path::Path;

@@ -2,13 +2,16 @@
 //! site, the peak's composition as an icicle chart of Python stacks, and a map of segments. Only
 //! aggregates are embedded (≤ 1000 time buckets, pruned stack tree, capped segment runs), so a
 //! 1 GB snapshot gives a page of a few hundred KB. No network resources: the CSS and JS (`assets/`, kept
-//! as real files) are inlined into the page by a single-pass template.
+//! as real files) are inlined into the page by a single-pass template. The what-if panel (the trace
+//! replayed under other allocator settings) is drawn from plain rows ([`WhatIf`]) that the caller computes
+//! (torchmem-sim, through the CLI or the Python binding): this crate does not depend on the simulator.
 
 use std::collections::HashMap;
 
+use serde::Serialize;
 use serde_json::{json, Value as J};
 
-use crate::fmt::{bytes, html_escape};
+use crate::fmt::{bytes, html_escape, signed_bytes};
 use crate::model::*;
 use crate::replay::{device_trace, live_at, Change, LiveBlock, LiveSet};
 use crate::sites::{self, site_label};
@@ -164,8 +167,128 @@ fn segment_map(snap: &Snapshot) -> J {
     json!({ "segments": out, "hidden": segs.len() - shown })
 }
 
-/// Renders the whole page.
+/// One row of the what-if panel: the trace replayed under one allocator setting (computed by the caller).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WhatIfRow {
+    /// The setting, as a `PYTORCH_CUDA_ALLOC_CONF` string ("default" for none).
+    pub settings: String,
+    /// These are the settings the recording ran with.
+    pub recorded: bool,
+    pub peak_allocated_bytes: u64,
+    pub peak_reserved_bytes: u64,
+    /// `peak_reserved_bytes` minus that of the replay under the recorded settings.
+    pub reserved_change_bytes: i64,
+    pub num_alloc_retries: u64,
+    /// The replay ran out of memory (for an OOM snapshot: with the memory the allocator could have had).
+    pub oom: bool,
+    /// For an OOM snapshot: the allocation that failed in the recording succeeds under this setting.
+    pub avoids_recorded_oom: Option<bool>,
+    /// The smallest memory limit (2 MiB steps) under which the trace runs without OOM; None when not
+    /// computed.
+    pub min_memory_bytes: Option<u64>,
+    /// `min_memory_bytes` minus that of the recorded settings (the change an OOM panel shows: there the
+    /// recorded settings' peak is only the peak up to the failure).
+    pub min_memory_change_bytes: Option<i64>,
+}
+
+/// The what-if panel of one device: a one-sentence answer and the rows, or one line saying why the trace
+/// cannot be simulated (no trace, a CUDA-graph pool, ...).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WhatIf {
+    pub device: i64,
+    /// Why there are no numbers (then `rows` is empty and `headline` repeats it).
+    pub unavailable: Option<String>,
+    /// "with expandable segments this run would have peaked at X reserved (-Y)", or the OOM verdict.
+    pub headline: String,
+    /// The snapshot holds an out-of-memory error (an `oom` trace entry).
+    pub recorded_oom: bool,
+    /// What every row was replayed under (memory, limit).
+    pub conditions: String,
+    pub rows: Vec<WhatIfRow>,
+    pub notes: Vec<String>,
+}
+
+/// The panel's HTML (rows carry their exact numbers as data attributes).
+pub fn whatif_html(panels: &[WhatIf]) -> String {
+    let mut o = String::from("<section id=whatif><h2>What if: this trace under other allocator settings</h2>");
+    if panels.is_empty() {
+        o.push_str("<p class=\"whatif-none\">no what-if: the snapshot has no device with a trace or segments</p>");
+    }
+    for p in panels {
+        o.push_str(&format!("<div class=whatif-device data-device={}>", p.device));
+        if panels.len() > 1 {
+            o.push_str(&format!("<h3>Device {}</h3>", p.device));
+        }
+        if let Some(why) = &p.unavailable {
+            o.push_str(&format!("<p class=\"whatif-none\">no what-if: {}</p></div>", html_escape(why)));
+            continue;
+        }
+        o.push_str(&format!("<p class=whatif-headline>{}</p>", html_escape(&p.headline)));
+        o.push_str(&format!("<p class=note>{}</p>", html_escape(&p.conditions)));
+        let change_head = if p.recorded_oom { "change (needs at least)" } else { "change (peak reserved)" };
+        o.push_str(&format!(
+            "<table class=whatif><tr><th>settings</th><th>peak allocated</th><th>peak reserved</th><th>{change_head}</th>\
+             <th>retries</th>"
+        ));
+        if p.recorded_oom {
+            o.push_str("<th>avoids the OOM</th>");
+        } else {
+            o.push_str("<th>OOM</th>");
+        }
+        o.push_str("<th>needs at least</th></tr>");
+        for r in &p.rows {
+            let verdict = match (p.recorded_oom, r.avoids_recorded_oom) {
+                (true, Some(true)) => "yes",
+                (true, Some(false)) => "no",
+                (true, None) => "?",
+                (false, _) if r.oom => "yes",
+                (false, _) => "no",
+            };
+            let change = match (r.recorded, p.recorded_oom, r.min_memory_change_bytes) {
+                (true, _, _) => "(recorded)".to_string(),
+                (false, true, Some(c)) => signed_bytes(c),
+                (false, true, None) => "-".to_string(),
+                (false, false, _) => signed_bytes(r.reserved_change_bytes),
+            };
+            o.push_str(&format!(
+                "<tr class=whatif-row data-settings=\"{}\" data-peak-reserved={} data-peak-allocated={} \
+                 data-change={} data-retries={} data-oom={} data-avoids={} data-min-memory={}><td>{}{}</td><td>{}</td>\
+                 <td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                html_escape(&r.settings),
+                r.peak_reserved_bytes,
+                r.peak_allocated_bytes,
+                r.reserved_change_bytes,
+                r.num_alloc_retries,
+                r.oom,
+                r.avoids_recorded_oom.map(|b| b.to_string()).unwrap_or_else(|| "unknown".into()),
+                r.min_memory_bytes.map(|b| b.to_string()).unwrap_or_else(|| "none".into()),
+                html_escape(&r.settings),
+                if r.recorded { " (recorded)" } else { "" },
+                bytes(r.peak_allocated_bytes),
+                bytes(r.peak_reserved_bytes),
+                change,
+                r.num_alloc_retries,
+                verdict,
+                r.min_memory_bytes.map(bytes).unwrap_or_else(|| "-".into()),
+            ));
+        }
+        o.push_str("</table>");
+        for n in &p.notes {
+            o.push_str(&format!("<p class=note>note: {}</p>", html_escape(n)));
+        }
+        o.push_str("</div>");
+    }
+    o.push_str("</section>");
+    o
+}
+
+/// Renders the whole page (without the what-if panel).
 pub fn render(snap: &Snapshot, summary: &Summary, name: &str) -> String {
+    render_with_whatif(snap, summary, name, None)
+}
+
+/// Renders the whole page; `whatif`: the panel's rows per device, computed by the caller.
+pub fn render_with_whatif(snap: &Snapshot, summary: &Summary, name: &str, whatif: Option<&[WhatIf]>) -> String {
     let dev = summary.devices.iter().find(|d| d.trace_entries > 0).or(summary.devices.first());
     let (device, peak_index) = dev.map(|d| (d.device, d.peak_index)).unwrap_or((0, None));
     let has_trace = dev.is_some_and(|d| d.trace_entries > 0);
@@ -217,6 +340,7 @@ pub fn render(snap: &Snapshot, summary: &Summary, name: &str) -> String {
             ("TITLE", &html_escape(name)),
             ("CARDS", &cards),
             ("ACTIONS", &actions),
+            ("WHATIF", &whatif.map(whatif_html).unwrap_or_default()),
             ("DATA", &data_text),
             ("CSS", CSS),
             ("JS", JS),
@@ -300,5 +424,70 @@ mod tests {
         assert_eq!(page.matches("<script id=data").count(), 1);
         assert_eq!(page.matches("\"timeline\":").count(), 1, "the data is embedded once");
         assert!(page.contains(JS.trim_end()) && page.contains(CSS.trim_end()));
+    }
+
+    fn row(settings: &str, recorded: bool, reserved: u64, change: i64, avoids: Option<bool>) -> WhatIfRow {
+        WhatIfRow {
+            settings: settings.into(),
+            recorded,
+            peak_allocated_bytes: 1 << 30,
+            peak_reserved_bytes: reserved,
+            reserved_change_bytes: change,
+            num_alloc_retries: 1,
+            oom: avoids == Some(false),
+            avoids_recorded_oom: avoids,
+            min_memory_bytes: Some(reserved + (2 << 20)),
+            min_memory_change_bytes: Some(change),
+        }
+    }
+
+    #[test]
+    fn the_whatif_panel_carries_the_rows_and_the_reasons() {
+        let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/snapshots/snapshot_mlp_adam_pystacks.pickle");
+        let snap = crate::read_path(&p).unwrap();
+        let sum = crate::summary::summarize(&snap);
+        let panels = vec![
+            WhatIf {
+                device: 0,
+                unavailable: None,
+                headline: "with expandable segments this OOM would have been avoided <b>".into(),
+                recorded_oom: true,
+                conditions: "replayed at the recorded capacity".into(),
+                rows: vec![
+                    row("default", true, 3 << 30, 0, Some(false)),
+                    row("roundup_power2_divisions:[256:1,>:8]", false, 2 << 30, -(1 << 30), Some(true)),
+                ],
+                notes: vec!["a note".into()],
+            },
+            WhatIf {
+                device: 1,
+                unavailable: Some("segment at 0x1 belongs to private pool (1, 2)".into()),
+                headline: String::new(),
+                recorded_oom: false,
+                conditions: String::new(),
+                rows: Vec::new(),
+                notes: Vec::new(),
+            },
+        ];
+        let page = render_with_whatif(&snap, &sum, "x.pickle", Some(&panels));
+        assert_eq!(page.matches("<section id=whatif>").count(), 1);
+        assert!(page.contains("this OOM would have been avoided &lt;b&gt;"), "escaped headline");
+        assert!(page.contains("<th>avoids the OOM</th>"));
+        assert!(page.contains(&format!(
+            "data-settings=\"roundup_power2_divisions:[256:1,&gt;:8]\" data-peak-reserved={} data-peak-allocated={} \
+             data-change=-{} data-retries=1 data-oom=false data-avoids=true data-min-memory={}",
+            2u64 << 30,
+            1u64 << 30,
+            1u64 << 30,
+            (2u64 << 30) + (2 << 20)
+        )));
+        assert!(page.contains("<td>default (recorded)</td>") && page.contains("<td>(recorded)</td>"));
+        assert!(page.contains("<td>-1.00 GiB</td>"), "the change, signed");
+        assert!(page.contains("no what-if: segment at 0x1 belongs to private pool (1, 2)"));
+        assert!(page.contains("<h3>Device 1</h3>") && page.contains("note: a note"));
+        // Without rows the page has no panel; with none computed for any device, it says so.
+        assert!(!render(&snap, &sum, "x.pickle").contains("id=whatif"));
+        assert!(render_with_whatif(&snap, &sum, "x", Some(&[])).contains("no what-if: the snapshot has no device"));
     }
 }
