@@ -242,3 +242,23 @@ def test_explain_oom_points_to_on_oom_for_the_what_if() -> None:
     )
     assert cpu.returncode == 0, cpu.stderr
     assert "host memory" in cpu.stdout and "torchmem.on_oom(dir)" not in cpu.stdout
+
+
+def test_memory_limit_needs_the_page_and_a_size(tmp_path: Path) -> None:
+    snap = gunzip("mlp_sgd_fp32__recorded.pickle.gz", tmp_path)
+    r = cli("snapshot", str(snap), "--memory-limit", "1GiB")
+    assert r.returncode == 2 and "--memory-limit is for the --html page" in r.stderr
+    r = cli("snapshot", str(snap), "--html", str(tmp_path / "p.html"), "--memory-limit", "lots")
+    assert r.returncode != 0 and "--memory-limit" in r.stderr and not (tmp_path / "p.html").exists()
+
+
+def test_on_oom_report_from_a_message_says_there_is_no_what_if(tmp_path: Path) -> None:
+    h = OomHandler(tmp_path, True, None, None)
+    h._report_from_message(
+        "CUDA out of memory. Tried to allocate 786.00 MiB. GPU 0 has a total capacity of 139.80 GiB of which "
+        "124.15 GiB is free. Including non-PyTorch memory, this process has 5.75 GiB memory in use. Of the "
+        "allocated memory 5.20 GiB is allocated by PyTorch, and 300.00 MiB is reserved by PyTorch but unallocated."
+    )
+    text = h.reports[0].read_text()
+    assert "Tried to allocate" in text or "tried to allocate" in text
+    assert text.rstrip().splitlines()[-1].startswith("What if: no what-if: the allocator's out-of-memory observer")

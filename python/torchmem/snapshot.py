@@ -224,6 +224,12 @@ def _user_frames(limit: int = 8) -> list[str]:
     return out[:limit]
 
 
+_NO_WHATIF_FROM_MESSAGE = (
+    "What if: no what-if: the allocator's out-of-memory observer did not run (a pluggable allocator?), so there "
+    "is no snapshot and no trace to replay; only the message was read"
+)
+
+
 def _whatif(
     snap_path: Path, device: int, memory_limit_bytes: int | None, physical_total_bytes: int | None
 ) -> dict[str, Any]:
@@ -432,7 +438,7 @@ class OomHandler:
     def _report_from_message(self, message: str) -> None:
         _, txt_path, json_path = self._paths()
         diag = json.loads(_native.explain_oom_json(message))
-        txt_path.write_text(diag["text"])
+        txt_path.write_text(diag["text"].rstrip("\n") + "\n\n" + _NO_WHATIF_FROM_MESSAGE + "\n")
         json_path.write_text(json.dumps({k: v for k, v in diag.items() if k != "text"}, indent=2) + "\n")
         self.reports.append(txt_path)
 
