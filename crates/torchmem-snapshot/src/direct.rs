@@ -124,6 +124,9 @@ struct Shape {
 }
 
 const NO_POS: u8 = u8::MAX;
+
+/// A dict's values by key code (`decode::K_*`; index 0, the other keys, unused).
+type Fields = [Option<V>; 17];
 const MAX_SHAPES: usize = 8;
 
 /// What a dict's pairs make it, as `decode::SnapshotCompactor::on_dict` decides: 0 no record, 1 trace
@@ -163,10 +166,14 @@ fn int_le(bytes: &[u8]) -> R<V> {
     Ok(if bytes.is_empty() {
         V::Int(0)
     } else if bytes.len() <= 8 {
-        let negative = bytes[bytes.len() - 1] & 0x80 != 0;
-        let mut buf = if negative { [0xffu8; 8] } else { [0u8; 8] };
-        buf[..bytes.len()].copy_from_slice(bytes);
-        V::Int(i64::from_le_bytes(buf))
+        // Byte by byte, then sign-extended: a variable-length copy into an 8-byte buffer read back at
+        // once stalls the load (no store forwarding), and LONG1 carries every address and time.
+        let mut raw = 0u64;
+        for (k, &b) in bytes.iter().enumerate() {
+            raw |= (b as u64) << (8 * k);
+        }
+        let unused_bits = 64 - 8 * bytes.len() as u32;
+        V::Int(((raw << unused_bits) as i64) >> unused_bits)
     } else {
         let negative = bytes[bytes.len() - 1] & 0x80 != 0;
         let fill = if negative { 0xff } else { 0 };
@@ -190,35 +197,32 @@ const ENTRY_WINDOW_BYTES: usize = 16 << 10;
 /// What `scan_entry` read.
 struct Scanned {
     bytes_used: usize,
-    n_pairs: usize,
     has_list: bool,
 }
 
 /// Reads the body of a dict that may be a trace entry, after its EMPTY_DICT, from `b`: `MEMOIZE MARK`,
 /// then pairs of a memoized key string and a value — an int, None, a bool, a memoized string, scalar
 /// or stack, or (under the `frames` key, once) a new frame list of memoized frames — up to `SETITEMS`.
-/// The pairs go to `pairs` as the generic loop would have them on its stack, the list's frame ids to
-/// `frames` (the list is `V::EntryFrames`). `None` for anything else, a key code seen twice included.
+/// The values go to `fields` by key code (as the generic loop would have them on its stack; those of
+/// other keys are read and dropped, as `trace` ignores them), the list's frame ids to `frames` (the
+/// list is `V::EntryFrames`). `None` for anything else, a key code seen twice included.
 #[inline]
 fn scan_entry(
     b: &[u8],
     memo: &[u32],
     strings: &[StrMeta],
     scalars: &[V],
-    pairs: &mut [V; 2 * MAX_ENTRY_PAIRS],
+    fields: &mut Fields,
     frames: &mut Vec<u32>,
 ) -> Option<Scanned> {
+    /// The memo index of a BINGET (1 byte) or LONG_BINGET (4 bytes) whose argument starts at `i`, read
+    /// without a branch on which (frame lists mix both unpredictably); needs 4 bytes either way.
     #[inline(always)]
     fn memo_index(b: &[u8], i: &mut usize, code: u8) -> Option<usize> {
-        if code == op::BINGET {
-            let idx = *b.get(*i)? as usize;
-            *i += 1;
-            Some(idx)
-        } else {
-            let idx = u32::from_le_bytes(b.get(*i..*i + 4)?.try_into().ok()?) as usize;
-            *i += 4;
-            Some(idx)
-        }
+        let raw = u32::from_le_bytes(b.get(*i..*i + 4)?.try_into().ok()?);
+        let short = code == op::BINGET;
+        *i += if short { 1 } else { 4 };
+        Some(if short { raw & 0xff } else { raw } as usize)
     }
     if b.get(..2)? != [op::MEMOIZE, op::MARK] {
         return None;
@@ -238,8 +242,7 @@ fn scan_entry(
         if slot >> TAG_SHIFT != M_STR {
             return None;
         }
-        let key = slot & PAYLOAD;
-        let key_code = strings[key as usize].key;
+        let key_code = strings[(slot & PAYLOAD) as usize].key;
         if key_code != 0 {
             if codes_seen & 1 << key_code != 0 {
                 return None;
@@ -312,11 +315,10 @@ fn scan_entry(
             }
             _ => return None,
         };
-        pairs[2 * n] = V::Str(key);
-        pairs[2 * n + 1] = value;
+        fields[key_code as usize] = Some(value);
         n += 1;
     }
-    Some(Scanned { bytes_used: i, n_pairs: n, has_list })
+    Some(Scanned { bytes_used: i, has_list })
 }
 
 /// Buffered input that keeps the opcode's arguments contiguous.
@@ -889,36 +891,20 @@ impl<Rd: Read> Reader<Rd> {
     /// A whole trace-entry dict, `} MEMOIZE ( key value … SETITEMS` with at most one frame list `] MEMOIZE
     /// ( BINGET… APPENDS` in it, read in one pass (the EMPTY_DICT is consumed): no node, no stack traffic,
     /// and its two memo slots written once, as the generic loop leaves them (the dict gone, the list its
-    /// stack). Its pairs then go through the same `shape_of` / `trace_by_position` / `trace` as in
-    /// `set_items`, so it builds the same entry and interns in the same order. When the bytes are anything
-    /// else (a frame or block dict, a new string inside, a repeated key, a shared container, a long entry,
-    /// the end of the input) it returns false having changed nothing, and the generic loop reads the dict
-    /// from the same byte.
+    /// stack). A dict with an `action` key is a trace entry (`classify`); with no key code twice and its
+    /// strings interned, `set_items` would take `trace_by_position`, and this builds the entry the same
+    /// way (`trace_of_fields`). When the bytes are anything else (a frame or block dict, a new string
+    /// inside, a repeated key, a shared container, a long entry, the end of the input) it returns false
+    /// having changed nothing, and the generic loop reads the dict from the same byte.
     fn trace_entry(&mut self) -> R<bool> {
-        let mut pairs = [V::None; 2 * MAX_ENTRY_PAIRS];
+        let mut fields: Fields = [None; 17];
         let bytes = self.input.window(ENTRY_WINDOW_BYTES)?;
-        let scan = scan_entry(bytes, &self.memo, &self.strings, &self.scalars, &mut pairs, &mut self.entry_frames);
-        let Some(Scanned { bytes_used, n_pairs, has_list }) = scan else { return Ok(false) };
-        let pairs = &pairs[..2 * n_pairs];
-        let shape = self.shape_of(pairs);
-        let kind = match shape {
-            Some(i) => self.shapes[i].kind,
-            None => classify(self, pairs),
-        };
-        if kind != 1 {
+        let scan = scan_entry(bytes, &self.memo, &self.strings, &self.scalars, &mut fields, &mut self.entry_frames);
+        let Some(Scanned { bytes_used, has_list }) = scan else { return Ok(false) };
+        if fields[K_ACTION as usize].is_none() {
             return Ok(false);
         }
-        let fast = match shape {
-            Some(i) if !self.shapes[i].repeated => {
-                let pos = self.shapes[i].pos;
-                self.trace_by_position(pairs, &pos)?
-            }
-            _ => None,
-        };
-        let t = match fast {
-            Some(t) => t,
-            None => self.trace(pairs)?,
-        };
+        let Some(t) = self.trace_of_fields(&fields)? else { return Ok(false) };
         self.input.pos += bytes_used;
         self.memo.push(pack(M_GONE, 0)?);
         if has_list {
@@ -1109,10 +1095,20 @@ impl<Rd: Read> Reader<Rd> {
     /// string it needs is not interned yet (then `trace` interns in the generic order).
     #[inline]
     fn trace_by_position(&mut self, pairs: &[V], pos: &[u8; 17]) -> R<Option<TraceEntry>> {
-        let get = |code: u8| match pos[code as usize] {
-            NO_POS => None,
-            p => Some(pairs[2 * p as usize + 1]),
-        };
+        let mut fields: Fields = [None; 17];
+        for (code, &p) in pos.iter().enumerate() {
+            if p != NO_POS {
+                fields[code] = Some(pairs[2 * p as usize + 1]);
+            }
+        }
+        self.trace_of_fields(&fields)
+    }
+
+    /// A trace entry from its values by key code (a dict with no key code twice); `None` when a string
+    /// it needs is not interned yet (then `trace` interns in the generic order).
+    #[inline]
+    fn trace_of_fields(&mut self, fields: &Fields) -> R<Option<TraceEntry>> {
+        let get = |code: u8| fields[code as usize];
         let interned = |r: &Self, v: Option<V>| -> R<Option<u32>> {
             match v {
                 None | Some(V::None) => Ok(Some(0)),
@@ -1554,6 +1550,31 @@ mod tests {
         assert_eq!(fast.trace_entries(), 300);
         assert_eq!(fast.segments.len(), 3);
         assert!(fast == crate::read_pickle_generic(&data[..], "synthetic").unwrap());
+    }
+
+    #[test]
+    fn trace_entries_of_every_shape_decode_as_the_generic_decoder_does() {
+        // tests/data/entry_shapes.pickle: `pickle.dumps(snap, protocol=4)` of a snapshot whose trace has
+        // a traceback list shared by three entries (memo fetches of a stack), a new string and None
+        // values inside an entry, an empty frame list, `device_free`, an unknown key holding a list, keys
+        // in another order, an entry without `frames`, a negative time, and an entry whose list is a
+        // block's (read first, in `segments`). `trace_entry` takes some, the generic loop the others.
+        let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/entry_shapes.pickle");
+        let data = std::fs::read(p).unwrap();
+        let fast = read(&data[..]).expect("the fast decoder takes every shape here");
+        assert!(fast == crate::read_pickle_generic(&data[..], "shapes").unwrap());
+        let t = &fast.device_traces[0];
+        assert_eq!(t.len(), 8);
+        assert_eq!((t[0].addr, t[0].size_bytes, t[0].time_us), ((1 << 63) + 512, 512, 10));
+        assert!(t[0].stack != NO_STACK && t[1].stack == t[0].stack && t[2].stack == t[0].stack);
+        assert_eq!(fast.stack(t[0].stack).len(), 2);
+        assert_eq!(t[3].stack, NO_STACK);
+        assert_eq!(fast.str(fast.info(&t[3]).compile_context), "ctx-1");
+        assert_eq!(fast.info(&t[3]).stream, 7);
+        assert_eq!((t[4].action(), fast.info(&t[4]).device_free_bytes), (Action::Oom, Some(123)));
+        assert_eq!((t[5].time_us, fast.stack(t[5].stack).len()), (15, 3));
+        assert_eq!((t[6].action(), t[6].stack, t[6].time_us), (Action::SegmentAlloc, NO_STACK, -5));
+        assert_eq!(t[7].stack, fast.segments[0].blocks[0].stack);
     }
 
     #[test]

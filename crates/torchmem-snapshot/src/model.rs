@@ -16,7 +16,13 @@ impl Hasher for FxHasher {
         for c in &mut chunks {
             self.write_u64(u64::from_le_bytes(c.try_into().expect("8 bytes")));
         }
-        for &b in chunks.remainder() {
+        let mut rest = chunks.remainder();
+        // Stacks are u32 frame ids: an odd count leaves 4 bytes, taken in one step.
+        if rest.len() >= 4 {
+            self.write_u64(u32::from_le_bytes(rest[..4].try_into().expect("4 bytes")) as u64);
+            rest = &rest[4..];
+        }
+        for &b in rest {
             self.write_u64(b as u64);
         }
     }
