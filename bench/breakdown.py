@@ -9,7 +9,9 @@ model: the per-category breakdown at 4 boundaries per step and activations throu
 `breakdown+modules` (`activations="modules"`: two more hooks per submodule call), and `torch.profiler`
 (`profile(profile_memory=True, record_shapes=True, with_stack=True)` around the same steps: what
 `export_memory_timeline`'s categories need). Also printed: one boundary's measurement alone and the pack
-hook's cost per saved tensor, from the breakdown mode's own steps."""
+hook's cost per saved tensor, from the breakdown mode's own steps. Wall time is the user's number; the
+process's CPU time per step (`time.process_time()`, all threads) is printed too, because on a shared,
+overloaded machine it is the steadier of the two."""
 
 from __future__ import annotations
 
@@ -63,6 +65,10 @@ def main() -> None:
     )
     args = ap.parse_args()
     device = torch.device(args.device)
+    if device.type == "cpu":
+        # One intra-op thread: on a shared machine torch's spinning worker threads make every mode's time
+        # (wall and CPU) mostly waiting; one thread keeps the comparison about the work done.
+        torch.set_num_threads(1)
     torch.manual_seed(0)
     model, x, loss_of = build(args.model, device, args.batch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -84,6 +90,7 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
 
     monitors: dict[str, Any] = {}
+    cpu_times: dict[str, list[float]] = {}
 
     def make(mode: str) -> Any:
         if mode == "monitor":
@@ -99,7 +106,7 @@ def main() -> None:
         if mode not in ("untraced", "torch.profiler") and mon is None:
             mon = monitors[mode] = make(mode)
         sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if mode == "torch.profiler":
             acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
             with torch.profiler.profile(activities=acts, profile_memory=True, record_shapes=True, with_stack=True):
@@ -111,6 +118,7 @@ def main() -> None:
                 train_step(mon)
             sync()
         dt = (time.perf_counter() - t0) / args.steps
+        cpu_times[mode].append((time.process_time() - c0) / args.steps)
         if mon is not None:
             mon.close()  # one Monitor at a time: every Monitor receives every marker
             monitors.pop(mode)
@@ -121,8 +129,12 @@ def main() -> None:
     if asked - set(known):
         raise SystemExit(f"--modes: unknown {sorted(asked - set(known))}; expected some of {known}")
     modes = [m for m in known if m in asked]
+    for mode in modes:
+        cpu_times[mode] = []
     for mode in modes:  # warm-up: optimizer state, allocator, lazy imports
         block(mode)
+    for mode in modes:
+        cpu_times[mode].clear()
     times: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(args.blocks):
         for mode in modes:
@@ -161,10 +173,14 @@ def main() -> None:
         f"python {sys.version.split()[0]}"
     )
     base = min(times["untraced"])
-    print(f"{'mode':<20} {'min ms/step':>12} {'median':>9} {'vs untraced':>12}")
+    cpu_base = min(cpu_times["untraced"])
+    print(f"{'mode':<20} {'min ms/step':>12} {'median':>9} {'vs untraced':>12} {'CPU ms/step':>12} {'vs untraced':>12}")
     for mode in modes:
-        t = times[mode]
-        print(f"{mode:<20} {min(t) * 1e3:>12.2f} {statistics.median(t) * 1e3:>9.2f} {min(t) / base:>12.3f}")
+        t, c = times[mode], cpu_times[mode]
+        print(
+            f"{mode:<20} {min(t) * 1e3:>12.2f} {statistics.median(t) * 1e3:>9.2f} {min(t) / base:>12.3f} "
+            f"{min(c) * 1e3:>12.2f} {min(c) / cpu_base:>12.3f}"
+        )
     over = (min(times["breakdown"]) - min(times["monitor"])) * 1e6
     print(
         f"breakdown over monitor: {over:+.0f} us/step ({over / (base * 1e6) * 100:+.2f} % of an untraced step); "
