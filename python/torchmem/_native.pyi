@@ -265,3 +265,30 @@ def emit_marker(
 
 def flush_events() -> bool:
     """Write the queued messages now. False when there is no recorder."""
+
+# --- leaks (crates/torchmem-py/src/leaks.rs; python/torchmem/_leaks.py drives them) ---
+class StepGrowthDetector:
+    """Step-level growth detection (torchmem_core::analysis::leaks): the Monitor pushes each step's end."""
+
+    def __init__(self, warmup_steps: int = 5, window_steps: int = 8) -> None:
+        """`warmup_steps` step ends are ignored (allocator warm-up, lazy optimizer state); growth is judged over
+        the last `window_steps` steps. InputError when window_steps < 2."""
+    def push(self, allocated_bytes: int | None, rss_bytes: int | None) -> str | None:
+        """One step end (allocated bytes: None without CUDA). None, or the growth as JSON ({"what",
+        "per_step_bytes", "window_steps", "rising_steps", "steps_seen"}) when at least 3/4 of the window's
+        steps rose and the net rise per step is at least 512 B (allocated, over `window_steps`) or 512 KiB
+        (RSS, over twice `window_steps`: RSS is noisy)."""
+    def rearm(self) -> None:
+        """Forgets the window: growth must be seen again over fresh steps (after a probe)."""
+    @property
+    def steps_seen(self) -> int:
+        """Step ends pushed so far."""
+
+def leak_findings_json(probe_json: str) -> str:
+    """The findings of one probe: analysis::leaks::ProbeData JSON ({"probe_steps", "first_step", "growth",
+    "tensors": [TensorSite], "python": [PythonLine]}) in, LeakReport JSON ({"growth", "probe_steps",
+    "first_step", "findings": [Leak], "unexplained"}) out. InputError for malformed JSON."""
+
+def leaks_text(findings_json: str) -> str:
+    """The "Leaks" table (line, kind, per step, live, holds, source, and each finding's message) of a JSON
+    list of findings, as aligned text; "" for an empty list."""

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from . import _native, _rank
+from . import _leaks, _native, _rank
 from . import api as _api
 from ._breakdown import Breakdown
 
@@ -63,6 +63,7 @@ class Monitor:
         keep_markers: int | None = 100,
         breakdown: bool | None = None,
         activations: str | None = "total",
+        leaks: bool = True,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -84,6 +85,8 @@ class Monitor:
         self._watching = False  # made by `torchmem.watch`: no loop markers
         # The rank this Monitor runs in (torchrun/Slurm), None outside a distributed job.
         self.rank, self.local_rank, self.world_size = _rank.identity()
+        # Growth step after step starts a probe of a few steps that names the lines holding memory (_leaks.py).
+        self._leaks = _leaks.LeakDetector(warn=warn, rank=self.rank) if leaks else None
         self.verbose = verbose
         self.warn = warn
         self.title = title
@@ -431,6 +434,8 @@ class Monitor:
             yield
         finally:
             end = span.close()
+            if self._leaks is not None:
+                self._leaks.step_end(end["memory"], index)
             self._step_open -= 1
             if self._bd is not None:
                 self._last_step = (index, span.start, end, self._step_boundaries, self._step_phase_ends)
@@ -458,7 +463,8 @@ class Monitor:
             who = "" if self.rank is None else f" rank {self.rank}"
             print(f"torchmem{who}: {report['line']}", file=sys.stderr)
         self.growth_messages = report["growth"]
-        if self.growth_messages and self.warn and not self._warned:
+        named = self._leaks is not None and self._leaks.warned  # a warning already named the line
+        if self.growth_messages and self.warn and not self._warned and not named:
             self._warned = True
             warnings.warn(MemoryGrowthWarning(self.growth_messages[0]), stacklevel=4)
 
@@ -483,9 +489,15 @@ class Monitor:
         return json.dumps(kept)
 
     def summary(self) -> str:
-        """The per-epoch and per-phase tables and any growth warning, as text."""
+        """The per-epoch and per-phase tables and any growth warning, as text (and the leaks found)."""
         text = _native.summary_text(self._markers_json(), self._capacity_bytes(), self._aggregates_json())
-        return self._with_breakdown_table(text)
+        return _native.leaks_text(json.dumps(self.leaks())) + self._with_breakdown_table(text)
+
+    def leaks(self) -> list[dict[str, Any]]:
+        """The lines found keeping memory alive step after step (`analysis::leaks::Leak` as dicts: file, line,
+        source, kind, device, per_step_bytes, live_count, live_bytes, holds_graph, graph_saved_bytes,
+        message, ...); [] when memory did not grow or no line holds it."""
+        return [] if self._leaks is None else [dict(f) for f in self._leaks.findings]
 
     def to_dict(self) -> dict[str, Any]:
         """The summary as data (epochs, phases, growth, journey) plus the raw markers."""
@@ -505,6 +517,7 @@ class Monitor:
             native["last_step"] = self._breakdown_dict()
         else:
             data["breakdown"] = self._breakdown_dict()
+        data["leaks"] = self.leaks()
         data["markers"] = list(self.markers)
         return data
 
@@ -523,6 +536,8 @@ class Monitor:
         self._handles.clear()
         if self._bd is not None:
             self._bd.close()
+        if self._leaks is not None:
+            self._leaks.close()
         if self._sink in _api._sinks:
             _api._sinks.remove(self._sink)
 

@@ -7,6 +7,7 @@ mod api;
 mod cli;
 mod errors;
 mod events;
+mod leaks;
 mod line;
 mod profile;
 mod simulate;
@@ -21,6 +22,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     cli::register(m)?;
     api::register(m)?;
     events::register(m)?;
+    leaks::register(m)?;
     line::register(m)?;
     snapshot::register(m)?;
     profile::register(m)?;

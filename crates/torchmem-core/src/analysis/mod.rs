@@ -6,6 +6,7 @@
 mod aggregate;
 mod growth;
 mod journey;
+pub mod leaks;
 mod peaks;
 pub mod ranks;
 mod spans;
@@ -18,6 +19,7 @@ use serde::Serialize;
 pub use aggregate::{MarkerAggregates, SpanTotals};
 pub use growth::{detect_growth, growth_by_process, growth_warnings, Growth};
 pub use journey::{journey, journey_of_spans};
+pub use leaks::{leak_findings, leaks_of_blobs, Leak, LeakReport, StepGrowth, StepGrowthDetector};
 pub use peaks::{devices, gpu_peaks, GpuPeak, PeakAt, Peaks};
 pub use spans::{span_peaks, spans, Span};
 pub use tables::{epoch_rows, epoch_totals, phase_rows, process_rows, EpochRow, EpochTotalRow, PhaseRow, ProcessRow};
@@ -42,6 +44,9 @@ pub struct Summary {
     pub epoch_totals: Vec<EpochTotalRow>,
     pub processes: Vec<ProcessRow>,
     pub growth: Vec<Growth>,
+    /// Lines that keep memory alive step after step (`leaks::Leak`): a profile's `leaks` blobs, or what a
+    /// Monitor's probe found.
+    pub leaks: Vec<Leak>,
     pub journey: Vec<JourneyStage>,
 }
 
@@ -71,7 +76,7 @@ fn raise_peak_stage(journey: &mut [JourneyStage], alloc: Option<u64>, reserved: 
 
 impl Summary {
     pub fn from_profile(p: &Profile) -> Summary {
-        Summary::build(&Inputs {
+        let mut s = Summary::build(&Inputs {
             meta: &p.meta,
             cpu: &p.cpu,
             processes: &p.processes,
@@ -80,7 +85,9 @@ impl Summary {
             torch: &p.torch,
             markers: &p.markers,
             aggregates: &p.aggregates,
-        })
+        });
+        s.leaks = leaks_of_blobs(&p.blobs);
+        s
     }
 
     fn build(p: &Inputs) -> Summary {
@@ -136,6 +143,7 @@ impl Summary {
             epoch_totals: totals,
             processes: process_rows(p.processes, p.process_samples),
             growth,
+            leaks: Vec::new(),
             journey,
         }
     }

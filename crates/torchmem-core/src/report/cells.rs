@@ -4,7 +4,7 @@
 //! GPU columns are left out, with a note saying so, when the run had no CUDA device: a CPU-only run shows
 //! no fake zeros.
 
-use crate::analysis::{EpochRow, PhaseRow, ProcessRow, Summary};
+use crate::analysis::{EpochRow, Leak, PhaseRow, ProcessRow, Summary};
 use crate::journey::JourneyStage;
 use crate::store::Profile;
 use crate::units::{format_bytes, format_delta, format_duration, format_opt_bytes, format_secs};
@@ -395,12 +395,42 @@ pub fn all_tables_of(profile: &Profile, summary: &Summary) -> Vec<Table> {
 
 /// Every table of the report, in the order the reports show them.
 pub fn all_tables(summary: &Summary) -> Vec<Table> {
-    vec![
+    let mut tables = Vec::new();
+    if !summary.leaks.is_empty() {
+        tables.push(leaks_table(&summary.leaks));
+    }
+    tables.extend([
         peaks_table(summary),
         phases_table(&summary.phases),
         epochs_table(&summary.epochs),
         processes_table(&summary.processes),
-    ]
+    ]);
+    tables
+}
+
+/// The lines that keep memory alive step after step (`analysis::leaks`): where, what, how much per step,
+/// how many live objects, the autograd graph a tensor holds, the source line.
+pub fn leaks_table(leaks: &[Leak]) -> Table {
+    let mut t = Table::new("Leaks", "no line keeps memory alive step after step");
+    let mut c: Columns<Leak> = Columns::new();
+    c.text("line", |l| format!("{}:{}", l.file.rsplit('/').next().unwrap_or(&l.file), l.line));
+    c.text("kind", |l| match &l.device {
+        Some(d) if d.starts_with("cuda") => format!("{} ({d})", l.kind),
+        _ => l.kind.clone(),
+    });
+    c.num("per step", |l| format_delta(l.per_step_bytes));
+    c.num("live", |l| format!("{} ({})", l.live_count, format_bytes(l.live_bytes)));
+    c.text("holds", |l| match (l.holds_graph, l.graph_saved_bytes) {
+        (true, Some(b)) => format!("graph: {} saved, {} nodes", format_bytes(b), l.graph_nodes.unwrap_or(0)),
+        _ => "-".into(),
+    });
+    c.text("source", |l| l.source.clone());
+    c.fill(&mut t, leaks);
+    t.notes = leaks
+        .iter()
+        .map(|l| format!("{}:{} is {}", l.file.rsplit('/').next().unwrap_or(&l.file), l.line, l.file))
+        .collect();
+    t
 }
 
 #[cfg(test)]

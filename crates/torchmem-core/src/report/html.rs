@@ -202,6 +202,9 @@ pub fn render(profile: &Profile, summary: &Summary) -> String {
     for g in &summary.growth {
         h.push_str(&format!("<div class=\"warning\"><b>Warning:</b> {}</div>\n", esc(&g.message)));
     }
+    for l in &summary.leaks {
+        h.push_str(&format!("<div class=\"warning leak\"><b>Leak:</b> {}</div>\n", esc(&l.message)));
+    }
     h.push_str("<h2>Memory timeline</h2>\n");
     h.push_str("<div id=\"tm-readout\"><span class=\"hint\">Move the mouse over the chart to read every series at that moment.</span></div>\n");
     h.push_str("<div class=\"chart-box\">\n");

@@ -52,6 +52,7 @@ pub fn to_value(profile: &Profile, summary: &Summary) -> Value {
         "epoch_totals": value(&summary.epoch_totals),
         "processes": value(&summary.processes),
         "growth": value(&summary.growth),
+        "leaks": value(&summary.leaks),
         "journey": value(&summary.journey),
         "lines": lines::to_json(&profile.line_profiles),
     })

@@ -47,6 +47,9 @@ pub fn render(profile: &Profile, summary: &Summary) -> String {
     for g in &summary.growth {
         out.push_str(&format!("> **Warning**: {}\n\n", cell(&g.message)));
     }
+    for l in &summary.leaks {
+        out.push_str(&format!("> **Leak**: {}\n\n", cell(&l.message)));
+    }
     for t in cells::all_tables(summary) {
         out.push_str(&render_table(&t));
         out.push('\n');

@@ -80,9 +80,15 @@ pub fn render_growth(warnings: &[Growth]) -> String {
     warnings.iter().map(|g| format!("WARNING: {}\n", g.message)).collect()
 }
 
+/// One `LEAK:` line per finding (the line, what it keeps, per step); empty when none.
+pub fn render_leaks(leaks: &[crate::analysis::Leak]) -> String {
+    leaks.iter().map(|l| format!("LEAK: {}\n", l.message)).collect()
+}
+
 /// The summary alone (no profile file): growth warnings, peaks, phases, epochs, processes, journey.
 pub fn render(summary: &Summary) -> String {
     let mut out = render_growth(&summary.growth);
+    out.push_str(&render_leaks(&summary.leaks));
     if !out.is_empty() {
         out.push('\n');
     }
@@ -103,6 +109,7 @@ pub fn render_report(profile: &Profile, summary: &Summary) -> String {
     }
     out.push('\n');
     let mut body = render_growth(&summary.growth);
+    body.push_str(&render_leaks(&summary.leaks));
     if !body.is_empty() {
         body.push('\n');
     }

@@ -1,0 +1,594 @@
+//! Leaks named by the line that holds them. Two decisions live here, both fed by the Python front
+//! (`python/torchmem/_leaks.py`):
+//!
+//! 1. **Step-level growth** (`StepGrowthDetector`): the end-of-step allocated bytes (exact, CUDA) and RSS
+//!    (noisy, CPU) of a training loop. Growth is a rise on most of the last `window_steps` steps after
+//!    `warmup_steps` (allocator warm-up, optimizer state that appears at step 1 and caches that fill up and
+//!    plateau must not alarm), with a net rise of at least a minimum per step. RSS is judged over twice the
+//!    window: glibc's heap moves it by megabytes for a few steps at a time in a healthy loop (measured: a
+//!    4-step burst of +21 MiB that fell back, in `tests/leak_cases.py`'s healthy cache). O(window) per step.
+//! 2. **Findings** (`leak_findings`): after growth is seen, the Python side probes a few steps (every tensor
+//!    created, by the first line outside torch; `tracemalloc` by line for Python objects; the autograd graph
+//!    that live tensors hold) and hands the per-line facts here. A line is a finding when its tensors from
+//!    most probe steps are still alive, when a tensor from it holds an autograd graph that grows step after
+//!    step (the `total_loss += loss` case), or when its Python allocations grow at nearly every probe step.
+
+use std::collections::VecDeque;
+
+use serde::{Deserialize, Serialize};
+
+use crate::units::{format_bytes, format_delta};
+
+/// Blob name under `torchmem run`: one per probe that found something, `LeakReport` plus `pid` and `rank`.
+pub const LEAKS_BLOB: &str = "leaks";
+
+/// Growth seen over the last steps of one series.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepGrowth {
+    /// "GPU allocated" or "CPU RSS".
+    pub what: String,
+    /// Net rise over the window, per step (bytes).
+    pub per_step_bytes: i64,
+    /// Steps in the window (differences between step ends).
+    pub window_steps: usize,
+    /// How many of them rose.
+    pub rising_steps: usize,
+    /// Steps seen so far (the index of the last step end, counting from 1).
+    pub steps_seen: u64,
+}
+
+/// The growth rule on one window of end-of-step values: at least 3/4 of the step-to-step differences rise,
+/// the net rise is at least `min_per_step_bytes` per step, and the net rise is at least half of all the
+/// rises (a saw-tooth that gives back what it takes is not growth). Returns (net per step, rising steps).
+pub fn step_growth(values: &[u64], min_per_step_bytes: i64) -> Option<(i64, usize)> {
+    if values.len() < 3 {
+        return None;
+    }
+    let diffs: Vec<i64> = values.windows(2).map(|w| w[1] as i64 - w[0] as i64).collect();
+    let n = diffs.len();
+    let rising = diffs.iter().filter(|d| **d > 0).count();
+    let up: i64 = diffs.iter().filter(|d| **d > 0).sum();
+    let net = values[n] as i64 - values[0] as i64;
+    let per = net / n as i64;
+    (rising * 4 >= n * 3 && per >= min_per_step_bytes && net * 2 >= up).then_some((per, rising))
+}
+
+/// Step-level growth detection, fed one step end at a time.
+#[derive(Debug, Clone)]
+pub struct StepGrowthDetector {
+    pub warmup_steps: u64,
+    pub window_steps: usize,
+    /// The RSS window (2 x `window_steps`).
+    pub rss_window_steps: usize,
+    /// Least net rise per step of allocated bytes (exact counters: small).
+    pub min_allocated_per_step_bytes: i64,
+    /// Least net rise per step of RSS (pages come in chunks; the process's own bookkeeping moves it a bit).
+    pub min_rss_per_step_bytes: i64,
+    steps_seen: u64,
+    allocated: VecDeque<u64>,
+    rss: VecDeque<u64>,
+}
+
+impl StepGrowthDetector {
+    pub fn new(warmup_steps: u64, window_steps: usize) -> StepGrowthDetector {
+        StepGrowthDetector {
+            warmup_steps,
+            window_steps: window_steps.max(2),
+            rss_window_steps: 2 * window_steps.max(2),
+            min_allocated_per_step_bytes: 512,
+            min_rss_per_step_bytes: 512 << 10,
+            steps_seen: 0,
+            allocated: VecDeque::new(),
+            rss: VecDeque::new(),
+        }
+    }
+
+    pub fn steps_seen(&self) -> u64 {
+        self.steps_seen
+    }
+
+    /// Forgets the window (after a probe): growth must be seen again over fresh steps.
+    pub fn rearm(&mut self) {
+        self.allocated.clear();
+        self.rss.clear();
+    }
+
+    /// One step's end: allocated bytes (None without CUDA) and RSS. Returns the growth when the window rises.
+    pub fn push(&mut self, allocated_bytes: Option<u64>, rss_bytes: Option<u64>) -> Option<StepGrowth> {
+        self.steps_seen += 1;
+        if self.steps_seen <= self.warmup_steps {
+            return None;
+        }
+        let windows = [self.window_steps, self.rss_window_steps];
+        for ((q, v), window) in
+            [(&mut self.allocated, allocated_bytes), (&mut self.rss, rss_bytes)].into_iter().zip(windows)
+        {
+            let keep = window + 1;
+            match v {
+                Some(v) => {
+                    q.push_back(v);
+                    if q.len() > keep {
+                        q.pop_front();
+                    }
+                }
+                None => q.clear(),
+            }
+        }
+        let series: [(&str, &VecDeque<u64>, i64, usize); 2] = [
+            ("GPU allocated", &self.allocated, self.min_allocated_per_step_bytes, self.window_steps),
+            ("CPU RSS", &self.rss, self.min_rss_per_step_bytes, self.rss_window_steps),
+        ];
+        for (what, q, min, window) in series {
+            if q.len() < window + 1 {
+                continue;
+            }
+            let values: Vec<u64> = q.iter().copied().collect();
+            if let Some((per, rising)) = step_growth(&values, min) {
+                return Some(StepGrowth {
+                    what: what.into(),
+                    per_step_bytes: per,
+                    window_steps: window,
+                    rising_steps: rising,
+                    steps_seen: self.steps_seen,
+                });
+            }
+        }
+        None
+    }
+}
+
+/// One line's tensors seen during the probe (built by `_leaks.py`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TensorSite {
+    pub file: String,
+    pub line: u32,
+    #[serde(default)]
+    pub function: String,
+    #[serde(default)]
+    pub source: String,
+    /// "cuda:0", "cpu", ...
+    pub device: String,
+    /// Per probe step: tensors created by this line in that step still alive at the probe's end.
+    pub live_by_step: Vec<u64>,
+    /// Per probe step: the bytes of their storages (each storage once, counted in its first step).
+    pub live_bytes_by_step: Vec<u64>,
+    /// Per probe step end: the saved-tensor bytes of the autograd graphs this line's live tensors hold
+    /// (storage-unique); empty when none of them has a `grad_fn`.
+    #[serde(default)]
+    pub graph_bytes_by_step: Vec<u64>,
+    /// Per probe step end: the nodes of those graphs.
+    #[serde(default)]
+    pub graph_nodes_by_step: Vec<u64>,
+    /// Tensors from before the probe that this line updates in place (`total_loss += loss`), alive at its end.
+    #[serde(default)]
+    pub inplace_live: u64,
+    /// The graph walk stopped at its node budget.
+    #[serde(default)]
+    pub graph_truncated: bool,
+    /// Set when all this line's live storages are saved tensors of a graph another line holds (that line, as
+    /// `file:line` with the full path).
+    #[serde(default)]
+    pub held_by: Option<String>,
+}
+
+/// One line's Python allocations (`tracemalloc`) at each probe step end.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PythonLine {
+    pub file: String,
+    pub line: u32,
+    #[serde(default)]
+    pub source: String,
+    pub size_bytes_by_step: Vec<u64>,
+    pub count_by_step: Vec<u64>,
+}
+
+/// What the probe saw.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ProbeData {
+    pub probe_steps: usize,
+    /// The Monitor's index of the first probed step.
+    #[serde(default)]
+    pub first_step: Option<i64>,
+    #[serde(default)]
+    pub growth: Option<StepGrowth>,
+    #[serde(default)]
+    pub tensors: Vec<TensorSite>,
+    #[serde(default)]
+    pub python: Vec<PythonLine>,
+}
+
+/// A line that holds memory step after step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Leak {
+    pub file: String,
+    pub line: u32,
+    pub function: String,
+    pub source: String,
+    /// "CUDA tensor", "CPU tensor" or "Python object".
+    pub kind: String,
+    /// "cuda:0", "cpu"; None for Python objects.
+    pub device: Option<String>,
+    /// Bytes this line keeps per step (the graph's growth when it holds one and that is larger).
+    pub per_step_bytes: i64,
+    /// Live objects from this line (tensors from the probe steps; Python memory blocks) at the probe's end.
+    pub live_count: u64,
+    pub live_bytes: u64,
+    /// Probe steps whose objects from this line are still alive, of `probe_steps`.
+    pub steps_alive: usize,
+    pub probe_steps: usize,
+    /// A live tensor from this line has a `grad_fn` whose graph grows: it keeps each step's graph alive.
+    pub holds_graph: bool,
+    pub graph_saved_bytes: Option<u64>,
+    pub graph_per_step_bytes: Option<i64>,
+    pub graph_nodes: Option<u64>,
+    /// Other lines whose tensors are alive only as saved tensors of this line's graph.
+    #[serde(default)]
+    pub holds_tensors_of: Vec<String>,
+    pub message: String,
+}
+
+/// The result of one probe: the growth that started it, and the lines found.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LeakReport {
+    pub growth: Option<StepGrowth>,
+    pub probe_steps: usize,
+    pub first_step: Option<i64>,
+    pub findings: Vec<Leak>,
+    /// Said when growth was seen but no line holds it (memory outside tensors and Python objects).
+    pub unexplained: Option<String>,
+}
+
+/// Least Python growth per step worth naming (smaller lines are bookkeeping).
+const PYTHON_MIN_PER_STEP_BYTES: i64 = 32 << 10;
+/// Least tensor bytes per step worth naming.
+const TENSOR_MIN_PER_STEP_BYTES: i64 = 256;
+const MAX_FINDINGS: usize = 10;
+
+fn rises_on_most(series: &[u64]) -> Option<(i64, usize)> {
+    if series.len() < 2 {
+        return None;
+    }
+    let diffs: Vec<i64> = series.windows(2).map(|w| w[1] as i64 - w[0] as i64).collect();
+    let rising = diffs.iter().filter(|d| **d > 0).count();
+    let n = diffs.len();
+    // All rises with one step or two allowed to stand still (one when the probe is short).
+    let need = if n >= 4 { n - 1 } else { n };
+    let per = (series[n] as i64 - series[0] as i64) / n as i64;
+    (rising >= need && per > 0).then_some((per, rising))
+}
+
+fn site_name(file: &str, line: u32) -> String {
+    let short = file.rsplit('/').next().unwrap_or(file);
+    format!("{short}:{line}")
+}
+
+/// The findings of one probe, largest per step first.
+pub fn leak_findings(probe: &ProbeData) -> LeakReport {
+    let steps = probe.probe_steps.max(1);
+    // Objects from the last probe step are alive at its end in any loop (`loss`, `out`): they say nothing.
+    let judged = steps.saturating_sub(1).max(1);
+    let need_alive = judged.saturating_sub(1).max(2.min(judged));
+    let mut findings: Vec<Leak> = Vec::new();
+    for s in &probe.tensors {
+        let steps_alive = s.live_by_step.iter().take(judged).filter(|c| **c > 0).count();
+        let live_count: u64 = s.live_by_step.iter().sum::<u64>() + s.inplace_live;
+        let live_bytes: u64 = s.live_bytes_by_step.iter().sum();
+        // The graph grows: its saved bytes, or (saves that could not be read: hooks) its nodes.
+        let bytes_rise = rises_on_most(&s.graph_bytes_by_step);
+        let graph = bytes_rise.or_else(|| rises_on_most(&s.graph_nodes_by_step).map(|(_, r)| (0, r)));
+        if s.held_by.is_some() {
+            continue; // named through the line whose graph holds it
+        }
+        let kept = steps_alive >= need_alive;
+        // Per step over the judged steps: the last step's storages are often counted at the line that made
+        // them first (`out = model(x)`), whose variable still holds them.
+        let judged_bytes: u64 = s.live_bytes_by_step.iter().take(judged).sum();
+        let tensor_per_step = (judged_bytes / judged as u64) as i64;
+        if !(kept && tensor_per_step >= TENSOR_MIN_PER_STEP_BYTES) && graph.is_none() {
+            continue;
+        }
+        let graph_per = bytes_rise.map(|g| g.0);
+        let per = tensor_per_step.max(graph_per.unwrap_or(0));
+        let kind = if s.device.starts_with("cuda") { "CUDA tensor" } else { "CPU tensor" };
+        let holds_of: Vec<String> = probe
+            .tensors
+            .iter()
+            .filter(|o| o.held_by.as_deref() == Some(&format!("{}:{}", s.file, s.line)))
+            .map(|o| site_name(&o.file, o.line))
+            .collect();
+        let name = site_name(&s.file, s.line);
+        let code = if s.source.is_empty() { String::new() } else { format!(" `{}`", s.source) };
+        let mut message = format!(
+            "{name}{code} keeps {kind}s alive: {} per step, {live_count} live from {steps_alive} of {judged} earlier probe steps",
+            format_delta(per),
+        );
+        if graph.is_some() {
+            let saved = s.graph_bytes_by_step.last().copied().unwrap_or(0);
+            let grows = match graph_per {
+                Some(gp) => format!("{} per step", format_delta(gp)),
+                None => "its saved tensors could not be read (saved-tensor hooks), its nodes grow every step".into(),
+            };
+            let nodes = s.graph_nodes_by_step.last().copied().unwrap_or(0);
+            message = format!(
+                "{name}{code} keeps each step's autograd graph alive: a {kind} from this line has a grad_fn whose graph holds {} of saved tensors ({nodes} nodes{}), {grows}; keep `.item()` or `.detach()` of it instead",
+                format_bytes(saved),
+                if s.graph_truncated { ", walk stopped at its budget" } else { "" },
+            );
+            if !holds_of.is_empty() {
+                message.push_str(&format!(" (the graph holds the tensors of {})", holds_of.join(", ")));
+            }
+        } else {
+            message.push_str("; something (a list, dict or cache) keeps them: drop old entries or keep `.item()`/`.detach().cpu()` of what you need");
+        }
+        findings.push(Leak {
+            file: s.file.clone(),
+            line: s.line,
+            function: s.function.clone(),
+            source: s.source.clone(),
+            kind: kind.into(),
+            device: Some(s.device.clone()),
+            per_step_bytes: per,
+            live_count,
+            live_bytes,
+            steps_alive,
+            probe_steps: steps,
+            holds_graph: graph.is_some(),
+            graph_saved_bytes: graph.map(|_| s.graph_bytes_by_step.last().copied().unwrap_or(0)),
+            graph_per_step_bytes: graph_per,
+            graph_nodes: graph.map(|_| s.graph_nodes_by_step.last().copied().unwrap_or(0)),
+            holds_tensors_of: holds_of,
+            message,
+        });
+    }
+    for p in &probe.python {
+        let Some((per, rising)) = rises_on_most(&p.size_bytes_by_step) else { continue };
+        if per < PYTHON_MIN_PER_STEP_BYTES {
+            continue;
+        }
+        let name = site_name(&p.file, p.line);
+        let code = if p.source.is_empty() { String::new() } else { format!(" `{}`", p.source) };
+        let live_bytes = p.size_bytes_by_step.last().copied().unwrap_or(0);
+        let live_count = p.count_by_step.last().copied().unwrap_or(0);
+        findings.push(Leak {
+            file: p.file.clone(),
+            line: p.line,
+            function: String::new(),
+            source: p.source.clone(),
+            kind: "Python object".into(),
+            device: None,
+            per_step_bytes: per,
+            live_count,
+            live_bytes,
+            steps_alive: rising,
+            probe_steps: steps,
+            holds_graph: false,
+            graph_saved_bytes: None,
+            graph_per_step_bytes: None,
+            graph_nodes: None,
+            holds_tensors_of: Vec::new(),
+            message: format!(
+                "{name}{code} keeps Python objects alive: {} per step ({} in {live_count} blocks allocated there since the probe began); a container grows every step",
+                format_delta(per),
+                format_bytes(live_bytes),
+            ),
+        });
+    }
+    findings
+        .sort_by(|a, b| b.per_step_bytes.cmp(&a.per_step_bytes).then(a.file.cmp(&b.file)).then(a.line.cmp(&b.line)));
+    findings.truncate(MAX_FINDINGS);
+    let unexplained = match (&probe.growth, findings.is_empty()) {
+        (Some(g), true) => Some(format!(
+            "{} grew by {} per step over {} steps, but no line kept tensors or Python objects alive during the {steps} probe steps (a cache that filled up, or memory outside tensors and Python objects)",
+            g.what,
+            format_delta(g.per_step_bytes),
+            g.window_steps
+        )),
+        _ => None,
+    };
+    LeakReport { growth: probe.growth.clone(), probe_steps: steps, first_step: probe.first_step, findings, unexplained }
+}
+
+/// The findings stored in a profile: each process's latest `leaks` blob.
+pub fn leaks_of_blobs(blobs: &[(String, serde_json::Value)]) -> Vec<Leak> {
+    let mut latest: Vec<(Option<u64>, &serde_json::Value)> = Vec::new();
+    for (name, v) in blobs {
+        if name != LEAKS_BLOB {
+            continue;
+        }
+        let pid = v["pid"].as_u64();
+        match latest.iter_mut().find(|(p, _)| *p == pid) {
+            Some(slot) => slot.1 = v,
+            None => latest.push((pid, v)),
+        }
+    }
+    latest
+        .into_iter()
+        .flat_map(|(_, v)| serde_json::from_value::<Vec<Leak>>(v["findings"].clone()).unwrap_or_default())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn steady_rise_is_growth_and_plateaus_are_not() {
+        let leak: Vec<u64> = (0..9).map(|i| 100 * MIB + i * MIB).collect();
+        assert_eq!(step_growth(&leak, 512), Some((MIB as i64, 8)));
+        let flat = vec![100 * MIB; 9];
+        assert_eq!(step_growth(&flat, 512), None);
+        // A cache that fills over three steps, then stays.
+        let plateau: Vec<u64> = [1, 2, 3, 4, 4, 4, 4, 4, 4].iter().map(|v| v * MIB).collect();
+        assert_eq!(step_growth(&plateau, 512), None);
+        // A saw-tooth that gives back what it takes.
+        let saw: Vec<u64> = [1, 3, 2, 4, 3, 5, 4, 6, 2].iter().map(|v| v * MIB).collect();
+        assert_eq!(step_growth(&saw, 512), None);
+        // Too small a rise.
+        let tiny: Vec<u64> = (0..9).map(|i| 100 * MIB + i * 100).collect();
+        assert_eq!(step_growth(&tiny, 512), None);
+    }
+
+    #[test]
+    fn the_detector_waits_for_warmup_and_a_full_window() {
+        let mut d = StepGrowthDetector::new(5, 8);
+        // Lazy optimizer state at step 1 (a jump), then flat: never growth.
+        let mut alloc = 10 * MIB;
+        for step in 0..40u64 {
+            if step == 1 {
+                alloc += 50 * MIB;
+            }
+            assert_eq!(d.push(Some(alloc), Some(300 * MIB)), None, "step {step}");
+        }
+        // Now a leak of 2 MiB per step on the GPU: seen after a full window.
+        let mut hit = None;
+        for step in 0..20 {
+            alloc += 2 * MIB;
+            if let Some(g) = d.push(Some(alloc), Some(300 * MIB)) {
+                hit = Some((step, g));
+                break;
+            }
+        }
+        let (step, g) = hit.expect("growth seen");
+        assert_eq!(step, 5, "6 of the window's 8 steps rising is 3/4");
+        // The net rise over the whole window: 6 x 2 MiB over 8 steps.
+        assert_eq!((g.what.as_str(), g.per_step_bytes), ("GPU allocated", 3 * MIB as i64 / 2));
+        d.rearm();
+        assert_eq!(d.push(Some(alloc + 2 * MIB), None), None, "a fresh window is needed");
+    }
+
+    #[test]
+    fn rss_needs_a_larger_rise_than_exact_counters() {
+        let mut d = StepGrowthDetector::new(0, 8);
+        let mut got = None;
+        for i in 0..17u64 {
+            got = d.push(None, Some(300 * MIB + i * 100 * 1024));
+        }
+        assert_eq!(got, None, "100 KiB per step of RSS is noise");
+        // A healthy loop's RSS as measured (KiB at step ends): a burst of +21 MiB over 4 steps, then back.
+        let healthy: [u64; 19] = [
+            740128, 740128, 733212, 734108, 735132, 736348, 737372, 737372, 737376, 734300, 737372, 737372, 742252,
+            749420, 752492, 758636, 753416, 744200, 744200,
+        ];
+        let mut d = StepGrowthDetector::new(0, 8);
+        assert!(healthy.iter().all(|kib| d.push(None, Some(kib << 10)).is_none()));
+        let mut d = StepGrowthDetector::new(0, 8);
+        let mut at = None;
+        for i in 0..40u64 {
+            if d.push(None, Some(300 * MIB + i * MIB)).is_some() {
+                at = Some(i);
+                break;
+            }
+        }
+        assert_eq!(at, Some(16), "1 MiB per step of RSS, seen over 16 steps");
+    }
+
+    fn site(line: u32, live: Vec<u64>, bytes: Vec<u64>) -> TensorSite {
+        TensorSite {
+            file: "/x/train.py".into(),
+            line,
+            function: "main".into(),
+            source: "keep.append(out.detach())".into(),
+            device: "cpu".into(),
+            live_by_step: live,
+            live_bytes_by_step: bytes,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_line_whose_tensors_survive_every_step_is_named() {
+        let probe = ProbeData {
+            probe_steps: 5,
+            tensors: vec![
+                site(12, vec![1, 1, 1, 1, 1], vec![MIB; 5]),
+                // `loss` of the last step only: alive in any loop.
+                site(9, vec![0, 0, 0, 0, 1], vec![0, 0, 0, 0, 4]),
+            ],
+            ..Default::default()
+        };
+        let r = leak_findings(&probe);
+        assert_eq!(r.findings.len(), 1, "{r:?}");
+        let f = &r.findings[0];
+        assert_eq!((f.line, f.kind.as_str(), f.per_step_bytes, f.live_count), (12, "CPU tensor", MIB as i64, 5));
+        assert!(
+            f.message.starts_with("train.py:12 `keep.append(out.detach())` keeps CPU tensors alive"),
+            "{}",
+            f.message
+        );
+    }
+
+    #[test]
+    fn a_growing_graph_is_named_and_explains_the_tensors_it_holds() {
+        let mut holder = site(41, vec![0, 0, 0, 0, 1], vec![0, 0, 0, 0, 4]);
+        holder.source = "total_loss += loss".into();
+        holder.graph_bytes_by_step = vec![MIB, 2 * MIB, 3 * MIB, 4 * MIB, 5 * MIB];
+        holder.graph_nodes_by_step = vec![10, 20, 30, 40, 50];
+        let mut held = site(38, vec![1, 1, 1, 1, 1], vec![MIB; 5]);
+        held.held_by = Some("/x/train.py:41".into());
+        let probe = ProbeData { probe_steps: 5, tensors: vec![holder, held], ..Default::default() };
+        let r = leak_findings(&probe);
+        assert_eq!(r.findings.len(), 1, "{r:?}");
+        let f = &r.findings[0];
+        assert!(f.holds_graph);
+        assert_eq!(
+            (f.graph_per_step_bytes, f.graph_saved_bytes, f.graph_nodes),
+            (Some(MIB as i64), Some(5 * MIB), Some(50))
+        );
+        assert_eq!(f.holds_tensors_of, ["train.py:38"]);
+        assert!(f.message.contains("`total_loss += loss` keeps each step's autograd graph alive"), "{}", f.message);
+    }
+
+    #[test]
+    fn python_lines_must_grow_at_nearly_every_step() {
+        let line = |n: u32, sizes: Vec<u64>| PythonLine {
+            file: "/x/t.py".into(),
+            line: n,
+            source: String::new(),
+            count_by_step: sizes.iter().map(|s| s / 100).collect(),
+            size_bytes_by_step: sizes,
+        };
+        let probe = ProbeData {
+            probe_steps: 5,
+            python: vec![
+                line(3, vec![MIB, 2 * MIB, 3 * MIB, 4 * MIB, 5 * MIB]),
+                line(4, vec![MIB, 2 * MIB, 2 * MIB, 2 * MIB, 2 * MIB]),
+                line(5, vec![100, 200, 300, 400, 500]),
+            ],
+            growth: Some(StepGrowth {
+                what: "CPU RSS".into(),
+                per_step_bytes: MIB as i64,
+                window_steps: 8,
+                rising_steps: 8,
+                steps_seen: 20,
+            }),
+            ..Default::default()
+        };
+        let r = leak_findings(&probe);
+        assert_eq!(r.findings.iter().map(|f| f.line).collect::<Vec<_>>(), [3]);
+        assert_eq!(r.findings[0].kind, "Python object");
+        assert!(r.unexplained.is_none());
+        let none = leak_findings(&ProbeData { python: vec![], tensors: vec![], ..probe });
+        assert!(none.unexplained.unwrap().contains("no line kept"));
+    }
+
+    #[test]
+    fn a_profile_keeps_each_process_latest_blob() {
+        let r = leak_findings(&ProbeData {
+            probe_steps: 5,
+            tensors: vec![site(12, vec![1; 5], vec![MIB; 5])],
+            ..Default::default()
+        });
+        let blob = |pid: u64, r: &LeakReport| {
+            let mut v = serde_json::to_value(r).unwrap();
+            v["pid"] = pid.into();
+            (LEAKS_BLOB.to_string(), v)
+        };
+        let empty = LeakReport::default();
+        let blobs = vec![blob(1, &empty), blob(2, &r), blob(1, &r), ("other".into(), serde_json::json!({}))];
+        let leaks = leaks_of_blobs(&blobs);
+        assert_eq!(leaks.len(), 2);
+        assert!(leaks.iter().all(|l| l.line == 12));
+    }
+}

@@ -1,0 +1,146 @@
+"""Training scripts that leak memory in one way each (the leaking line ends with `# LEAK`), and healthy ones
+whose memory rises then plateaus. `tests/test_leaks.py` runs them on the CPU, `scripts/gpu_check_leaks.py` on
+CUDA (the device is the script's first argument). Each prints `LEAKS <json of mon.leaks()>` and
+`PROBES <number of probes run>` at its end."""
+
+from __future__ import annotations
+
+import textwrap
+
+_HEAD = """
+import json, sys
+import torch
+import torchmem
+
+DEVICE = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+STEPS = int(sys.argv[2]) if len(sys.argv) > 2 else 40
+torch.manual_seed(0)
+torch.set_num_threads(1)  # small matrices: one thread is fastest on a shared machine
+model = torch.nn.Sequential(
+    torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256)
+).to(DEVICE)
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+mon = torchmem.Monitor(model, opt, verbose=False)
+"""
+
+_TAIL = """
+print("LEAKS " + json.dumps(mon.leaks()))
+print("PROBES " + str(len(mon._leaks.reports) + mon._leaks.probing))
+"""
+
+_BODIES = {
+    # Evaluation with autograd on: each step's graph (every saved activation) stays reachable from total_loss.
+    "total_loss": """
+total_loss = 0.0
+for step in range(STEPS):
+    with mon.step():
+        x = torch.randn(2048, 256, device=DEVICE)
+        loss = model(x).pow(2).mean()
+        total_loss += loss  # LEAK
+print("mean loss", float(total_loss) / STEPS)
+""",
+    # A list of outputs that grows: 2048 x 256 floats (2 MiB) per step.
+    "tensor_list": """
+outputs = []
+for step in range(STEPS):
+    with mon.step():
+        x = torch.randn(2048, 256, device=DEVICE)
+        out = model(x)
+        loss = out.pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        outputs.append(out.detach())  # LEAK
+""",
+    # A dict of Python objects that grows by ~1.3 MiB per step.
+    "python_dict": """
+history = {}
+for step in range(STEPS):
+    with mon.step():
+        x = torch.randn(2048, 256, device=DEVICE)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        history[step] = [float(i) + step for i in range(40000)]  # LEAK
+""",
+    # A cache of CPU copies that is never trimmed: 2 MiB per step.
+    "cpu_cache": """
+cache = {}
+for step in range(STEPS):
+    with mon.step():
+        x = torch.randn(2048, 256, device=DEVICE)
+        out = model(x)
+        loss = out.pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        cache[step] = out.detach().cpu().clone()  # LEAK
+""",
+    # Healthy: Adam's state appears at the first optimizer step, then memory is flat.
+    "healthy_adam": """
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+for step in range(STEPS):
+    with mon.step():
+        x = torch.randn(2048, 256, device=DEVICE)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+""",
+    # Healthy: a warm-up cache that fills over the first 4 steps, then stops growing; a bounded history.
+    "healthy_cache": """
+cache = {}
+recent = []
+for step in range(STEPS):
+    with mon.step():
+        x = torch.randn(2048, 256, device=DEVICE)
+        out = model(x)
+        loss = out.pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if len(cache) < 4:
+            cache[step] = torch.randn(2048, 256, device=DEVICE)
+        recent.append(loss.item())
+        recent = recent[-10:]
+""",
+}
+
+LEAKY = ("total_loss", "tensor_list", "python_dict", "cpu_cache")
+HEALTHY = ("healthy_adam", "healthy_cache")
+# The kind each leak is reported as, on the CPU and on CUDA.
+KIND = {
+    "total_loss": ("CPU tensor", "CUDA tensor"),
+    "tensor_list": ("CPU tensor", "CUDA tensor"),
+    "python_dict": ("Python object", "Python object"),
+    "cpu_cache": ("CPU tensor", "CPU tensor"),
+}
+
+
+def source(case: str) -> str:
+    """The whole script of one case."""
+    return textwrap.dedent(_HEAD) + textwrap.dedent(_BODIES[case]) + textwrap.dedent(_TAIL)
+
+
+def leak_line(case: str) -> int:
+    """The 1-based line number of the case's `# LEAK` line."""
+    for n, text in enumerate(source(case).splitlines(), 1):
+        if text.rstrip().endswith("# LEAK"):
+            return n
+    raise KeyError(f"{case} has no # LEAK line")
+
+
+def parse(stdout: str) -> tuple[list[dict], int]:
+    """(the findings, the number of probes) a case printed."""
+    import json
+
+    leaks = probes = None
+    for line in stdout.splitlines():
+        if line.startswith("LEAKS "):
+            leaks = json.loads(line[6:])
+        elif line.startswith("PROBES "):
+            probes = int(line[7:])
+    if leaks is None or probes is None:
+        raise AssertionError(f"the script printed no LEAKS/PROBES line:\n{stdout}")
+    return leaks, probes

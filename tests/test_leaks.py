@@ -1,0 +1,159 @@
+"""Leaks named by the line that holds them (`python/torchmem/_leaks.py`, `analysis/leaks.rs`): real training
+scripts on the CPU (`tests/leak_cases.py`) run as child processes, each leaking one way (`total_loss += loss`
+keeping every step's graph, a list of output tensors, a growing dict of Python objects, a cache of CPU
+tensors) must be named by its exact line, kind and size; healthy runs whose memory rises and plateaus (Adam's
+state at step 1, a warm-up cache) must give no finding, no warning, and not even start a probe. Under
+`torchmem run` the findings land in the profile and `torchmem report` prints them (text, JSON, Markdown, and
+the HTML page in a real chromium)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torchmem
+from browser import NEEDS_CHROMIUM, chromium
+from leak_cases import HEALTHY, KIND, LEAKY, leak_line, parse, source
+
+ENV = dict(os.environ, TORCHMEM_PYTHON=sys.executable)
+MIB = 1 << 20
+
+
+def run_case(tmp_path: Path, case: str, *prefix: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / f"{case}.py"
+    script.write_text(source(case))
+    cmd = [*prefix, str(script), "cpu", "40"] if prefix else [sys.executable, str(script), "cpu", "40"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, f"{case}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+@pytest.mark.parametrize("case", LEAKY)
+def test_each_leak_is_named_by_its_line(tmp_path: Path, case: str) -> None:
+    proc = run_case(tmp_path, case)
+    leaks, probes = parse(proc.stdout)
+    line = leak_line(case)
+    assert leaks, f"{case}: no finding\n{proc.stdout}\n{proc.stderr}"
+    top = leaks[0]
+    assert (Path(top["file"]).name, top["line"]) == (f"{case}.py", line), leaks
+    assert top["kind"] == KIND[case][0], top
+    assert top["source"].endswith("# LEAK"), top
+    # Each case keeps about 1 MiB per step (the graph of total_loss: every saved activation, ~4 MiB).
+    assert top["per_step_bytes"] >= MIB // 2, top
+    assert top["live_count"] >= 1, top
+    assert top["message"].startswith(f"{case}.py:{line} `"), top["message"]
+    assert probes == 1, "one probe, then off"
+    # The warning points at the line itself (warn_explicit), so Python prints that file:line and its source.
+    assert f"{case}.py:{line}: MemoryGrowthWarning" in proc.stderr, proc.stderr
+    if case == "total_loss":
+        assert top["holds_graph"] and top["graph_nodes"] > 10, top
+        assert top["graph_saved_bytes"] >= 5 * top["graph_per_step_bytes"] > 0, top
+        assert "autograd graph" in top["message"], top["message"]
+        # The forward's own line is alive only inside that graph: named through it, not as a second leak.
+        assert [f["line"] for f in leaks] == [line], leaks
+        assert any(h.endswith(f"{case}.py:{line - 1}") for h in top["holds_tensors_of"]), top
+    else:
+        assert not top["holds_graph"] and top["steps_alive"] >= 3, top
+
+
+@pytest.mark.parametrize("case", HEALTHY)
+def test_healthy_runs_that_plateau_start_no_probe_and_warn_nothing(tmp_path: Path, case: str) -> None:
+    proc = run_case(tmp_path, case)
+    leaks, probes = parse(proc.stdout)
+    assert leaks == [] and probes == 0, (leaks, probes, proc.stderr)
+    assert "MemoryGrowthWarning" not in proc.stderr, proc.stderr
+
+
+def test_a_forced_probe_of_a_healthy_loop_finds_nothing() -> None:
+    """The probe itself, run on a healthy loop: outputs of every step die, nothing is named."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    opt = torch.optim.Adam(model.parameters())
+    mon = torchmem.Monitor(model, opt, verbose=False)
+    mon._leaks.probe_now(5)
+    kept = []
+    for _ in range(8):
+        with mon.step():
+            loss = model(torch.randn(32, 64)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            kept.append(loss.item())  # floats: not tensors
+    assert mon._leaks.reports and mon._leaks.reports[0]["findings"] == [], mon._leaks.reports
+    assert mon.leaks() == [] and mon.to_dict()["leaks"] == []
+    mon.close()
+
+
+def test_a_forced_probe_names_a_list_of_tensors_in_process() -> None:
+    import torch
+
+    model = torch.nn.Linear(64, 512)
+    mon = torchmem.Monitor(model, verbose=False, warn=False)
+    mon._leaks.probe_now(5)
+    outputs = []
+    for _ in range(6):
+        with mon.step():
+            out = model(torch.randn(256, 64))
+            out.sum().backward()
+            outputs.append(out.detach())  # kept: 512 KiB per step
+    found = mon.leaks()
+    assert found and found[0]["source"] == "outputs.append(out.detach())  # kept: 512 KiB per step", found
+    assert found[0]["file"] == __file__ and found[0]["per_step_bytes"] == 256 * 512 * 4, found[0]
+    assert mon.to_dict()["leaks"] == found
+    text = mon.summary()
+    assert text.startswith("LEAK: test_leaks.py:") and "Leaks\n" in text, text
+    mon.close()
+
+
+def test_bad_settings_say_what_to_use() -> None:
+    with pytest.raises(ValueError, match="probe_steps=2"):
+        torchmem._leaks.LeakDetector(probe_steps=2)
+    with pytest.raises(ValueError, match="window_steps=1"):
+        torchmem._native.StepGrowthDetector(5, 1)
+    with pytest.raises(ValueError, match="JSON"):
+        torchmem._native.leak_findings_json("{not json")
+
+
+def torchmem_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchmem", *args], capture_output=True, text=True, env=ENV, timeout=600
+    )
+    assert proc.returncode == 0, f"torchmem {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def leaky_profile(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+    tmp = tmp_path_factory.mktemp("leakprof")
+    prof = tmp / "leak.sqlite"
+    run_case(tmp, "total_loss", sys.executable, "-m", "torchmem", "run", "-q", "-o", str(prof), "--", sys.executable)
+    return prof, leak_line("total_loss")
+
+
+def test_the_report_has_a_leaks_section(leaky_profile: tuple[Path, int]) -> None:
+    prof, line = leaky_profile
+    text = torchmem_cli("report", str(prof)).stdout
+    assert f"LEAK: total_loss.py:{line} `total_loss += loss  # LEAK` keeps each step's autograd graph alive" in text
+    assert "\nLeaks\n" in text and f"total_loss.py:{line}" in text.split("\nLeaks\n", 1)[1], text
+    data = json.loads(torchmem_cli("report", "--format", "json", str(prof)).stdout)
+    assert [(Path(f["file"]).name, f["line"], f["kind"]) for f in data["leaks"]] == [
+        ("total_loss.py", line, "CPU tensor")
+    ]
+    assert data["leaks"][0]["holds_graph"] is True and data["leaks"][0]["per_step_bytes"] >= MIB // 2
+    md = torchmem_cli("report", "--format", "markdown", str(prof)).stdout
+    assert f"> **Leak**: total_loss.py:{line}" in md and "### Leaks" in md, md
+
+
+@NEEDS_CHROMIUM
+def test_the_html_page_lists_the_leaks(leaky_profile: tuple[Path, int], tmp_path: Path) -> None:
+    prof, line = leaky_profile
+    page = tmp_path / "r.html"
+    torchmem_cli("plot", str(prof), "-o", str(page))
+    dom = chromium("--dump-dom", page.as_uri()).stdout
+    assert f"total_loss.py:{line}" in dom and "Leak:" in dom, dom[:2000]
+    assert ">Leaks<" in dom, "the Leaks table is drawn"
