@@ -302,34 +302,6 @@ class Monitor:
             if marker["kind"] == "phase":
                 self._step_phase_ends.append(marker)
 
-    def _with_breakdown_table(self, text: str) -> str:
-        """The summary with a "Breakdown" table: the Rust report's when the extension renders one, else the
-        last step's boundaries for each device, rendered here."""
-        b = self._breakdown_dict()
-        if "Breakdown" in text or b is None or not b["boundaries"]:
-            return text
-        lines = ["Breakdown (last step)" if b["step"] is None else f"Breakdown (step {b['step']})"]
-        cols = ("parameters", "gradients", "optimizer_state", "activations", "inputs", "other", "cache")
-        heads = ("boundary", "device", *(c.replace("_", " ") for c in cols))
-        rows = []
-        for bd in b["boundaries"]:
-            for e in bd["breakdown"]:
-                vals = [e.get(f"{c}_bytes") for c in cols]
-                rows.append(
-                    (bd["boundary"], e["device"], *("-" if v is None else _native.format_bytes(v) for v in vals))
-                )
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(heads)]
-        lines.append(
-            "  " + "  ".join(h.ljust(w) if i < 2 else h.rjust(w) for i, (h, w) in enumerate(zip(heads, widths)))
-        )
-        lines.append("  " + "  ".join("-" * w for w in widths))
-        for r in rows:
-            lines.append(
-                "  " + "  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))
-            )
-        lines.append("  Counted by storage; other = allocated - the five counted, cache = reserved - allocated (CUDA).")
-        return text.rstrip("\n") + "\n\n" + "\n".join(lines) + "\n"
-
     def breakdown(self) -> dict[str, Any] | None:
         """What the memory was in the last finished step: `{"step", "boundaries": [{"boundary", "t_ns",
         "breakdown", ["activations_by_module"]}, ...], "peak": {"phase", "boundary", "devices"},
@@ -491,7 +463,7 @@ class Monitor:
     def summary(self) -> str:
         """The per-epoch and per-phase tables and any growth warning, as text (and the leaks found)."""
         text = _native.summary_text(self._markers_json(), self._capacity_bytes(), self._aggregates_json())
-        return _native.leaks_text(json.dumps(self.leaks())) + self._with_breakdown_table(text)
+        return _native.leaks_text(json.dumps(self.leaks())) + text
 
     def leaks(self) -> list[dict[str, Any]]:
         """The lines found keeping memory alive step after step (`analysis::leaks::Leak` as dicts: file, line,
