@@ -4,8 +4,10 @@
 //! Values on its stack are 16-byte `Copy` handles (ints, string ids, record ids, container handles), the
 //! memo is 4 bytes a slot, strings are read once and interned by memo id, frame dicts become frame ids,
 //! frame lists stack ids, block dicts blocks, and trace-entry dicts go straight into the list of the
-//! device they belong to. It recognises the dicts exactly as the generic decoder (`decode`) does, at the
-//! same opcodes, and interns in the same order, so both build the same [`Snapshot`].
+//! device they belong to; a trace-entry dict of the usual shape is read whole in one pass
+//! (`trace_entry`), from the bytes into its fields. It recognises the dicts exactly as the generic
+//! decoder (`decode`) does, at the same opcodes, and interns in the same order, so both build the same
+//! [`Snapshot`].
 //!
 //! It only takes the shapes and opcodes real snapshots use. Anything else — a refused or unknown opcode,
 //! a damaged or truncated file, a value of an unexpected type, a container shared in a way the shortcut
