@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torchmem
 from torchmem import _native
+from torchmem import snapshot as tm_snapshot
 
 SNAP = Path(__file__).resolve().parent / "fixtures" / "snapshots"
 
@@ -36,6 +37,13 @@ CASES = [
     ),
     ("snapshot bytes", lambda tmp: _native.snapshot_summary_bytes_json(b"\x80\x04garbage"), torchmem.SnapshotError),
     ("snapshot file", lambda tmp: _native.snapshot_text(str(tmp / "x.sqlite"), 1), torchmem.SnapshotError),
+    ("snapshot missing", lambda tmp: _native.snapshot_text(str(tmp / "none.pickle"), 1), FileNotFoundError),
+    ("snapshot summary missing", lambda tmp: tm_snapshot.summary(tmp / "none.pickle"), FileNotFoundError),
+    (
+        "snapshot HTML of a missing file",
+        lambda tmp: _native.snapshot_html(str(tmp / "none.pickle"), str(tmp / "r.html")),
+        FileNotFoundError,
+    ),
     ("profile missing", lambda tmp: _native.open_profile(str(tmp / "none.sqlite")), FileNotFoundError),
     ("profile directory", lambda tmp: _native.open_profile(str(tmp)), IsADirectoryError),
     ("profile not a profile", lambda tmp: _native.open_profile(str(tmp / "x.sqlite")), torchmem.ProfileError),

@@ -66,12 +66,11 @@ def malloc_trim() -> bool:
 def format_bytes(bytes: int) -> str:
     """Binary units as every report prints them: "512 B", "1.5 KiB", "64.0 MiB", "1.25 GiB"."""
 
+def format_bytes_torch(bytes: int) -> str:
+    """Binary units as PyTorch's messages print them: "512 B", "32.00 MiB", "1.50 TiB"."""
+
 def nvml_error() -> str | None:
     """Why NVML cannot be used in this process, or None when it can (NVML is opened once)."""
-
-def nvml_index_of_uuid(uuid: str) -> int | None:
-    """NVML index of the device with this UUID, as NVML writes it ("GPU-..."/"MIG-...") or as torch does (no
-    prefix). Raises TorchmemError without NVML."""
 
 def nvml_index_of_device(torch_index: int, uuid: str | None = None) -> int | None:
     """NVML index of torch's CUDA device `torch_index` (the one rule of `torchmem.stats()`, the markers and the
@@ -135,9 +134,10 @@ def read_allocator_once() -> list[str]:
     [] when torch is not imported or CUDA not initialised (never initialises CUDA)."""
 
 def start_allocator_sampler(interval_ms: float) -> bool:
-    """Starts the thread that sends read_allocator_once()'s lines every interval_ms to the fd in
-    TORCHMEM_EVENT_FD (torchmem run's recorder). False when that variable is unset or the fd closed; True
-    when running. Stops by itself at interpreter exit (atexit, after one last read) or when the pipe closes.
+    """Starts the thread that sends read_allocator_once()'s lines every interval_ms to torchmem run's recorder:
+    the Unix socket named by TORCHMEM_EVENT_SOCKET (else the inherited pipe in TORCHMEM_EVENT_FD). False when
+    neither is set or the recorder cannot be reached; True when running. Stops by itself at interpreter exit
+    (atexit, after one last read) or when the connection closes.
     InputError (a ValueError) when interval_ms is not a positive number; TorchmemError when the thread cannot
     start."""
 

@@ -90,29 +90,23 @@ _nvml_index_cache: dict[int, int] = {}
 
 
 def _nvml_index(torch: Any, dev: int) -> int | None:
-    """The NVML index of CUDA device `dev` (they differ under CUDA_VISIBLE_DEVICES), matched by UUID."""
+    """The NVML index of CUDA device `dev` (they differ under CUDA_VISIBLE_DEVICES), by the extension's one rule
+    (`_native.nvml_index_of_device`: torch's UUID of the device, else its CUDA_VISIBLE_DEVICES entry, else
+    `dev`), the one the allocator sampler keys its rows by."""
     if dev in _nvml_index_cache:
         return _nvml_index_cache[dev]
     if _native.nvml_error() is not None:
         return None
-    index: int | None = None
+    uuid: str | None = None
     if _cuda_initialized(torch):
         try:
-            index = _native.nvml_index_of_uuid(str(torch.cuda.get_device_properties(dev).uuid))
+            uuid = str(torch.cuda.get_device_properties(dev).uuid)
         except Exception:
-            index = None
-        if index is not None:
-            _nvml_index_cache[dev] = index
-            return index
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible:
-        parts = [p.strip() for p in visible.split(",") if p.strip()]
-        if dev < len(parts) and parts[dev].isdigit():
-            return int(parts[dev])
-        if dev < len(parts):
-            return _native.nvml_index_of_uuid(parts[dev])
-        return None
-    return dev
+            uuid = None
+    index = _native.nvml_index_of_device(dev, uuid)
+    if index is not None and uuid is not None:
+        _nvml_index_cache[dev] = index
+    return index
 
 
 def _nvml(torch: Any, dev: int) -> tuple[int, int, int, int | None, int] | None:

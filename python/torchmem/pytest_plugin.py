@@ -92,14 +92,12 @@ def parse_size(text: Any) -> int:
 
 
 def _fmt(n: int | None) -> str:
+    """Bytes as PyTorch writes them ("32.00 MiB"), by torchmem's one formatter."""
     if n is None:
         return "-"
-    sign = "-" if n < 0 else ""
-    n = abs(n)
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{sign}{n / size:.2f} {unit}"
-    return f"{sign}{n} B"
+    from . import _native
+
+    return ("-" if n < 0 else "") + _native.format_bytes_torch(abs(n))
 
 
 @dataclasses.dataclass(frozen=True)

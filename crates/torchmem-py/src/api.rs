@@ -11,12 +11,14 @@ use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use torchmem_core::analysis::MarkerAggregates;
+use torchmem_core::model::Marker;
 use torchmem_core::report::monitor;
 use torchmem_core::sources::allocator::AllocatorCounters;
 use torchmem_core::sources::gpu::{nvml_index_of_torch_device, NvmlLib};
 use torchmem_core::sources::{device_info, self_proc};
 
-use crate::errors::{to_py, Error, Result};
+use crate::errors::{Error, Result};
 
 // --- this process's memory -------------------------------------------------------------------------------
 
@@ -52,9 +54,16 @@ fn malloc_trim(py: Python<'_>) -> bool {
     py.detach(self_proc::malloc_trim)
 }
 
+/// torchmem's byte formatter (`torchmem-units`): reports' style.
 #[pyfunction]
 fn format_bytes(bytes: u64) -> String {
     torchmem_core::units::format_bytes(bytes)
+}
+
+/// torchmem's byte formatter in PyTorch's style (two decimals in every unit: `32.00 MiB`).
+#[pyfunction]
+fn format_bytes_torch(bytes: u64) -> String {
+    torchmem_core::units::format_bytes_torch(bytes)
 }
 
 // --- NVML ------------------------------------------------------------------------------------------------
@@ -81,14 +90,6 @@ fn nvml_error(py: Python<'_>) -> Option<String> {
 #[pyo3(signature = (torch_index, uuid=None))]
 fn nvml_index_of_device(py: Python<'_>, torch_index: u32, uuid: Option<String>) -> Option<u32> {
     py.detach(|| nvml_index_of_torch(torch_index, uuid.as_deref()))
-}
-
-/// The NVML index of the device with this UUID, as NVML writes it ("GPU-…"/"MIG-…") or as torch does
-/// (without the prefix); None when NVML does not know it.
-#[pyfunction]
-fn nvml_index_of_uuid(py: Python<'_>, uuid: &str) -> PyResult<Option<u32>> {
-    let nvml = nvml()?;
-    Ok(py.detach(|| nvml.lock().expect("NVML lock").index_of_uuid(uuid)))
 }
 
 /// The one rule, read without the interpreter (opening NVML can take milliseconds).
@@ -118,8 +119,13 @@ fn device_info_json(py: Python<'_>) -> Result<String> {
 
 // --- Monitor summaries -----------------------------------------------------------------------------------
 
-fn aggregates(json: Option<&str>) -> PyResult<Option<torchmem_core::analysis::MarkerAggregates>> {
-    json.map(|j| monitor::parse_aggregates(j).map_err(to_py)).transpose()
+/// A Monitor's markers (`model::Marker` JSON list) and, for a Monitor that kept only the first occurrences'
+/// markers, its aggregates over all of them: what every summary binding parses first.
+fn markers_and_aggregates(
+    markers_json: &str,
+    aggregates_json: Option<&str>,
+) -> Result<(Vec<Marker>, Option<MarkerAggregates>)> {
+    Ok((monitor::parse_markers(markers_json)?, aggregates_json.map(monitor::parse_aggregates).transpose()?))
 }
 
 /// The Monitor's summary (epochs, phases, growth, journey) as JSON, from markers in `model::Marker` form and,
@@ -131,10 +137,9 @@ fn summary_json(
     markers_json: &str,
     capacity_bytes: Option<u64>,
     aggregates_json: Option<&str>,
-) -> PyResult<String> {
-    let markers = monitor::parse_markers(markers_json).map_err(to_py)?;
-    let agg = aggregates(aggregates_json)?;
-    py.detach(|| monitor::summary_json(&markers, capacity_bytes, agg.as_ref())).map_err(to_py)
+) -> Result<String> {
+    let (markers, agg) = markers_and_aggregates(markers_json, aggregates_json)?;
+    Ok(py.detach(|| monitor::summary_json(&markers, capacity_bytes, agg.as_ref()))?)
 }
 
 /// The per-epoch and per-phase tables and growth warnings as text.
@@ -145,9 +150,8 @@ fn summary_text(
     markers_json: &str,
     capacity_bytes: Option<u64>,
     aggregates_json: Option<&str>,
-) -> PyResult<String> {
-    let markers = monitor::parse_markers(markers_json).map_err(to_py)?;
-    let agg = aggregates(aggregates_json)?;
+) -> Result<String> {
+    let (markers, agg) = markers_and_aggregates(markers_json, aggregates_json)?;
     Ok(py.detach(|| monitor::summary_text(&markers, capacity_bytes, agg.as_ref())))
 }
 
@@ -160,22 +164,21 @@ fn journey(
     format: &str,
     title: &str,
     aggregates_json: Option<&str>,
-) -> PyResult<String> {
+) -> Result<String> {
     let mermaid = match format {
         "text" => false,
         "mermaid" => true,
-        other => return Err(Error::Input(format!("journey format {other:?}: use \"text\" or \"mermaid\"")).into()),
+        other => return Err(Error::Input(format!("journey format {other:?}: use \"text\" or \"mermaid\""))),
     };
-    let markers = monitor::parse_markers(markers_json).map_err(to_py)?;
-    let agg = aggregates(aggregates_json)?;
+    let (markers, agg) = markers_and_aggregates(markers_json, aggregates_json)?;
     Ok(monitor::journey_render(&markers, capacity_bytes, agg.as_ref(), mermaid, title))
 }
 
 /// `{"line", "row", "growth", "growth_per_epoch_bytes"}` for the last finished epoch, from epoch markers.
 #[pyfunction]
-fn epoch_report_json(markers_json: &str) -> PyResult<String> {
-    let markers = monitor::parse_markers(markers_json).map_err(to_py)?;
-    serde_json::to_string(&monitor::epoch_report(&markers)).map_err(|e| to_py(e.into()))
+fn epoch_report_json(markers_json: &str) -> Result<String> {
+    let markers = monitor::parse_markers(markers_json)?;
+    Ok(serde_json::to_string(&monitor::epoch_report(&markers))?)
 }
 
 // --- the program's peak ledger -------------------------------------------------------------------------
@@ -515,7 +518,8 @@ fn sampler_loop(stop: Arc<AtomicBool>, fd: i32, interval: Duration) {
 }
 
 /// Starts the thread that sends the allocator's counters to `torchmem run`'s recorder every `interval_ms`.
-/// Returns False (and does nothing) when `TORCHMEM_EVENT_FD` is unset or closed; True when running.
+/// Returns False (and does nothing) when neither `TORCHMEM_EVENT_SOCKET` (the recorder's socket) nor
+/// `TORCHMEM_EVENT_FD` (an inherited pipe) reaches a recorder; True when running.
 #[pyfunction]
 fn start_allocator_sampler(py: Python<'_>, interval_ms: f64) -> PyResult<bool> {
     if !(interval_ms.is_finite() && interval_ms > 0.0) {
@@ -589,8 +593,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reset_peak_rss, m)?)?;
     m.add_function(wrap_pyfunction!(malloc_trim, m)?)?;
     m.add_function(wrap_pyfunction!(format_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(format_bytes_torch, m)?)?;
     m.add_function(wrap_pyfunction!(nvml_error, m)?)?;
-    m.add_function(wrap_pyfunction!(nvml_index_of_uuid, m)?)?;
     m.add_function(wrap_pyfunction!(nvml_index_of_device, m)?)?;
     m.add_function(wrap_pyfunction!(nvml_read, m)?)?;
     m.add_function(wrap_pyfunction!(device_info_json, m)?)?;

@@ -7,7 +7,7 @@
 //! - `ProfileError(TorchmemError, ValueError)`: a file that is not a readable torchmem profile;
 //! - `SnapshotError(TorchmemError, ValueError)`: an allocator snapshot that cannot be read;
 //! - I/O: the matching `OSError` subclass (`FileNotFoundError`, `PermissionError`, `IsADirectoryError`, …);
-//!   a missing profile is `FileNotFoundError` with the CLI's message.
+//!   a missing profile or snapshot is `FileNotFoundError` with the CLI's message.
 //!
 //! The bad-input classes are `ValueError`s, so code written against the old `except ValueError` keeps working.
 
@@ -185,6 +185,9 @@ impl From<Error> for PyErr {
                 Error::Profile(e) => raise(py, &c.profile, e.to_string()),
                 Error::Core(e @ (CoreError::Json(_) | CoreError::Invalid(_))) => raise(py, &c.input, e.to_string()),
                 Error::Core(e) => TorchmemError::new_err(e.to_string()),
+                Error::Snapshot(e @ torchmem_snapshot::SnapshotError::NotFound { .. }) => {
+                    exc::PyFileNotFoundError::new_err((libc::ENOENT, e.to_string()))
+                }
                 Error::Snapshot(e) => raise(py, &c.snapshot, e.to_string()),
                 Error::Input(msg) => raise(py, &c.input, msg),
                 Error::OomParse(msg) => raise(py, &c.oom_parse, msg),
@@ -208,11 +211,6 @@ impl From<Error> for PyErr {
             }
         })
     }
-}
-
-/// Kept for the bindings not yet moved to `?` (api.rs): the same conversion as `From<CoreError>`.
-pub fn to_py(e: CoreError) -> PyErr {
-    Error::from(e).into()
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

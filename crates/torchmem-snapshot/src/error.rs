@@ -28,8 +28,21 @@ pub enum SnapshotError {
     Schema { path: String, msg: String },
     #[error("{path}: invalid JSON snapshot: {msg}")]
     Json { path: String, msg: String },
+    /// The file does not exist (Python gets `FileNotFoundError`, the CLI the same words).
+    #[error("{path}: no such snapshot file. Check the path")]
+    NotFound { path: String },
     #[error("{path}: {msg}")]
     Io { path: String, msg: String },
+}
+
+impl SnapshotError {
+    /// A failure to open snapshot file `path`: [`SnapshotError::NotFound`] when it does not exist.
+    pub fn open_failed(path: &str, e: &std::io::Error) -> SnapshotError {
+        match e.kind() {
+            std::io::ErrorKind::NotFound => SnapshotError::NotFound { path: path.to_string() },
+            _ => SnapshotError::Io { path: path.to_string(), msg: format!("cannot open: {e}") },
+        }
+    }
 }
 
 /// Internal: a pickle-level or schema-level failure, before the path is attached.

@@ -40,8 +40,7 @@ pub fn read_bytes(data: &[u8], name: &str) -> Result<Snapshot, SnapshotError> {
 /// read again by the generic decoder, which gives the result or the precise error.
 pub fn read_path(path: &Path) -> Result<Snapshot, SnapshotError> {
     let name = path.display().to_string();
-    let open =
-        || File::open(path).map_err(|e| SnapshotError::Io { path: name.clone(), msg: format!("cannot open: {e}") });
+    let open = || File::open(path).map_err(|e| SnapshotError::open_failed(&name, &e));
     let mut f = open()?;
     let mut first = [0u8; 1];
     let n = loop {
