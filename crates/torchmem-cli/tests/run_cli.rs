@@ -238,8 +238,9 @@ fn worker_children_are_summed_without_double_counting() {
     assert!(rss >= (200 * 4 + 150) * MIB, "tree RSS {} MiB", rss / MIB);
     // PSS: shared 200 MiB once + 3 × 50 MiB + interpreters (a few MiB each): well under 500 MiB.
     assert!((350 * MIB..500 * MIB).contains(&pss), "tree PSS {} MiB", pss / MIB);
-    let procs = report_json(&prof)["processes"].as_array().unwrap().len();
-    assert_eq!(procs, 4);
+    let report = report_json(&prof);
+    let procs = report["processes"].as_array().unwrap();
+    assert_eq!(procs.len(), 4, "{procs:#?}");
 }
 
 #[test]
