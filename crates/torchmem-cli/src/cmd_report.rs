@@ -50,6 +50,17 @@ pub struct ReportArgs {
     /// Output format.
     #[arg(long, short = 'f', value_enum, default_value_t = FormatArg::Table)]
     pub format: FormatArg,
+    /// With `--format csv`: which table. `timeline` (one row per CPU sample) or `breakdown` (one row per kept
+    /// step/phase boundary and device: bytes of parameters, gradients, optimizer state, activations, …).
+    #[arg(long, value_enum, default_value_t = CsvTable::Timeline)]
+    pub csv_table: CsvTable,
+}
+
+/// What `--format csv` writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum CsvTable {
+    Timeline,
+    Breakdown,
 }
 
 /// Opens a profile for a report; the core's errors already name the problem and the fix.
@@ -180,7 +191,16 @@ fn render_one(profile: &Profile, format: Format) -> anyhow::Result<String> {
 
 pub fn run(args: ReportArgs) -> anyhow::Result<i32> {
     let inputs = expand_inputs(&args.profiles)?;
-    let text = if inputs.len() == 1 && !args.profiles[0].is_dir() {
+    if args.csv_table == CsvTable::Breakdown && args.format != FormatArg::Csv {
+        anyhow::bail!("--csv-table breakdown goes with --format csv (the other formats hold the breakdown already)");
+    }
+    let text = if args.csv_table == CsvTable::Breakdown {
+        if inputs.len() != 1 {
+            anyhow::bail!("--format csv shows one profile: give one file (it is per run, not per job)");
+        }
+        let profile = open_profile(&inputs[0])?;
+        report::breakdown::render_csv(&Summary::from_profile(&profile).breakdown)
+    } else if inputs.len() == 1 && !args.profiles[0].is_dir() {
         render_one(&open_profile(&inputs[0])?, args.format.into())?
     } else {
         let profiles = inputs.iter().map(|p| open_profile(p)).collect::<anyhow::Result<Vec<_>>>()?;

@@ -445,6 +445,9 @@ impl Recorder {
         for row in self.folder.take_dirty() {
             self.writer.push(Record::Aggregate(row));
         }
+        for row in self.folder.take_dirty_breakdowns() {
+            self.writer.push(Record::BreakdownAggregate(row));
+        }
     }
 
     /// Moves every message the profiled processes sent so far into the profile.
@@ -516,8 +519,20 @@ impl Recorder {
                 self.last_torch.insert((origin.pid, device), sample.clone());
                 Record::Torch(sample)
             }
-            ChildMessage::Marker { t_ns, kind, edge, name, index, memory, device } => {
-                let marker = Marker { t_ns: self.rel(t_ns), kind, edge, name, index, memory, origin, device };
+            ChildMessage::Marker {
+                t_ns,
+                kind,
+                edge,
+                name,
+                index,
+                memory,
+                device,
+                breakdown,
+                activations_by_module,
+            } => {
+                let t_ns = self.rel(t_ns);
+                let marker =
+                    Marker { t_ns, kind, edge, name, index, memory, origin, device, breakdown, activations_by_module };
                 self.writer.saw_marker(&marker);
                 match self.folder.push(marker) {
                     Some(kept) => Record::Marker(kept),

@@ -46,6 +46,8 @@ fn marker(
         },
         origin: Default::default(),
         device: None,
+        breakdown: None,
+        activations_by_module: None,
     })
 }
 

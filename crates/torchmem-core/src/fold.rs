@@ -8,6 +8,7 @@
 
 use std::collections::{HashMap, HashSet};
 
+use crate::breakdown::{boundary_of, BreakdownAggregate, BreakdownKey};
 use crate::model::{opt_max, AggregateKey, Edge, Marker, MarkerKind, MarkerMemory, Origin, SpanAggregate};
 
 /// How many occurrences of each step and phase keep their markers unless told otherwise.
@@ -70,6 +71,9 @@ pub struct SpanFolder {
     epochs: EpochTracker,
     aggregates: HashMap<AggregateKey, SpanAggregate>,
     dirty: HashSet<AggregateKey>,
+    /// The breakdowns (`Marker::breakdown`) of the folded markers, per (pid, rank, boundary, device).
+    breakdowns: HashMap<BreakdownKey, BreakdownAggregate>,
+    dirty_breakdowns: HashSet<BreakdownKey>,
 }
 
 impl SpanFolder {
@@ -80,6 +84,8 @@ impl SpanFolder {
             epochs: EpochTracker::default(),
             aggregates: HashMap::new(),
             dirty: HashSet::new(),
+            breakdowns: HashMap::new(),
+            dirty_breakdowns: HashSet::new(),
         }
     }
 
@@ -108,6 +114,9 @@ impl SpanFolder {
                 device: m.device,
                 origin: m.origin,
             });
+            if !kept {
+                self.fold_breakdown(&m);
+            }
             return kept.then_some(m);
         }
         let open = self.streams.get_mut(&key).and_then(|s| s.open.pop());
@@ -115,10 +124,40 @@ impl SpanFolder {
             None => Some(m),
             Some(o) if o.kept => Some(m),
             Some(o) => {
+                self.fold_breakdown(&m);
                 self.fold(m.kind, m.name, o, Some((m.t_ns, &m.memory)));
                 None
             }
         }
+    }
+
+    /// A folded marker's breakdown joins its boundary's exact aggregate (the marker itself is dropped).
+    fn fold_breakdown(&mut self, m: &Marker) {
+        let Some(entries) = &m.breakdown else { return };
+        let boundary = boundary_of(m);
+        for b in entries {
+            let key: BreakdownKey = (m.origin.pid, m.origin.rank, boundary.clone(), b.device.clone());
+            self.breakdowns
+                .entry(key.clone())
+                .or_insert_with(|| BreakdownAggregate::new(m.origin, boundary.clone(), b.device.clone()))
+                .add(b);
+            self.dirty_breakdowns.insert(key);
+        }
+    }
+
+    /// The breakdown rows changed since the last call, with their totals so far (like `take_dirty`).
+    pub fn take_dirty_breakdowns(&mut self) -> Vec<BreakdownAggregate> {
+        let mut rows: Vec<BreakdownAggregate> =
+            self.dirty_breakdowns.drain().filter_map(|k| self.breakdowns.get(&k).cloned()).collect();
+        rows.sort_by_key(BreakdownAggregate::key);
+        rows
+    }
+
+    /// Every breakdown row, in key order.
+    pub fn breakdown_aggregates(&self) -> Vec<BreakdownAggregate> {
+        let mut rows: Vec<BreakdownAggregate> = self.breakdowns.values().cloned().collect();
+        rows.sort_by_key(BreakdownAggregate::key);
+        rows
     }
 
     fn fold(&mut self, kind: MarkerKind, name: String, o: OpenSpan, end: Option<(u64, &MarkerMemory)>) {
@@ -228,6 +267,8 @@ mod tests {
             memory: MarkerMemory { rss_bytes: Some(rss), ..Default::default() },
             origin: Origin { pid: Some(pid), ..Default::default() },
             device: None,
+            breakdown: None,
+            activations_by_module: None,
         }
     }
 

@@ -7,6 +7,7 @@
 //! the keep-or-fold rule that bounds a long run's markers (applied by the recorder and the loader).
 
 pub mod analysis;
+pub mod breakdown;
 pub mod clock;
 pub mod error;
 pub mod fold;

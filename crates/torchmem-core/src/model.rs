@@ -7,6 +7,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::breakdown::{BreakdownAggregate, DeviceBreakdown};
+
 /// Who sent a record: the profiled process, and its place in a distributed job when the environment says
 /// (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`; else Slurm's `SLURM_PROCID`, `SLURM_LOCALID`, `SLURM_NTASKS`).
 /// All None in a schema-v1 profile (recorded before torchmem kept identity).
@@ -247,6 +249,14 @@ pub struct Marker {
     /// marker read no GPU (CPU only). Its peaks count for that GPU alone.
     #[serde(default)]
     pub device: Option<u32>,
+    /// What the memory is at this boundary, per device (the Monitor's step start and phase ends; see
+    /// `breakdown`); None when the marker carries none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub breakdown: Option<Vec<DeviceBreakdown>>,
+    /// Bytes each module's forward left saved for backward (qualified module name -> bytes; opt-in, in the
+    /// end-of-forward marker).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub activations_by_module: Option<std::collections::BTreeMap<String, u64>>,
 }
 
 /// The spans (steps, phases) that were folded instead of kept as markers: every occurrence after the first
@@ -481,6 +491,8 @@ pub struct Profile {
     pub torch: Vec<TorchSample>,
     pub markers: Vec<Marker>,
     pub aggregates: Vec<SpanAggregate>,
+    /// The breakdowns of folded boundaries (exact per-category count/sum/max), with `markers`' own.
+    pub breakdown_aggregates: Vec<BreakdownAggregate>,
     pub line_profiles: Vec<serde_json::Value>,
     /// Who sent each of `line_profiles` (same order).
     pub line_profile_origins: Vec<Origin>,

@@ -5,6 +5,7 @@
 //! next open. The file is plain SQLite, so `pandas.read_sql("select * from cpu_samples", sqlite3.connect(p))`
 //! reads it as it is. Table and column names carry their unit (`_bytes`, `_ns`).
 
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
@@ -14,7 +15,18 @@ use crate::model::*;
 
 pub const FORMAT_NAME: &str = "torchmem-profile";
 /// The schema this code writes. v2 added identity (pid, rank, local_rank, world_size) to markers, torch
-/// samples and line profiles, the marker's device, and `span_aggregates`; v1 files still load.
+/// samples and line profiles, the marker's device, and `span_aggregates`; v1 files still load. Later v2
+/// files add the breakdown tables (`breakdowns`, `module_activations`, `breakdown_aggregates`, below): a
+/// file without them reads as "no breakdown recorded", and older readers ignore them.
+///
+/// The breakdown ("what is the memory?", `crate::breakdown`): `breakdowns` holds one row per (kept marker,
+/// device), linked by the marker's `rowid`, with one column per category (`parameters_bytes` …
+/// `rss_bytes`, NULL where not measured) and the per-module and per-param-group detail as JSON (`by_module`:
+/// `{"parameters": {module: bytes}, "gradients": {...}}`, `by_param_group`: `[bytes, ...]`);
+/// `module_activations` one row per (kept marker, module) of the opt-in activations by module;
+/// `breakdown_aggregates` one row per (pid, rank, boundary, device, category) of the boundaries the
+/// recorder folded (every step after the first `keep_spans`): count, sum and max, so the mean and max
+/// over all steps are exact while the file grows by the first `keep_spans` steps' rows only.
 pub const SCHEMA_VERSION: i64 = 2;
 
 const SCHEMA: &str = "
@@ -46,6 +58,17 @@ CREATE INDEX span_aggregates_by_name ON span_aggregates (kind, name);
 CREATE TABLE line_profiles (t_ns INTEGER NOT NULL, data TEXT NOT NULL,
     pid INTEGER, rank INTEGER, local_rank INTEGER, world_size INTEGER);
 CREATE TABLE blobs (t_ns INTEGER NOT NULL, name TEXT NOT NULL, data TEXT NOT NULL);
+CREATE TABLE breakdowns (marker_rowid INTEGER NOT NULL, device TEXT NOT NULL,
+    parameters_bytes INTEGER, gradients_bytes INTEGER, optimizer_state_bytes INTEGER,
+    activations_bytes INTEGER, inputs_bytes INTEGER, other_bytes INTEGER,
+    allocated_bytes INTEGER, reserved_bytes INTEGER, cache_bytes INTEGER, non_torch_bytes INTEGER,
+    rss_bytes INTEGER, by_module TEXT NOT NULL, by_param_group TEXT NOT NULL);
+CREATE INDEX breakdowns_by_marker ON breakdowns (marker_rowid);
+CREATE TABLE module_activations (marker_rowid INTEGER NOT NULL, module TEXT NOT NULL,
+    activations_bytes INTEGER NOT NULL);
+CREATE TABLE breakdown_aggregates (pid INTEGER, rank INTEGER, local_rank INTEGER, world_size INTEGER,
+    boundary TEXT NOT NULL, device TEXT NOT NULL, category TEXT NOT NULL, boundaries INTEGER NOT NULL,
+    count INTEGER NOT NULL, sum_bytes INTEGER NOT NULL, max_bytes INTEGER NOT NULL);
 ";
 
 /// Everything the recorder writes, in one enum so one channel carries it.
@@ -59,6 +82,8 @@ pub enum Record {
     Marker(Marker),
     /// A folded-spans row with its totals so far: replaces the previous row of the same key.
     Aggregate(SpanAggregate),
+    /// A folded-breakdowns row with its totals so far: replaces the previous rows of the same key.
+    BreakdownAggregate(BreakdownAggregate),
     LineProfile {
         t_ns: u64,
         origin: Origin,
@@ -196,6 +221,14 @@ impl ProfileWriter {
             )?;
             let mut lines = tx.prepare_cached("INSERT INTO line_profiles VALUES (?1,?2,?3,?4,?5,?6)")?;
             let mut blob = tx.prepare_cached("INSERT INTO blobs VALUES (?1,?2,?3)")?;
+            let mut breakdown = tx
+                .prepare_cached("INSERT INTO breakdowns VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15)")?;
+            let mut activation = tx.prepare_cached("INSERT INTO module_activations VALUES (?1,?2,?3)")?;
+            let mut bagg_del = tx.prepare_cached(
+                "DELETE FROM breakdown_aggregates WHERE pid IS ?1 AND rank IS ?2 AND boundary = ?3 AND device = ?4",
+            )?;
+            let mut bagg =
+                tx.prepare_cached("INSERT INTO breakdown_aggregates VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11)")?;
             for r in self.pending.drain(..) {
                 match r {
                     Record::Cpu(s) => {
@@ -265,6 +298,50 @@ impl ProfileWriter {
                             m.origin.world_size,
                             m.device
                         ])?;
+                        if m.breakdown.is_some() || m.activations_by_module.is_some() {
+                            let rowid = tx.last_insert_rowid();
+                            for b in m.breakdown.iter().flatten() {
+                                breakdown.execute(params![
+                                    rowid,
+                                    b.device,
+                                    sql_opt(b.parameters_bytes),
+                                    sql_opt(b.gradients_bytes),
+                                    sql_opt(b.optimizer_state_bytes),
+                                    sql_opt(b.activations_bytes),
+                                    sql_opt(b.inputs_bytes),
+                                    b.other_bytes,
+                                    sql_opt(b.allocated_bytes),
+                                    sql_opt(b.reserved_bytes),
+                                    sql_opt(b.cache_bytes),
+                                    b.non_torch_bytes,
+                                    sql_opt(b.rss_bytes),
+                                    serde_json::to_string(&b.by_module)?,
+                                    serde_json::to_string(&b.by_param_group)?
+                                ])?;
+                            }
+                            for (module, bytes) in m.activations_by_module.iter().flatten() {
+                                activation.execute(params![rowid, module, sql_u64(*bytes)])?;
+                            }
+                        }
+                    }
+                    Record::BreakdownAggregate(a) => {
+                        let o = &a.origin;
+                        bagg_del.execute(params![o.pid, o.rank, a.boundary, a.device])?;
+                        for (c, st) in &a.categories {
+                            bagg.execute(params![
+                                o.pid,
+                                o.rank,
+                                o.local_rank,
+                                o.world_size,
+                                a.boundary,
+                                a.device,
+                                c.as_str(),
+                                sql_u64(a.count),
+                                sql_u64(st.count),
+                                sql_u64(st.sum_bytes),
+                                sql_u64(st.max_bytes)
+                            ])?;
+                        }
                     }
                     Record::Aggregate(a) => {
                         let o = &a.origin;
@@ -686,8 +763,11 @@ fn load_tables(conn: &Connection, path: &Path, meta: RunMeta, version: i64) -> r
         .collect::<rusqlite::Result<_>>()?;
     let device_column = if version >= 2 { "device" } else { "NULL" };
     let mut st = conn.prepare(&format!(
-        "SELECT t_ns, kind, edge, name, idx, rss_bytes, allocated_bytes, reserved_bytes, peak_allocated_bytes, peak_reserved_bytes, peak_rss_bytes, {ids}, {device_column} FROM markers ORDER BY t_ns, rowid"
+        "SELECT t_ns, kind, edge, name, idx, rss_bytes, allocated_bytes, reserved_bytes, peak_allocated_bytes, peak_reserved_bytes, peak_rss_bytes, {ids}, {device_column}, rowid FROM markers ORDER BY t_ns, rowid"
     ))?;
+    let has_breakdowns = version >= 2 && has_table(conn, "breakdowns")?;
+    let mut breakdowns = if has_breakdowns { load_breakdowns(conn)? } else { HashMap::new() };
+    let mut activations = if has_breakdowns { load_module_activations(conn)? } else { HashMap::new() };
     let mut rows = st.query([])?;
     let mut folder = crate::fold::SpanFolder::new(keep_spans);
     while let Some(r) = rows.next()? {
@@ -709,15 +789,30 @@ fn load_tables(conn: &Connection, path: &Path, meta: RunMeta, version: i64) -> r
             },
             origin: get_origin(r, 11)?,
             device: r.get(15)?,
+            breakdown: breakdowns.remove(&r.get::<_, i64>(16)?),
+            activations_by_module: activations.remove(&r.get::<_, i64>(16)?),
         };
         if let Some(kept) = folder.push(m) {
             p.markers.push(kept);
         }
     }
     folder.finish();
+    let mut breakdown_aggregates =
+        if has_breakdowns { load_breakdown_aggregates(conn)? } else { Vec::<BreakdownAggregate>::new() };
+    let mut at: HashMap<crate::breakdown::BreakdownKey, usize> =
+        breakdown_aggregates.iter().enumerate().map(|(i, a)| (a.key(), i)).collect();
+    for folded in folder.breakdown_aggregates() {
+        match at.get(&folded.key()) {
+            Some(&i) => breakdown_aggregates[i].merge(&folded),
+            None => {
+                at.insert(folded.key(), breakdown_aggregates.len());
+                breakdown_aggregates.push(folded);
+            }
+        }
+    }
+    p.breakdown_aggregates = breakdown_aggregates;
     let mut aggregates: Vec<SpanAggregate> = if version >= 2 { load_aggregates(conn)? } else { Vec::new() };
-    let mut at: std::collections::HashMap<AggregateKey, usize> =
-        aggregates.iter().enumerate().map(|(i, a)| (a.key(), i)).collect();
+    let mut at: HashMap<AggregateKey, usize> = aggregates.iter().enumerate().map(|(i, a)| (a.key(), i)).collect();
     for folded in folder.into_aggregates() {
         match at.get(&folded.key()) {
             Some(&i) => aggregates[i].merge(&folded),
@@ -742,6 +837,87 @@ fn load_tables(conn: &Connection, path: &Path, meta: RunMeta, version: i64) -> r
         st.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?.collect::<rusqlite::Result<_>>()?;
     p.blobs = rows.into_iter().filter_map(|(n, t)| Some((n, serde_json::from_str(&t).ok()?))).collect();
     Ok(p)
+}
+
+fn has_table(conn: &Connection, name: &str) -> rusqlite::Result<bool> {
+    conn.query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1", [name], |r| {
+        r.get::<_, i64>(0)
+    })
+    .map(|n| n > 0)
+}
+
+fn json_column<T: serde::de::DeserializeOwned + Default>(r: &rusqlite::Row, i: usize) -> rusqlite::Result<T> {
+    let text: String = r.get(i)?;
+    serde_json::from_str(&text)
+        .map_err(|e| rusqlite::Error::FromSqlConversionFailure(i, rusqlite::types::Type::Text, Box::new(e)))
+}
+
+/// The breakdown rows, by the rowid of the marker they belong to.
+fn load_breakdowns(conn: &Connection) -> rusqlite::Result<HashMap<i64, Vec<DeviceBreakdown>>> {
+    let mut st = conn.prepare(
+        "SELECT marker_rowid, device, parameters_bytes, gradients_bytes, optimizer_state_bytes, activations_bytes, inputs_bytes, other_bytes, allocated_bytes, reserved_bytes, cache_bytes, non_torch_bytes, rss_bytes, by_module, by_param_group FROM breakdowns ORDER BY marker_rowid, rowid",
+    )?;
+    let mut out: HashMap<i64, Vec<DeviceBreakdown>> = HashMap::new();
+    let mut rows = st.query([])?;
+    while let Some(r) = rows.next()? {
+        let b = DeviceBreakdown {
+            device: r.get(1)?,
+            parameters_bytes: get_opt(r, 2)?,
+            gradients_bytes: get_opt(r, 3)?,
+            optimizer_state_bytes: get_opt(r, 4)?,
+            activations_bytes: get_opt(r, 5)?,
+            inputs_bytes: get_opt(r, 6)?,
+            other_bytes: r.get(7)?,
+            allocated_bytes: get_opt(r, 8)?,
+            reserved_bytes: get_opt(r, 9)?,
+            cache_bytes: get_opt(r, 10)?,
+            non_torch_bytes: r.get(11)?,
+            rss_bytes: get_opt(r, 12)?,
+            by_module: json_column(r, 13)?,
+            by_param_group: json_column(r, 14)?,
+        };
+        out.entry(r.get(0)?).or_default().push(b);
+    }
+    Ok(out)
+}
+
+fn load_module_activations(conn: &Connection) -> rusqlite::Result<HashMap<i64, BTreeMap<String, u64>>> {
+    let mut st =
+        conn.prepare("SELECT marker_rowid, module, activations_bytes FROM module_activations ORDER BY rowid")?;
+    let mut out: HashMap<i64, BTreeMap<String, u64>> = HashMap::new();
+    let mut rows = st.query([])?;
+    while let Some(r) = rows.next()? {
+        out.entry(r.get(0)?).or_default().insert(r.get(1)?, get_u64(r, 2)?);
+    }
+    Ok(out)
+}
+
+fn load_breakdown_aggregates(conn: &Connection) -> rusqlite::Result<Vec<BreakdownAggregate>> {
+    let mut st = conn.prepare(
+        "SELECT pid, rank, local_rank, world_size, boundary, device, category, boundaries, count, sum_bytes, max_bytes FROM breakdown_aggregates ORDER BY rowid",
+    )?;
+    let mut out: Vec<BreakdownAggregate> = Vec::new();
+    let mut at: HashMap<crate::breakdown::BreakdownKey, usize> = HashMap::new();
+    let mut rows = st.query([])?;
+    while let Some(r) = rows.next()? {
+        let row = BreakdownAggregate::new(get_origin(r, 0)?, r.get(4)?, r.get(5)?);
+        let i = *at.entry(row.key()).or_insert_with(|| {
+            out.push(row);
+            out.len() - 1
+        });
+        let category: String = r.get(6)?;
+        let Some(c) = crate::breakdown::Category::parse(&category) else { continue };
+        out[i].count = out[i].count.max(get_u64(r, 7)?);
+        out[i].categories.insert(
+            c,
+            crate::breakdown::CategoryStat {
+                count: get_u64(r, 8)?,
+                sum_bytes: get_u64(r, 9)?,
+                max_bytes: get_u64(r, 10)?,
+            },
+        );
+    }
+    Ok(out)
 }
 
 fn load_aggregates(conn: &Connection) -> rusqlite::Result<Vec<SpanAggregate>> {
@@ -829,6 +1005,8 @@ mod tests {
             memory: MarkerMemory { rss_bytes: Some(7), ..Default::default() },
             origin: Default::default(),
             device: None,
+            breakdown: None,
+            activations_by_module: None,
         }));
         w.push(Record::Blob { t_ns: 4, name: "x".into(), data: serde_json::json!({"a": 1}) });
         w.flush().unwrap();
@@ -1017,6 +1195,8 @@ mod tests {
             memory: MarkerMemory::default(),
             origin,
             device: Some(1),
+            breakdown: None,
+            activations_by_module: None,
         }));
         let mut row = SpanAggregate {
             origin,
@@ -1073,6 +1253,8 @@ mod tests {
                     memory: MarkerMemory::default(),
                     origin: Origin::default(),
                     device: None,
+                    breakdown: None,
+                    activations_by_module: None,
                 }));
             }
         }
@@ -1095,5 +1277,174 @@ mod tests {
             .unwrap();
         let e = Profile::open(&path).unwrap_err().to_string();
         assert!(e.contains("schema version 9") && e.contains("upgrade torchmem"), "{e}");
+    }
+}
+
+#[cfg(test)]
+mod breakdown_tests {
+    //! The breakdown tables: round trip, files without them, and a long run folded to bounded size.
+    use super::*;
+    use crate::breakdown::Category;
+
+    const MIB: u64 = 1 << 20;
+
+    fn meta(keep: u64) -> RunMeta {
+        RunMeta { command: vec!["python".into(), "t.py".into()], keep_spans: Some(keep), ..Default::default() }
+    }
+
+    fn cpu_entry(step: u64) -> DeviceBreakdown {
+        DeviceBreakdown {
+            device: "cpu".into(),
+            parameters_bytes: Some(4 * MIB),
+            gradients_bytes: Some(4 * MIB),
+            optimizer_state_bytes: Some(8 * MIB),
+            activations_bytes: Some(step * 1000),
+            inputs_bytes: Some(64 * 1024),
+            rss_bytes: Some(300 * MIB + step),
+            by_module: crate::breakdown::ModuleBytes {
+                parameters: [("encoder".to_string(), 3 * MIB), ("head".to_string(), MIB)].into(),
+                gradients: [("encoder".to_string(), 3 * MIB)].into(),
+            },
+            by_param_group: vec![6 * MIB, 2 * MIB],
+            ..Default::default()
+        }
+    }
+
+    fn marker(t: u64, kind: MarkerKind, edge: Edge, name: &str, index: Option<i64>) -> Marker {
+        Marker {
+            t_ns: t,
+            kind,
+            edge,
+            name: name.into(),
+            index,
+            memory: MarkerMemory { rss_bytes: Some(300 * MIB), ..Default::default() },
+            origin: Origin { pid: Some(7), ..Default::default() },
+            device: None,
+            breakdown: None,
+            activations_by_module: None,
+        }
+    }
+
+    /// One step: start (with a breakdown), forward (its end with a breakdown and activations by module).
+    fn step(i: u64) -> Vec<Marker> {
+        let t = i * 100;
+        let mut start = marker(t, MarkerKind::Step, Edge::Start, "step", Some(i as i64));
+        start.breakdown = Some(vec![cpu_entry(i)]);
+        let mut fwd_end = marker(t + 50, MarkerKind::Phase, Edge::End, "forward", None);
+        fwd_end.breakdown = Some(vec![cpu_entry(i + 1)]);
+        fwd_end.activations_by_module = Some([("encoder.0".to_string(), 1000 * (i + 1))].into());
+        vec![
+            start,
+            marker(t + 1, MarkerKind::Phase, Edge::Start, "forward", None),
+            fwd_end,
+            marker(t + 60, MarkerKind::Step, Edge::End, "step", Some(i as i64)),
+        ]
+    }
+
+    fn rows(path: &Path, table: &str) -> i64 {
+        let conn = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+        conn.query_row(&format!("SELECT count(*) FROM {table}"), [], |r| r.get(0)).unwrap()
+    }
+
+    #[test]
+    fn breakdowns_and_module_activations_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.sqlite");
+        let mut w = ProfileWriter::create(&path, &meta(100)).unwrap();
+        let mut cuda = cpu_entry(0);
+        cuda.device = "cuda:0".into();
+        cuda.other_bytes = Some(-5);
+        cuda.allocated_bytes = Some(40 * MIB);
+        cuda.non_torch_bytes = Some(500 * MIB as i64);
+        cuda.rss_bytes = None;
+        cuda.activations_bytes = None; // not measured (a compiled model)
+        let mut markers = step(0);
+        markers[2].breakdown.as_mut().unwrap().push(cuda);
+        for m in &markers {
+            w.push(Record::Marker(m.clone()));
+        }
+        w.finish(Some(0), 1000).unwrap();
+        let p = Profile::open(&path).unwrap();
+        assert_eq!(p.markers, markers, "every field of every entry comes back");
+        assert_eq!((rows(&path, "breakdowns"), rows(&path, "module_activations")), (3, 1));
+        assert!(p.breakdown_aggregates.is_empty());
+    }
+
+    #[test]
+    fn files_without_the_tables_read_as_no_breakdown() {
+        // The v1 fixture (made before identity) and a v2 file written before the breakdown tables existed.
+        let dir = tempfile::tempdir().unwrap();
+        let v1 = dir.path().join("v1.sqlite");
+        std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/profile_v1.sqlite"), &v1)
+            .unwrap();
+        let old = dir.path().join("old_v2.sqlite");
+        let mut w = ProfileWriter::create(&old, &meta(100)).unwrap();
+        for m in step(0) {
+            w.push(Record::Marker(Marker { breakdown: None, activations_by_module: None, ..m }));
+        }
+        w.finish(Some(0), 1000).unwrap();
+        Connection::open(&old)
+            .unwrap()
+            .execute_batch("DROP TABLE breakdowns; DROP TABLE module_activations; DROP TABLE breakdown_aggregates;")
+            .unwrap();
+        for path in [v1, old] {
+            let p = Profile::open(&path).unwrap();
+            assert!(!p.markers.is_empty());
+            assert!(p.markers.iter().all(|m| m.breakdown.is_none()) && p.breakdown_aggregates.is_empty());
+            let s = crate::analysis::Summary::from_profile(&p);
+            assert!(!s.breakdown.recorded, "{}", path.display());
+            assert!(s.breakdown.hint.as_deref().unwrap().contains("torchmem.Monitor(model, optimizer)"));
+        }
+    }
+
+    #[test]
+    fn a_long_run_keeps_the_first_steps_rows_and_exact_aggregates() {
+        // 10 000 steps through the recorder's path (fold, then write), 5 kept.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("long.sqlite");
+        let keep = 5;
+        let mut w = ProfileWriter::create(&path, &meta(keep)).unwrap();
+        let mut folder = crate::fold::SpanFolder::new(keep);
+        let n = 10_000u64;
+        for i in 0..n {
+            for m in step(i) {
+                if let Some(kept) = folder.push(m) {
+                    w.push(Record::Marker(kept));
+                }
+            }
+            if i % 1000 == 999 {
+                for row in folder.take_dirty_breakdowns() {
+                    w.push(Record::BreakdownAggregate(row));
+                }
+                w.flush().unwrap();
+            }
+        }
+        folder.finish();
+        for row in folder.take_dirty_breakdowns() {
+            w.push(Record::BreakdownAggregate(row));
+        }
+        w.finish(Some(0), n * 100).unwrap();
+        // Bounded: 2 breakdown rows per kept step, one activation row per kept step, and per (boundary,
+        // category) one aggregate row, however many times the recorder rewrote it.
+        assert_eq!(rows(&path, "breakdowns"), 2 * keep as i64);
+        assert_eq!(rows(&path, "module_activations"), keep as i64);
+        let categories = 6; // parameters, gradients, optimizer state, activations, inputs, rss
+        assert_eq!(rows(&path, "breakdown_aggregates"), 2 * categories);
+        let p = Profile::open(&path).unwrap();
+        let s = crate::analysis::Summary::from_profile(&p);
+        let b = &s.breakdown;
+        assert_eq!(b.folded_boundaries, 2 * (n - keep));
+        let start = b.boundaries.iter().find(|r| r.boundary == "step start").unwrap();
+        let fwd = b.boundaries.iter().find(|r| r.boundary == "end of forward").unwrap();
+        assert_eq!((start.count, fwd.count), (n, n));
+        // activations at step start = 1000·i, at the end of forward 1000·(i+1): exact means and maxes.
+        let mean = |lo: u64| (lo..lo + n).map(|i| i * 1000).sum::<u64>() / n;
+        assert_eq!(start.mean(Category::Activations), Some(mean(0)));
+        assert_eq!(start.max(Category::Activations), Some((n - 1) * 1000));
+        assert_eq!(fwd.mean(Category::Activations), Some(mean(1)));
+        assert_eq!(fwd.max(Category::Rss), Some(300 * MIB + n));
+        assert_eq!(start.mean(Category::Parameters), Some(4 * MIB));
+        assert_eq!(b.timeline.len() as u64, 2 * keep, "the timeline holds the kept steps");
+        assert_eq!(b.param_groups.len(), 2);
     }
 }

@@ -6,9 +6,11 @@
 //! for tests.) Times are absolute CLOCK_MONOTONIC nanoseconds (`time.monotonic_ns()`); the recorder makes
 //! them relative to the run's start.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
-use crate::model::{Edge, Launch, MarkerKind, MarkerMemory, Origin};
+use crate::model::{DeviceBreakdown, Edge, Launch, MarkerKind, MarkerMemory, Origin};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -46,6 +48,12 @@ pub enum ChildMessage {
         /// The GPU the marker read, by NVML index; absent for CPU only.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         device: Option<u32>,
+        /// What the memory is at this boundary, per device (`breakdown::DeviceBreakdown`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        breakdown: Option<Vec<DeviceBreakdown>>,
+        /// Bytes each module's forward left saved for backward (end-of-forward markers, opt-in).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        activations_by_module: Option<BTreeMap<String, u64>>,
     },
     /// The line profiler's result table (schema owned by the line profiler), stored as JSON.
     LineProfile { t_ns: u64, data: serde_json::Value },
@@ -83,6 +91,27 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(ChildMessage::parse_line(r#"{"type":"nope"}"#).is_err());
+        // A boundary marker with the Monitor's breakdown (the interface record) and activations by module.
+        let m = ChildMessage::parse_line(
+            r#"{"type":"marker","t_ns":9,"kind":"phase","edge":"end","name":"forward","memory":{},
+                "breakdown":[{"device":"cpu","parameters_bytes":4096,"gradients_bytes":0,"optimizer_state_bytes":0,
+                  "activations_bytes":512,"inputs_bytes":64,"other_bytes":null,"allocated_bytes":null,
+                  "reserved_bytes":null,"cache_bytes":null,"non_torch_bytes":null,"rss_bytes":1000000,
+                  "by_module":{"parameters":{"0":4096},"gradients":{}},"by_param_group":[]}],
+                "activations_by_module":{"0":512}}"#,
+        )
+        .unwrap();
+        match &m {
+            ChildMessage::Marker { breakdown: Some(b), activations_by_module: Some(a), .. } => {
+                assert_eq!((b[0].parameters_bytes, b[0].rss_bytes, a["0"]), (Some(4096), Some(1_000_000), 512));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(ChildMessage::parse_line(&serde_json::to_string(&m).unwrap()).unwrap(), m);
+        let bad = ChildMessage::parse_line(
+            r#"{"type":"marker","t_ns":9,"kind":"step","edge":"start","name":"step","breakdown":[{"parameters_bytes":-1}]}"#,
+        );
+        assert!(bad.is_err(), "a breakdown entry without its device, or with negative bytes, is refused");
         let m = ChildMessage::parse_line(r#"{"type":"hello","pid":12,"rank":1,"world_size":2}"#).unwrap();
         let want = Origin { pid: Some(12), rank: Some(1), local_rank: None, world_size: Some(2) };
         assert_eq!(m, ChildMessage::Hello { origin: want, launch: Launch::default() });

@@ -218,6 +218,7 @@ fn opt_u64(memory: &Bound<'_, PyDict>, key: &str) -> Option<u64> {
 
 /// Queues one marker (the Python API's hot path: phases, steps, epochs), formatted here rather than by
 /// `json.dumps`. `memory` holds the `MarkerMemory` fields that were read (`rss_bytes`, `allocated_bytes`, ...).
+/// (A marker with a breakdown goes as a whole JSON line through `emit_event`: `_events.emit_marker_with`.)
 #[pyfunction]
 #[pyo3(signature = (t_ns, kind, edge, name, index, memory, device=None))]
 #[allow(clippy::too_many_arguments)]
@@ -250,6 +251,8 @@ fn emit_marker(
             peak_rss_bytes: opt_u64(memory, "peak_rss_bytes"),
         },
         device,
+        breakdown: None,
+        activations_by_module: None,
     };
     let line = serde_json::to_string(&message).map_err(Error::from)?;
     Ok(queue_line(py, &line))

@@ -10,7 +10,10 @@
 //! `torchmem_gpu_{used,total}_bytes` (NVML, per device), `torchmem_process_{rss,pss,uss}_bytes` (per
 //! process), `torchmem_tree_{rss,pss}_bytes` (the whole profiled tree), `torchmem_step`, `torchmem_epoch`
 //! (the last index started), `torchmem_phase{phase}` (1 for the phase open now, 0 for the others seen: a
-//! state set as a gauge, which every text parser reads), `torchmem_process_info{pid,ppid,host,command} 1`.
+//! state set as a gauge, which every text parser reads), `torchmem_process_info{pid,ppid,host,command} 1`,
+//! `torchmem_breakdown_bytes{category,device}` (what the memory is at the process's last step or phase
+//! boundary that carried a breakdown: parameters, gradients, optimizer_state, activations, inputs, other,
+//! cache, non_torch; `device` is the breakdown's own `cuda:N`/`cpu`; a category not measured has no series).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -57,6 +60,8 @@ struct SpanState {
     /// Open phases, innermost last.
     phases_open: Vec<String>,
     phases_seen: BTreeSet<String>,
+    /// The last boundary's breakdown (`Marker::breakdown`), per device.
+    breakdown: Vec<torchmem_core::model::DeviceBreakdown>,
 }
 
 /// The latest value of everything the sink exposes.
@@ -151,6 +156,9 @@ impl MetricsState {
         for m in &batch.markers {
             self.learn(&m.origin);
             let s = self.spans.entry(m.origin.pid).or_default();
+            if let Some(b) = m.breakdown.as_ref().filter(|b| !b.is_empty()) {
+                s.breakdown = b.clone();
+            }
             match (m.kind, m.edge) {
                 (MarkerKind::Step, Edge::Start) => {
                     s.step = Some(m.index.unwrap_or(s.steps_started));
@@ -288,6 +296,22 @@ impl MetricsState {
         }
         if let Some(v) = self.tree_pss_bytes {
             set(&tree_pss, &self.recorder, v);
+        }
+        let breakdown = gauge(
+            "torchmem_breakdown_bytes",
+            "What the memory is at the last step or phase boundary, by category (counted by storage)",
+        );
+        for (pid, s) in &self.spans {
+            for e in &s.breakdown {
+                for c in torchmem_core::breakdown::Category::STACKED {
+                    if let Some(v) = e.get(c) {
+                        let mut l = self.who(*pid);
+                        l.push(("category", c.as_str().to_string()));
+                        l.push(("device", e.device.clone()));
+                        set(&breakdown, &l, v);
+                    }
+                }
+            }
         }
         let step = gauge("torchmem_step", "The program's current step index");
         let epoch = gauge("torchmem_epoch", "The program's current epoch index");
@@ -463,6 +487,8 @@ mod tests {
             memory: MarkerMemory::default(),
             origin: origin(pid, Some(1)),
             device: None,
+            breakdown: None,
+            activations_by_module: None,
         }
     }
 
@@ -526,6 +552,24 @@ mod tests {
         assert!(!text.contains("torchmem_process_uss_bytes"), "never measured: no series, no HELP\n{text}");
         assert!(!text.contains("torchmem_gpu_used_bytes"), "no NVML reading: no series\n{text}");
         assert!(text.contains(r#"command="python t.py""#), "{text}");
+        assert!(!text.contains("torchmem_breakdown_bytes"), "no breakdown yet: no series\n{text}");
+        // A boundary with a breakdown (hand-built): its categories become gauges, the unmeasured ones not.
+        let mut end = marker(42, MarkerKind::Phase, Edge::End, "backward", None);
+        end.breakdown = Some(vec![torchmem_core::model::DeviceBreakdown {
+            device: "cuda:0".into(),
+            parameters_bytes: Some(1000),
+            gradients_bytes: Some(1000),
+            cache_bytes: Some(77),
+            ..Default::default()
+        }]);
+        st.apply(&RecordBatch { markers: vec![end], ..Default::default() });
+        let (text, _) = st.encode(false);
+        assert!(
+            text.contains(&format!(r#"torchmem_breakdown_bytes{{{l},category="gradients",device="cuda:0"}} 1000"#)),
+            "{text}"
+        );
+        assert!(text.contains(&format!(r#"torchmem_breakdown_bytes{{{l},category="cache",device="cuda:0"}} 77"#)));
+        assert!(!text.contains(r#"category="activations""#), "not measured: no series\n{text}");
         st.apply(&RecordBatch { exited_pids: vec![42], ..Default::default() });
         let (text, _) = st.encode(true);
         assert!(!text.contains(r#"pid="42""#), "a process's series end with it\n{text}");

@@ -4,6 +4,7 @@
 //! the memory journey (`journey`). It reads `model` types only: the profile's storage is not its business.
 
 mod aggregate;
+pub mod breakdown;
 mod growth;
 mod journey;
 pub mod leaks;
@@ -17,6 +18,7 @@ use std::collections::HashMap;
 use serde::Serialize;
 
 pub use aggregate::{MarkerAggregates, SpanTotals};
+pub use breakdown::{breakdown_summary, BreakdownSummary};
 pub use growth::{detect_growth, growth_by_process, growth_warnings, Growth};
 pub use journey::{journey, journey_of_spans};
 pub use leaks::{leak_findings, leaks_of_blobs, Leak, LeakReport, StepGrowth, StepGrowthDetector};
@@ -44,6 +46,8 @@ pub struct Summary {
     pub epoch_totals: Vec<EpochTotalRow>,
     pub processes: Vec<ProcessRow>,
     pub growth: Vec<Growth>,
+    /// What the memory is (parameters, gradients, optimizer state, activations, …): `breakdown`.
+    pub breakdown: BreakdownSummary,
     /// Lines that keep memory alive step after step (`leaks::Leak`): a profile's `leaks` blobs, or what a
     /// Monitor's probe found.
     pub leaks: Vec<Leak>,
@@ -63,6 +67,7 @@ struct Inputs<'a> {
     torch: &'a [TorchSample],
     markers: &'a [Marker],
     aggregates: &'a [SpanAggregate],
+    breakdown_aggregates: &'a [BreakdownAggregate],
 }
 
 /// Raises the journey's "Peak" stage to values the kept markers may not show.
@@ -85,6 +90,7 @@ impl Summary {
             torch: &p.torch,
             markers: &p.markers,
             aggregates: &p.aggregates,
+            breakdown_aggregates: &p.breakdown_aggregates,
         });
         s.leaks = leaks_of_blobs(&p.blobs);
         s
@@ -143,6 +149,7 @@ impl Summary {
             epoch_totals: totals,
             processes: process_rows(p.processes, p.process_samples),
             growth,
+            breakdown: breakdown_summary(p.markers, p.breakdown_aggregates, p.gpu, p.torch),
             leaks: Vec::new(),
             journey,
         }
@@ -161,6 +168,7 @@ impl Summary {
             torch: &[],
             markers,
             aggregates: &[],
+            breakdown_aggregates: &[],
         })
     }
 
@@ -202,6 +210,8 @@ mod tests {
             },
             origin: Default::default(),
             device: None,
+            breakdown: None,
+            activations_by_module: None,
         }
     }
 
@@ -286,6 +296,8 @@ mod tests {
             memory: MarkerMemory::default(),
             origin: Default::default(),
             device: None,
+            breakdown: None,
+            activations_by_module: None,
         };
         let markers = [bare(100, Edge::Start), bare(200, Edge::End)];
         let sp = &spans(&markers)[0];
@@ -331,6 +343,8 @@ mod tests {
             memory: MarkerMemory { allocated_bytes: Some(0), reserved_bytes: Some(0), ..Default::default() },
             origin: Default::default(),
             device: None,
+            breakdown: None,
+            activations_by_module: None,
         }];
         m.extend(leaky_run(2, 0));
         m.push(Marker {
@@ -342,6 +356,8 @@ mod tests {
             memory: MarkerMemory::default(),
             origin: Default::default(),
             device: None,
+            breakdown: None,
+            activations_by_module: None,
         });
         m.push(Marker {
             t_ns: 1000,
@@ -356,6 +372,8 @@ mod tests {
             },
             origin: Default::default(),
             device: None,
+            breakdown: None,
+            activations_by_module: None,
         });
         let j = journey(&m, Some(1000 * MIB), &[], &[]);
         let names: Vec<&str> = j.iter().map(|s| s.name.as_str()).collect();

@@ -875,6 +875,8 @@ mod tests {
             memory: MarkerMemory { rss_bytes: Some(rss), ..Default::default() },
             origin: origin(pid, rank),
             device: None,
+            breakdown: None,
+            activations_by_module: None,
         }
     }
 

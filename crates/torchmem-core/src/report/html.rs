@@ -178,6 +178,28 @@ fn svg_attr(svg: &str, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// "What the memory is": the stacked timeline by category (from the kept boundaries), the composition at
+/// the peak, the per-boundary table and the detail; or how to record a breakdown.
+fn breakdown_section(summary: &Summary) -> String {
+    use crate::report::breakdown as bd;
+    let b = &summary.breakdown;
+    let mut h = format!("<h2 id=\"tm-breakdown\">{}</h2>\n", esc(bd::SECTION_TITLE));
+    if !b.recorded {
+        h.push_str(&format!("<p class=\"empty\">{}</p>\n", esc(crate::analysis::breakdown::NO_BREAKDOWN_HINT)));
+        return h;
+    }
+    let chart = bd::render_stacked_svg(b);
+    if !chart.is_empty() {
+        h.push_str("<div class=\"chart-box\">\n");
+        h.push_str(&chart);
+        h.push_str("</div>\n<p class=\"note\">Each column is one boundary (step start, end of forward, end of backward, end of optimizer step) of the steps kept as markers; its categories are stacked in the legend's order.</p>\n");
+    }
+    for t in bd::tables(b) {
+        h.push_str(&render_table(&t));
+    }
+    h
+}
+
 /// The whole HTML page.
 pub fn render(profile: &Profile, summary: &Summary) -> String {
     let lay = Layout::standard();
@@ -227,6 +249,7 @@ pub fn render(profile: &Profile, summary: &Summary) -> String {
     if !notes.is_empty() {
         h.push_str(&format!("<p class=\"note\">{}</p>\n", esc(&notes.join(" "))));
     }
+    h.push_str(&breakdown_section(summary));
     h.push_str("<h2>Tables</h2>\n");
     for t in cells::all_tables_of(profile, summary) {
         h.push_str(&render_table(&t));
@@ -337,6 +360,8 @@ mod tests {
                 memory: MarkerMemory::default(),
                 origin: Default::default(),
                 device: None,
+                breakdown: None,
+                activations_by_module: None,
             });
         }
         let html = render(&q, &Summary::from_profile(&q));
@@ -355,6 +380,8 @@ mod tests {
             memory: MarkerMemory::default(),
             origin: Default::default(),
             device: None,
+            breakdown: None,
+            activations_by_module: None,
         });
         p.markers.push(Marker {
             t_ns: 5,
@@ -365,6 +392,8 @@ mod tests {
             memory: MarkerMemory::default(),
             origin: Default::default(),
             device: None,
+            breakdown: None,
+            activations_by_module: None,
         });
         let html = render(&p, &Summary::from_profile(&p));
         assert_eq!(html.matches("</script>").count(), 2);

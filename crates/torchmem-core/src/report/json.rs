@@ -53,6 +53,7 @@ pub fn to_value(profile: &Profile, summary: &Summary) -> Value {
         "processes": value(&summary.processes),
         "growth": value(&summary.growth),
         "leaks": value(&summary.leaks),
+        "breakdown": value(&summary.breakdown),
         "journey": value(&summary.journey),
         "lines": lines::to_json(&profile.line_profiles),
     })

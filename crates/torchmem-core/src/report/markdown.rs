@@ -54,6 +54,11 @@ pub fn render(profile: &Profile, summary: &Summary) -> String {
         out.push_str(&render_table(&t));
         out.push('\n');
     }
+    out.push_str(&format!("## {}\n\n", crate::report::breakdown::SECTION_TITLE));
+    for t in crate::report::breakdown::tables(&summary.breakdown) {
+        out.push_str(&render_table(&t));
+        out.push('\n');
+    }
     out.push_str(&render_table(&cells::journey_table(&summary.journey)));
     if !summary.journey.is_empty() {
         out.push_str(&format!(

@@ -6,6 +6,7 @@
 //! `timeline.rs` downsamples the timeline for the chart. `monitor.rs` renders the in-process Monitor's
 //! summary, journey and epoch line from its markers alone. What each format holds: `docs/reports.md`.
 
+pub mod breakdown;
 pub mod cells;
 pub mod csv;
 pub mod html;

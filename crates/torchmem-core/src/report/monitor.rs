@@ -46,6 +46,12 @@ pub fn summary_text(markers: &[Marker], capacity_bytes: Option<u64>, agg: Option
     if !s.phases.is_empty() {
         out.push_str(&table::render_phases(&s.phases));
     }
+    if s.steps > 0 || !s.phases.is_empty() || s.breakdown.recorded {
+        // "Breakdown": what the memory is at each boundary, or how to record it.
+        for t in crate::report::breakdown::monitor_tables(&s.breakdown) {
+            out.push_str(&table::render_table(&t));
+        }
+    }
     out.push_str(&table::render_growth(&s.growth));
     if out.is_empty() {
         out.push_str("no epochs, steps or phases recorded yet\n");

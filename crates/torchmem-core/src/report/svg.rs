@@ -455,6 +455,8 @@ mod tests {
             memory: MarkerMemory::default(),
             origin: Default::default(),
             device: None,
+            breakdown: None,
+            activations_by_module: None,
         });
         p.markers.push(Marker {
             t_ns: 500_000_000,
@@ -465,6 +467,8 @@ mod tests {
             memory: MarkerMemory::default(),
             origin: Default::default(),
             device: None,
+            breakdown: None,
+            activations_by_module: None,
         });
         let lay = Layout::standard();
         let tl = Timeline::build(&p, lay.buckets());

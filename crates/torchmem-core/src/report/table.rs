@@ -95,6 +95,9 @@ pub fn render(summary: &Summary) -> String {
     for t in cells::all_tables(summary) {
         out.push_str(&render_table(&t));
     }
+    for t in crate::report::breakdown::tables(&summary.breakdown) {
+        out.push_str(&render_table(&t));
+    }
     out.push_str(&journey::render_text(&summary.journey));
     out
 }
@@ -114,6 +117,10 @@ pub fn render_report(profile: &Profile, summary: &Summary) -> String {
         body.push('\n');
     }
     for t in cells::all_tables_of(profile, summary) {
+        body.push_str(&render_table(&t));
+    }
+    // "What the memory is": the composition at the peak, then the per-boundary table and the detail.
+    for t in crate::report::breakdown::tables(&summary.breakdown) {
         body.push_str(&render_table(&t));
     }
     body.push_str(&journey::render_text(&summary.journey));

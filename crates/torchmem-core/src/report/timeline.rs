@@ -466,6 +466,8 @@ mod tests {
             memory: MarkerMemory::default(),
             origin: Default::default(),
             device: None,
+            breakdown: None,
+            activations_by_module: None,
         }
     }
 
