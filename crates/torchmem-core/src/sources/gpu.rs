@@ -202,28 +202,27 @@ pub fn tree_bytes(reading: &GpuReading, pids: impl IntoIterator<Item = u32>) -> 
 mod tests {
     use super::*;
 
-    #[test]
-    fn tree_bytes_sums_only_the_tree() {
-        let reading = GpuReading {
+    /// One device's reading with three processes (pids 1, 2, 3 using 10, 20 and 5 bytes).
+    fn three_processes() -> GpuReading {
+        GpuReading {
             index: 0,
             total_bytes: 100,
             used_bytes: 50,
             free_bytes: 50,
             process_bytes: BTreeMap::from([(1, 10), (2, 20), (3, 5)]),
-        };
+        }
+    }
+
+    #[test]
+    fn tree_bytes_sums_only_the_tree() {
+        let reading = three_processes();
         assert_eq!(tree_bytes(&reading, [1, 3]), Some(15));
         assert_eq!(tree_bytes(&reading, [9]), None);
     }
 
     #[test]
     fn a_reading_splits_this_process_from_the_others() {
-        let reading = GpuReading {
-            index: 0,
-            total_bytes: 100,
-            used_bytes: 50,
-            free_bytes: 50,
-            process_bytes: BTreeMap::from([(1, 10), (2, 20), (3, 5)]),
-        };
+        let reading = three_processes();
         assert_eq!((reading.this_process_bytes(2), reading.other_processes_bytes(2)), (Some(20), 15));
         assert_eq!((reading.this_process_bytes(9), reading.other_processes_bytes(9)), (None, 35));
     }
