@@ -694,6 +694,36 @@ def test_torchmem_run_finds_the_model_and_optimizer_by_itself(tmp_path):
     _ = json  # (the profile's marker breakdowns are the Rust side's to store)
 
 
+@pytest.mark.parametrize("order", ["monitor first", "forward first"])
+def test_auto_watch_stands_down_for_the_programs_own_monitor(order):
+    """Under `torchmem run` a program with a Monitor of its own gets each phase once: the automatic watch stands
+    down when the program's Monitor is made, whether before the first forward or after the watch began."""
+    early = "mon = torchmem.Monitor(model, opt, verbose=False)" if order == "monitor first" else ""
+    late = "" if order == "monitor first" else "mon = torchmem.Monitor(model, opt, verbose=False)"
+    proc, lines = run_with_recorder_pipe(
+        f"""
+        import torchmem._bootstrap as b; b.start()
+        import torch, torchmem
+        from torch import nn
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        {early}
+        model(torch.randn(4, 8)).sum().backward()  # before the program's own loop: the watch may take it
+        opt.step()
+        opt.zero_grad()
+        {late}
+        for i in range(3):
+            with mon.step():
+                model(torch.randn(4, 8)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    ends = [m["t_ns"] for m in lines if m["type"] == "marker" and m["name"] == "forward" and m["edge"] == "end"]
+    assert len(ends) == 4, ends  # the first forward once (by whichever watched it), then three steps, once each
+
+
 def test_auto_watch_sends_the_breakdown_of_a_program_that_never_mentions_torchmem():
     """What `torchmem run`'s sitecustomize does (`_bootstrap.start()`), on a real pipe: the optimizer built
     before the first forward, a loss module called outside the model, several steps."""

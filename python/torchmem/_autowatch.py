@@ -23,7 +23,30 @@ import weakref
 from typing import Any
 
 _optimizers: list[Any] = []  # weak references, in creation order
-_state: dict[str, Any] = {"installed": False, "hook": None, "watch": None, "checked": None}
+_state: dict[str, Any] = {
+    "installed": False,
+    "hook": None,
+    "watch": None,
+    "checked": None,
+    "user": False,
+    "ours": False,
+}
+
+
+def user_monitor_started() -> None:
+    """The program made a Monitor (or `torchmem.watch`) of its own for a model or optimizer: that one records
+    the phases and the breakdown, so the automatic watch stands down (else every phase is recorded twice)."""
+    if _state["ours"]:
+        return
+    _state["user"] = True
+    _stop_looking()
+    mon = _state["watch"]
+    if mon is not None:
+        _state["watch"] = None
+        try:
+            mon.close()
+        except Exception:
+            pass
 
 
 def install() -> None:
@@ -97,6 +120,8 @@ def _after_torch_import() -> None:
 
 
 def _learn_optimizer(opt: Any) -> None:
+    if _state["user"]:
+        return
     # A subclass's __init__ calling super().__init__ twice, or nested wrappers: learn each optimizer once.
     if any(r() is opt for r in _optimizers):
         return
@@ -128,7 +153,7 @@ def _first_forward(module: Any, args: Any) -> None:
 
 def _find_model(module: Any, args: Any) -> None:
     checked = _state["checked"]
-    if checked is None or module in checked:
+    if checked is None or _state["user"] or module in checked:
         return
     checked[module] = True
     live = [o for o in (r() for r in _optimizers) if o is not None]
@@ -142,7 +167,11 @@ def _find_model(module: Any, args: Any) -> None:
 
     mode = os.environ.get("TORCHMEM_WATCH", "1").strip().lower()
     acts = None if mode == "noactivations" else "total"
-    mon = watch(module, live[0], activations=acts)
+    _state["ours"] = True
+    try:
+        mon = watch(module, live[0], activations=acts)
+    finally:
+        _state["ours"] = False
     if mon._bd is not None:
         ids = {id(p) for p in module.parameters()}
         for o in live[1:]:

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from . import _leaks, _native, _rank
+from . import _autowatch, _leaks, _native, _rank
 from . import api as _api
 from ._breakdown import Breakdown
 
@@ -65,6 +65,8 @@ class Monitor:
         activations: str | None = "total",
         leaks: bool = True,
     ) -> None:
+        if model is not None or optimizer is not None:
+            _autowatch.user_monitor_started()  # under `torchmem run`: this Monitor, not the automatic one
         self.model = model
         self.optimizer = optimizer
         # What the memory is (parameters, gradients, optimizer state, activations, inputs, other, cache,
