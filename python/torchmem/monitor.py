@@ -111,6 +111,7 @@ class Monitor:
         self._open: dict[tuple[str, str], list[dict[str, Any]]] = {}
         self._seen: dict[tuple[str, str], int] = {}
         self._phase_agg: dict[str, list[Any]] = {}
+        self._bd_folded: dict[tuple[Any, ...], dict[str, Any]] = {}  # breakdowns of markers not kept
         self._peak_seen: list[int | None] = [None, None, None]  # steps' highest allocated, reserved, RSS
         ref = weakref.ref(self)
 
@@ -156,6 +157,41 @@ class Monitor:
                 self._aggregate_phase(marker["name"], start, marker)
         if self.keep_markers is None or done < self.keep_markers:
             self.markers.append(marker)
+        elif marker.get("breakdown"):
+            self._fold_breakdown(marker)
+
+    def _fold_breakdown(self, marker: dict[str, Any]) -> None:
+        """A boundary's breakdown whose marker is not kept: folded into per-(boundary, device) count, Σ and max
+        per category (the `BreakdownAggregate` rows the recorder folds too), so the Breakdown table's means and
+        maxes cover every step."""
+        origin = marker.get("origin") or {}
+        if marker["kind"] == "step" and marker["edge"] == "start":
+            boundary = "step start"
+        elif marker["kind"] == "phase" and marker["edge"] == "end":
+            boundary = f"end of {marker['name']}"
+        else:
+            boundary = f"{marker['kind']} {marker['edge']} {marker['name']}"
+        for entry in marker["breakdown"]:
+            key = (origin.get("pid"), origin.get("rank"), boundary, entry["device"])
+            row = self._bd_folded.get(key)
+            if row is None:
+                row = self._bd_folded[key] = {
+                    "origin": dict(origin),
+                    "boundary": boundary,
+                    "device": entry["device"],
+                    "count": 0,
+                    "categories": {},
+                }
+            row["count"] += 1
+            for cat in _BREAKDOWN_CATEGORIES:
+                v = entry.get(f"{cat}_bytes")
+                if v is None:
+                    continue
+                v = max(0, int(v))
+                stat = row["categories"].setdefault(cat, {"count": 0, "sum_bytes": 0, "max_bytes": 0})
+                stat["count"] += 1
+                stat["sum_bytes"] += v
+                stat["max_bytes"] = max(stat["max_bytes"], v)
 
     def _aggregate_phase(self, name: str, start: dict[str, Any], end: dict[str, Any]) -> None:
         """Folds one finished phase into its row, as `analysis::phase_rows` computes it from all markers."""
@@ -204,6 +240,7 @@ class Monitor:
                 "peak_allocated_bytes": peaks[0],
                 "peak_reserved_bytes": peaks[1],
                 "peak_rss_bytes": peaks[2],
+                "breakdown_folded": list(self._bd_folded.values()),
             }
         )
 
@@ -570,6 +607,21 @@ def watch(
     mon._watching = True
     return mon
 
+
+# The categories a boundary's breakdown entry carries as `<name>_bytes` (Rust's `breakdown::Category`).
+_BREAKDOWN_CATEGORIES = (
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "inputs",
+    "other",
+    "cache",
+    "non_torch",
+    "allocated",
+    "reserved",
+    "rss",
+)
 
 _REPORT_ONLY_KEYS = (
     "command",

@@ -98,4 +98,8 @@ pub struct MarkerAggregates {
     pub peak_allocated_bytes: Option<u64>,
     pub peak_reserved_bytes: Option<u64>,
     pub peak_rss_bytes: Option<u64>,
+    /// The breakdowns of the boundary markers it did not keep, folded per (boundary, device) as the
+    /// recorder folds them (`fold.rs`): the Breakdown table's means and maxes then cover every step.
+    #[serde(default)]
+    pub breakdown_folded: Vec<crate::breakdown::BreakdownAggregate>,
 }

@@ -184,6 +184,9 @@ impl Summary {
             row.steps = None;
         }
         raise_peak_stage(&mut s.journey, agg.peak_allocated_bytes, agg.peak_reserved_bytes, agg.peak_rss_bytes);
+        if !agg.breakdown_folded.is_empty() {
+            s.breakdown = breakdown_summary(markers, &agg.breakdown_folded, &[], &[]);
+        }
         s
     }
 }
