@@ -162,7 +162,7 @@ def check_model(name: str, model: nn.Module, x: Any, loss_of: Any, device: torch
     try:
         one_step(mon, model, x, loss_of, opt)  # optimizer state exists from here on
         got = one_step(mon, model, x, loss_of, opt)
-        b = {bd["boundary"]: bd for bd in mon.to_dict()["breakdown"]["boundaries"]}
+        b = {bd["boundary"]: bd for bd in mon.breakdown()["boundaries"]}
         fwd, bwd, ost = b["end of forward"], b["end of backward"], b["end of optimizer step"]
         p = entry(fwd, dev)["parameters_bytes"]
         check(f"{tag} parameters", p == want_params, f"{p} B vs Σ numel·element_size {want_params} B")
@@ -265,7 +265,7 @@ def check_vs_profiler(
             one_step(mon, model, x, loss_of, opt)
         prof.export_memory_timeline(path, device="cuda:0")
         theirs = profiler_maxima(path)
-    ours_b = mon.to_dict()["breakdown"]["boundaries"]
+    ours_b = mon.breakdown()["boundaries"]
     ours = {cat: max(entry(bd, "cuda:0")[key] or 0 for bd in ours_b) for cat, key in _OURS.items()}
     print(f"  {tag}: category         torchmem (max over boundaries)   torch.profiler (max over step)   diff")
     for cat in _OURS:
@@ -350,7 +350,11 @@ def check_cost(device: torch.device) -> None:
         if proc.returncode != 0:
             check(f"cost {extra[1]}", False, f"bench exit {proc.returncode}: {proc.stderr[-500:]}")
             continue
-        rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.split()}
+        # the table's rows: a later "breakdown over monitor: ..." line is not one
+        rows: dict[str, list[str]] = {}
+        for line in proc.stdout.splitlines():
+            if line.split():
+                rows.setdefault(line.split()[0], line.split())
         base, plain, bd = (float(rows[m][1]) for m in ("untraced", "monitor", "breakdown"))
         over = (bd - plain) / base * 100
         check(

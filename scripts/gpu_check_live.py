@@ -113,10 +113,17 @@ def main() -> int:
         gpu = next((g for g in s["gpus"] if g["index"] == t["device"]), None)
         report(gpu is not None and gpu["total_bytes"] == mem.total, "gpu_total_equals_nvml", f"{gpu} vs {mem.total}")
         if gpu is not None:
+            # torchmem reads NVML's v2 memory info (as nvidia-smi shows it): "used" without the driver's reserved
+            # memory, which v1's "used" (total - free) includes (~0.6 GiB on an H200).
+            try:
+                used = pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2).used
+                which = "NVML v2 used"
+            except Exception:
+                used, which = mem.used, "NVML v1 used (v2 unavailable)"
             report(
-                abs(gpu["used_bytes"] - mem.used) <= 256 * MIB,
+                abs(gpu["used_bytes"] - used) <= 256 * MIB,
                 "gpu_used_near_nvml",
-                f"{gpu['used_bytes']} vs {mem.used}",
+                f"{gpu['used_bytes']} vs {which} {used} (v1 used {mem.used})",
             )
         nvml_proc = {q.pid: q.usedGpuMemory for q in pynvml.nvmlDeviceGetComputeRunningProcesses(h)}
         report(

@@ -172,6 +172,7 @@ class _Probe:
         self.step = 0
         self.busy = False
         self.records: list[tuple[Any, int, int]] = []  # (weakref, site, probe step)
+        self.seen: dict[int, Any] = {}  # id -> weakref of every tensor recorded: each is new once
         self.holders: dict[int, dict[int, Any]] = {}  # site -> {id: weakref}: in-place outputs with a grad_fn
         self.sites: dict[tuple[str, int], int] = {}
         self.site_list: list[tuple[str, int, str]] = []
@@ -224,15 +225,26 @@ class _Probe:
         if site is None:
             return
         param = self.torch.nn.Parameter
+        inputs = [a for a in args if isinstance(a, Tensor)]
+        for a in args:
+            if isinstance(a, (list, tuple)):  # foreach ops (`_foreach_add_(state_steps, 1)`) take lists
+                inputs.extend(x for x in a if isinstance(x, Tensor))
+        seen = self.seen
         for t in outs:
             if not isinstance(t, Tensor) or isinstance(t, param):
                 continue
-            if any(t is a for a in args):
+            key = id(t)
+            known = seen.get(key)
+            if known is not None and known() is t:
+                continue  # returned again (a view op returning self, an optimizer's state): made once, earlier
+            if any(t is a for a in inputs):
                 # In place (`total_loss += loss`, `x.add_(y)`): not a new tensor; it may hold a growing graph.
                 if t.grad_fn is not None:
                     self.holders.setdefault(site, {})[id(t)] = weakref.ref(t)
                 continue
-            self.records.append((weakref.ref(t), site, self.step))
+            ref = weakref.ref(t)
+            seen[key] = ref
+            self.records.append((ref, site, self.step))
 
     # --- probe step ends ---------------------------------------------------------------------------------
 
@@ -240,6 +252,7 @@ class _Probe:
         self.busy = True
         try:
             self.records = [r for r in self.records if r[0]() is not None]
+            self.seen = {k: r for k, r in self.seen.items() if r() is not None}
             self._walk_graphs()
             self._snapshot_python()
         finally:
