@@ -119,8 +119,9 @@ def install_backward_fix(make_mode: Callable[[], Any]) -> int:
             table[slot] = original[slot]
         raise EstimateUnsupported(
             f"torch {torch.__version__}: could not make backward run on an emulated CUDA device (no slot of the "
-            "CUDA hooks answered the autograd engine's context query). Run the estimate with a torch version "
-            "from 2.9 to 2.15, or on a machine with a GPU"
+            "CUDA hooks answered the autograd engine's context query). If a backward already ran in this process, "
+            "the engine set up its device threads without CUDA: run the estimate in a fresh process "
+            "(`torchmem estimate script.py`). Else use a torch version from 2.9 to 2.15, or a machine with a GPU"
         )
 
 
