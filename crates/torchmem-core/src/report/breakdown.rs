@@ -100,19 +100,11 @@ pub fn composition_table(b: &BreakdownSummary) -> Table {
 
 /// The categories shown in the per-boundary table: those measured somewhere, in the stacking order.
 fn boundary_categories(rows: &[BoundaryRow]) -> Vec<Category> {
-    let shown = [
-        Category::Parameters,
-        Category::Gradients,
-        Category::OptimizerState,
-        Category::Activations,
-        Category::Inputs,
-        Category::Other,
-        Category::Cache,
-        Category::NonTorch,
-        Category::Allocated,
-        Category::Rss,
-    ];
-    shown.into_iter().filter(|c| rows.iter().any(|r| r.categories.contains_key(c))).collect()
+    // Every category but reserved (the cache column already says what reserved adds to allocated).
+    Category::ALL
+        .into_iter()
+        .filter(|&c| c != Category::Reserved && rows.iter().any(|r| r.categories.contains_key(&c)))
+        .collect()
 }
 
 fn mean_max(r: &BoundaryRow, c: Category) -> String {
