@@ -26,6 +26,7 @@ mon = torchmem.Monitor(model, opt, verbose=False)
 _TAIL = """
 print("LEAKS " + json.dumps(mon.leaks()))
 print("PROBES " + str(len(mon._leaks.reports) + mon._leaks.probing))
+print("GROWTH " + json.dumps([r.get("growth") for r in mon._leaks.reports]))
 """
 
 _BODIES = {

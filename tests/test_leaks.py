@@ -64,7 +64,7 @@ def test_each_leak_is_named_by_its_line(tmp_path: Path, case: str) -> None:
 def test_healthy_runs_that_plateau_start_no_probe_and_warn_nothing(tmp_path: Path, case: str) -> None:
     proc = run_case(tmp_path, case)
     leaks, probes = parse(proc.stdout)
-    assert leaks == [] and probes == 0, (leaks, probes, proc.stderr)
+    assert leaks == [] and probes == 0, (leaks, probes, proc.stderr, proc.stdout)
     assert "MemoryGrowthWarning" not in proc.stderr, proc.stderr
 
 

@@ -1,11 +1,15 @@
 //! How `torchmem run` passes signals on to the program, so that running under torchmem is never worse than
 //! running the program bare (the behaviour of a good supervisor such as tini or `uv run`).
 //!
-//! * A signal that was **ignored** when torchmem started (`nohup`, `cmd &` in a script, `trap '' HUP`) stays
-//!   ignored, for torchmem and for the program (which inherits SIG_IGN across exec). The program also starts
-//!   with torchmem's signal mask as torchmem got it, and with SIGPIPE and SIGXFSZ at their default, as
-//!   Python's `subprocess` does (CPython and Rust's runtime ignore those two for themselves).
-//! * Every other catchable signal is caught and **forwarded exactly once**. The program stays in torchmem's
+//! * A signal that was **ignored** when torchmem started (`nohup`, `cmd &` in a script, `trap '' HUP`, a CI
+//!   harness) is ignored by the program too: it starts with SIG_IGN there, as it would bare (SIG_IGN is
+//!   inherited across exec). torchmem still catches it and forwards it like any other signal, because a
+//!   program may install its own handler (a trainer that checkpoints on SIGHUP under `nohup`): a `kill -HUP`
+//!   of torchmem's pid must reach that handler as a `kill -HUP` of the program's pid would bare, and a program
+//!   that kept SIG_IGN drops the forwarded copy as it would drop the original. The program also starts with
+//!   torchmem's signal mask as torchmem got it, and with SIGPIPE and SIGXFSZ at their default, as Python's
+//!   `subprocess` does (CPython and Rust's runtime ignore those two for themselves).
+//! * Every catchable signal is caught and **forwarded exactly once**. The program stays in torchmem's
 //!   process group, so a terminal's Ctrl-C/Ctrl-Z, `input()`, pdb and job control behave as without
 //!   torchmem. But then a signal sent to the whole group (`kill -INT -- -PGID`, `timeout`, Slurm, a
 //!   terminal) or to every process of a control group one by one (systemd's `KillMode=control-group`)
@@ -88,7 +92,7 @@ extern "C" fn on_signal(sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut
     }
 }
 
-/// The signals torchmem catches and forwards when they were not ignored at start (see the module comment).
+/// The signals torchmem catches and forwards (see the module comment).
 pub fn forwardable_signals() -> Vec<i32> {
     let left_alone = [
         libc::SIGKILL,
@@ -266,6 +270,8 @@ pub struct Supervisor {
     _self_pipe_w: OwnedFd,
     /// Signals with our handler, and what they had before (restored on drop).
     handled: Vec<(i32, libc::sigaction)>,
+    /// Those of them that were ignored at start: the program starts with them ignored.
+    ignored_at_start: Vec<i32>,
     /// The mask torchmem started with; the program gets it.
     startup_mask: libc::sigset_t,
     received: Vec<Received>,
@@ -275,7 +281,7 @@ pub struct Supervisor {
 
 impl Supervisor {
     /// Looks at how torchmem started (ignored signals, mask), forks the sentinel, and installs the handler
-    /// for every forwardable signal that was not ignored. Call before any thread of ours starts.
+    /// for every forwardable signal, remembering which were ignored. Call before any thread of ours starts.
     pub fn install() -> std::io::Result<Supervisor> {
         let mut startup_mask = empty_set();
         // SAFETY: reading our mask into a set we own.
@@ -286,11 +292,10 @@ impl Supervisor {
         OUR_PID.store(unsafe { libc::getpid() }, Ordering::SeqCst);
         SELF_PIPE_W.store(w.as_raw_fd(), Ordering::SeqCst);
         let mut handled = Vec::new();
+        let mut ignored_at_start = Vec::new();
         for sig in forwardable_signals() {
             let Some(old) = disposition(sig) else { continue };
-            if old.sa_sigaction == libc::SIG_IGN {
-                continue; // ignored at start: stays ignored, for us and for the program
-            }
+            let ignored = old.sa_sigaction == libc::SIG_IGN;
             // SAFETY: installing our async-signal-safe handler with a zeroed sigaction we own.
             unsafe {
                 let mut sa: libc::sigaction = std::mem::zeroed();
@@ -299,6 +304,9 @@ impl Supervisor {
                 libc::sigemptyset(&mut sa.sa_mask);
                 if libc::sigaction(sig, &sa, std::ptr::null_mut()) == 0 {
                     handled.push((sig, old));
+                    if ignored {
+                        ignored_at_start.push(sig);
+                    }
                 }
             }
         }
@@ -307,6 +315,7 @@ impl Supervisor {
             self_pipe_r: r,
             _self_pipe_w: w,
             handled,
+            ignored_at_start,
             startup_mask,
             received: Vec::new(),
             reports: Vec::new(),
@@ -329,11 +338,13 @@ impl Supervisor {
         self.handled.iter().map(|(s, _)| *s).collect()
     }
 
-    /// A `pre_exec` hook for the program: resets the caught signals and SIGPIPE/SIGXFSZ to their default,
+    /// A `pre_exec` hook for the program: resets the caught signals to what torchmem started with (SIG_IGN
+    /// stays ignored, every other to its default) and SIGPIPE/SIGXFSZ to their default,
     /// re-raises any signal that hit the child between fork and this point, sets PR_SET_PDEATHSIG, and
     /// restores the signal mask torchmem started with. Only async-signal-safe calls.
     pub fn child_setup(&self) -> impl FnMut() -> std::io::Result<()> + Send + Sync + 'static {
         let handled: Vec<i32> = self.handled_signals();
+        let ignored = self.ignored_at_start.clone();
         let mask = SigSet(self.startup_mask);
         // SAFETY: getpid is always safe.
         let parent = unsafe { libc::getpid() };
@@ -343,7 +354,8 @@ impl Supervisor {
                 let full = full_set();
                 libc::sigprocmask(libc::SIG_SETMASK, &full, std::ptr::null_mut());
                 for &sig in &handled {
-                    libc::signal(sig, libc::SIG_DFL);
+                    let start = if ignored.contains(&sig) { libc::SIG_IGN } else { libc::SIG_DFL };
+                    libc::signal(sig, start);
                 }
                 libc::signal(libc::SIGPIPE, libc::SIG_DFL);
                 libc::signal(libc::SIGXFSZ, libc::SIG_DFL);
@@ -454,7 +466,8 @@ impl Supervisor {
     /// SIGTSTP's own effect on torchmem, after it was passed on: stop with the default action (the kernel
     /// skips it in an orphaned process group, as for the program), and catch SIGTSTP again once continued.
     pub fn stop_self(&self) {
-        if !self.handled.iter().any(|(s, _)| *s == libc::SIGTSTP) {
+        // Ignored at start: the program ignores it too (unless it caught it: then it does not stop either).
+        if !self.handled.iter().any(|(s, _)| *s == libc::SIGTSTP) || self.ignored_at_start.contains(&libc::SIGTSTP) {
             return;
         }
         // SAFETY: switching SIGTSTP to its default, raising it on ourselves, then putting our handler back.
