@@ -6,6 +6,7 @@ the numbers; a loaded machine slows every mode alike, and interleaving spreads i
 
 Modes: `untraced` (no Monitor), `monitor` (phases only, `breakdown=False`), `breakdown` (the default with a
 model: the per-category breakdown at 4 boundaries per step and activations through the saved-tensors hook),
+`breakdown-no-saves` (the same boundaries, `activations=None`: no hook, so the two rows split the cost),
 `breakdown+modules` (`activations="modules"`: two more hooks per submodule call), and `torch.profiler`
 (`profile(profile_memory=True, record_shapes=True, with_stack=True)` around the same steps: what
 `export_memory_timeline`'s categories need). Also printed: one boundary's measurement alone and the pack
@@ -97,6 +98,8 @@ def main() -> None:
             return torchmem.Monitor(model, opt, verbose=False, warn=False, breakdown=False)
         if mode == "breakdown":
             return torchmem.Monitor(model, opt, verbose=False, warn=False)
+        if mode == "breakdown-no-saves":  # the boundaries' measurement without the saved-tensors hook
+            return torchmem.Monitor(model, opt, verbose=False, warn=False, activations=None)
         if mode == "breakdown+modules":
             return torchmem.Monitor(model, opt, verbose=False, warn=False, activations="modules")
         return None
@@ -124,7 +127,7 @@ def main() -> None:
             monitors.pop(mode)
         return dt
 
-    known = ["untraced", "monitor", "breakdown", "breakdown+modules", "torch.profiler"]
+    known = ["untraced", "monitor", "breakdown-no-saves", "breakdown", "breakdown+modules", "torch.profiler"]
     asked = set(args.modes.split(",")) | {"untraced", "monitor", "breakdown"}
     if asked - set(known):
         raise SystemExit(f"--modes: unknown {sorted(asked - set(known))}; expected some of {known}")
@@ -150,6 +153,27 @@ def main() -> None:
     for _ in range(n):
         bd.measure(dev)
     measure_us = (time.perf_counter() - t0) / n * 1e6
+    # Where one boundary's time goes (each part alone, n times; the caches as in a step's later boundaries).
+    from torchmem import _breakdown, _ledger, api
+
+    def per_call_us(f: Any) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            f()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    params = bd._parameters()[0]
+    parts = {
+        "parameters": per_call_us(bd._parameters),
+        "gradients": per_call_us(lambda: bd._gradients(params)),
+        "optimizer": per_call_us(bd._optimizer_state),
+        "saves": per_call_us(bd.saved.live) if bd.saved is not None else 0.0,
+        "allocator": per_call_us(lambda: _ledger.counters(torch, dev)) if dev is not None else 0.0,
+        "nvml": per_call_us(lambda: api._nvml(torch, dev)) if dev is not None else 0.0,
+        "rss": per_call_us(torchmem._native.self_rss_bytes),
+    }
+    split = ", ".join(f"{k} {v:.0f}" for k, v in parts.items())
+    refresh = _breakdown.NON_TORCH_REFRESH_S
     saved = 0
     with mon.step():
         out = model(x)
@@ -187,6 +211,7 @@ def main() -> None:
         f"one boundary's measure(): {measure_us:.0f} us (4 per step); "
         f"saved tensors per step: {len(pack_calls)} ({saved} live saves recorded at the end of forward)"
     )
+    print(f"one boundary's parts, us each: {split} (NVML read at most every {refresh} s)")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ CASES = [
     ("line_start hook", lambda tmp: _native.line_start("nope", None, None), torchmem.InputError),
     ("line_render_text JSON", lambda tmp: _native.line_render_text("{"), torchmem.InputError),
     ("simulate no input", lambda tmp: _native.simulate_json(), torchmem.InputError),
+    ("simulate missing", lambda tmp: _native.simulate_json(path=str(tmp / "none.pickle")), FileNotFoundError),
     (
         "simulate bad conf",
         lambda tmp: _native.simulate_json(path=str(a_snapshot()), alloc_conf="nonsense:1"),

@@ -96,7 +96,7 @@ def read_png(path: Path) -> tuple[int, int, list[bytearray]]:
             for i in range(bpp, stride):
                 line[i] = (line[i] + line[i - bpp]) & 0xFF
         elif ftype == 2:
-            line = bytearray((a + b) & 0xFF for a, b in zip(line, prev))
+            line = bytearray((a + b) & 0xFF for a, b in zip(line, prev, strict=False))
         elif ftype == 3:
             for i in range(stride):
                 left = line[i - bpp] if i >= bpp else 0

@@ -83,7 +83,7 @@ def test_callback_steps_phases_and_logged_bytes(tmp_path):
     train_logs = [log for log in probe.logs if "loss" in log]
     assert len(train_logs) == 3  # logging_steps=2 over 6 steps
     assert [step for step, _ in cb.logged] == [2, 4, 6]
-    for log, (_, mine) in zip(train_logs, cb.logged):
+    for log, (_, mine) in zip(train_logs, cb.logged, strict=False):
         assert {k: v for k, v in log.items() if k.startswith("torchmem/")} == mine  # the reporters' slot saw them
         assert all(isinstance(v, int) for v in mine.values())
         assert mine["torchmem/step_peak_rss_bytes"] - mine["torchmem/rss_bytes"] >= 56 * MIB, mine
@@ -142,7 +142,7 @@ def test_find_executable_batch_size_records_every_try(tmp_path):
     attempts = data["attempts"]
     sizes = [a["batch_size"] for a in attempts]
     assert sizes[0] == 128 and sizes == sorted(sizes, reverse=True)
-    assert all(b == min(int(a * 0.9), a - 1) for a, b in zip(sizes, sizes[1:]))  # accelerate's ×0.9
+    assert all(b == min(int(a * 0.9), a - 1) for a, b in zip(sizes, sizes[1:], strict=False))  # accelerate's ×0.9
     assert [a["ok"] for a in attempts] == [False] * (len(attempts) - 1) + [True]
     last = attempts[-1]
     assert data["result"] == float(last["batch_size"])

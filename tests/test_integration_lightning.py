@@ -161,7 +161,7 @@ def test_callback_in_each_namespace(tmp_path, namespace):
     assert [step for step, _ in logged] == [1, 3, 5, 7]
     rows = metrics_rows(tmp_path)
     assert [int(r["step"]) for r in rows] == [1, 3, 5, 7]
-    for (_, m), row in zip(logged, rows):
+    for (_, m), row in zip(logged, rows, strict=False):
         assert {k: int(v) for k, v in row.items() if k.startswith("torchmem/") and v} == m
         # The 64 MiB scratch tensor lives only inside the forward phase: its peak, not the backward's.
         assert m["torchmem/forward_peak_rss_bytes"] - m["torchmem/rss_bytes"] >= 56 * MIB, m

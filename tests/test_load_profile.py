@@ -83,7 +83,7 @@ def test_tables_come_out_as_rows_and_dataframes(recorded: Path) -> None:
     # The same rows through every door.
     for name in p.tables():
         cols, rows = p._data.table(name)
-        assert p.rows(name) == [dict(zip(cols, r)) for r in rows]
+        assert p.rows(name) == [dict(zip(cols, r, strict=False)) for r in rows]
     df = p.to_pandas("cpu_samples")
     assert list(df.columns) == p.columns("cpu_samples")
     assert len(df) == len(cpu) and int(df["rss_bytes"].max()) == p.summary()["peak"]["cpu_rss_bytes"]

@@ -224,7 +224,7 @@ def test_phase_peak_catches_a_temporary_freed_inside_forward():
     ends = [m for m in mon.markers if m["kind"] == "phase" and m["edge"] == "end"]
     fwd = [m for m in ends if m["name"] == "forward"]
     starts = [m for m in mon.markers if m["kind"] == "phase" and m["edge"] == "start" and m["name"] == "forward"]
-    for s, e in zip(starts, fwd):
+    for s, e in zip(starts, fwd, strict=False):
         assert e["memory"]["peak_rss_bytes"] >= s["memory"]["rss_bytes"] + 90 * MIB, (s, e)
         assert e["memory"]["rss_bytes"] < s["memory"]["rss_bytes"] + 48 * MIB
     opt_end = [m for m in ends if m["name"] == "optimizer step"]

@@ -1,6 +1,7 @@
 """The in-process part of `torchmem run`, loaded by the sitecustomize that `torchmem run` puts first on
 PYTHONPATH: starts the allocator sampler (a Rust thread that reads PyTorch's counters once CUDA is in use)
-and, with `--line`, the line profiler. Outside `torchmem run` (no `TORCHMEM_EVENT_FD`) it does nothing."""
+and, with `--line`, the line profiler. Outside `torchmem run` (no `TORCHMEM_EVENT_SOCKET`, nor the older
+`TORCHMEM_EVENT_FD`) it does nothing."""
 
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ class Profile:
         """A table as a list of dicts, one per row (a nested record such as `origin` is flattened to
         `origin_pid`, `origin_rank`, …). Unknown names raise `torchmem.InputError` (a `ValueError`)."""
         columns, rows = self._data.table(table)
-        return [dict(zip(columns, row)) for row in rows]
+        return [dict(zip(columns, row, strict=False)) for row in rows]
 
     def to_pandas(self, table: str) -> Any:
         """A table as a `pandas.DataFrame` (needs pandas)."""

@@ -63,12 +63,8 @@ pub struct SimResult {
 /// Reads a snapshot file: pickle or JSON, optionally gzip-compressed (`.pickle.gz`).
 pub fn read_snapshot(path: &Path) -> Result<Snapshot, SimError> {
     let name = path.display().to_string();
-    let data = std::fs::read(path).map_err(|e| {
-        SimError::Snapshot(torchmem_snapshot::SnapshotError::Io {
-            path: name.clone(),
-            msg: format!("cannot open: {e}"),
-        })
-    })?;
+    let data = std::fs::read(path)
+        .map_err(|e| SimError::Snapshot(torchmem_snapshot::SnapshotError::open_failed(&name, &e)))?;
     read_snapshot_bytes(&data, &name)
 }
 

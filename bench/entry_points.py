@@ -1,7 +1,9 @@
 """Packaging benchmark (issue 9 item 7): the `torchmem` console script (Python + the extension) against the
 cargo-built native binary, side by side in one run, and what every profiled process pays to load the extension.
+(Not named `packaging.py`: a bench script beside it that imports the `packaging` library, as transformers
+does, would import this file instead.)
 
-    .venv/bin/python bench/packaging.py [--n 21] [--binary target/release/torchmem]
+    .venv/bin/python bench/entry_points.py [--n 21] [--binary target/release/torchmem]
 
 Prints: `torchmem --version` startup (median of N, with `python -c pass` as the floor), the recorder's RSS
 (VmRSS peak sampled, VmHWM at the end) during a `torchmem run` of a child that sleeps, and the extension's size,
