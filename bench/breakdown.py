@@ -154,7 +154,7 @@ def main() -> None:
         bd.measure(dev)
     measure_us = (time.perf_counter() - t0) / n * 1e6
     # Where one boundary's time goes (each part alone, n times; the caches as in a step's later boundaries).
-    from torchmem import _breakdown, _ledger, api
+    from torchmem import _ledger, api
 
     def per_call_us(f: Any) -> float:
         t0 = time.perf_counter()
@@ -173,7 +173,6 @@ def main() -> None:
         "rss": per_call_us(torchmem._native.self_rss_bytes),
     }
     split = ", ".join(f"{k} {v:.0f}" for k, v in parts.items())
-    refresh = _breakdown.NON_TORCH_REFRESH_S
     saved = 0
     with mon.step():
         out = model(x)
@@ -211,7 +210,7 @@ def main() -> None:
         f"one boundary's measure(): {measure_us:.0f} us (4 per step); "
         f"saved tensors per step: {len(pack_calls)} ({saved} live saves recorded at the end of forward)"
     )
-    print(f"one boundary's parts, us each: {split} (NVML read at most every {refresh} s)")
+    print(f"one boundary's parts, us each: {split}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ Nothing here calls `gc.get_objects()` or keeps a tensor alive.
 
 from __future__ import annotations
 
-import time
 import weakref
 from typing import Any
 
@@ -543,18 +542,9 @@ class Breakdown:
                 self.saved.pop()
 
 
-#: How long NVML's per-process bytes minus reserved (the non-torch memory: CUDA context, library handles)
-#: is reused between boundaries. NVML's process query is the slowest read of a boundary (a driver call that
-#: lists every process on the GPU); cudaMalloc and cudaFree move NVML and reserved together, so the
-#: difference holds between reads (`scripts/gpu_check_breakdown.py` checks it against NVML within 2 MiB).
-NON_TORCH_REFRESH_S = 0.5
-_non_torch_cache: dict[int, tuple[float, int]] = {}  # device -> (monotonic time read, bytes)
-
-
 def _cuda_totals(torch: Any, dev: int, entry: dict[str, Any], counted_bytes: int) -> None:
     """The allocator's allocated/reserved of CUDA device `dev` now, other = allocated − the counted
-    categories, cache = reserved − allocated, non-torch = NVML's bytes for this process − reserved (read at
-    most every `NON_TORCH_REFRESH_S`)."""
+    categories, cache = reserved − allocated, non-torch = NVML's bytes for this process − reserved."""
     c = _ledger.counters(torch, dev)
     if c is None:
         return
@@ -562,18 +552,12 @@ def _cuda_totals(torch: Any, dev: int, entry: dict[str, Any], counted_bytes: int
     entry["allocated_bytes"], entry["reserved_bytes"] = allocated, reserved
     entry["other_bytes"] = allocated - counted_bytes
     entry["cache_bytes"] = reserved - allocated
-    now = time.monotonic()
-    cached = _non_torch_cache.get(dev)
-    if cached is not None and now - cached[0] < NON_TORCH_REFRESH_S:
-        entry["non_torch_bytes"] = cached[1]
-        return
     from . import api
 
     nv = api._nvml(torch, dev)
     if nv is not None:
         mine = nv[3] if nv[3] is not None else nv[1]
         entry["non_torch_bytes"] = mine - reserved
-        _non_torch_cache[dev] = (now, mine - reserved)
 
 
 def _torch() -> Any:
