@@ -1,6 +1,7 @@
 """`torchmem run --tensorboard DIR`: the event files of a real run (torch on CPU, a Monitor's steps and phases)
 read back with TensorBoard's own reader (`EventAccumulator`): memory scalars each second, per-step and
-per-phase peaks at the program's step indices, values that agree with the profile."""
+per-phase peaks at the program's step indices, the Monitor's memory breakdown at its boundaries, values that
+agree with the profile."""
 
 from __future__ import annotations
 
@@ -73,6 +74,21 @@ def test_tensorboard_reads_the_run(tmp_path: Path) -> None:
     rss = acc.Scalars("torchmem/rss_bytes")
     assert len(rss) >= 2 and [e.step for e in rss] == sorted(e.step for e in rss)
     assert all(e.step % 1000 == 0 for e in rss), "step = the window's start in ms"
+    # The Monitor's breakdown at its boundaries, at the program's steps: the Linear's parameters exactly, its
+    # gradients at the end of backward, none left after `zero_grad()` (set_to_none) at the next step's start.
+    weights = (512 * 512 + 512) * 4
+    tag = "torchmem/breakdown/{}/cpu/{}_bytes"
+    for boundary, category, want in [
+        ("end_of_forward", "parameters", weights),
+        ("end_of_backward", "gradients", weights),
+        ("step_start", "gradients", 0),
+        # The batch is the one tensor the forward saves (for the weight's gradient): an input, not an activation.
+        ("end_of_forward", "inputs", 128 * 512 * 4),
+        ("end_of_forward", "activations", 0),
+    ]:
+        got = acc.Scalars(tag.format(boundary, category))
+        assert [e.step for e in got] == [0, 1, 2, 3, 4, 5], (boundary, category, got)
+        assert {e.value for e in got} == {want}, (boundary, category, got)
     report = json.loads(torchmem("report", "--format", "json", str(prof)).stdout)
     peak_rss = report["peak"]["cpu_rss_bytes"]
     # The highest window is the profile's peak RSS (float32: 7 digits).

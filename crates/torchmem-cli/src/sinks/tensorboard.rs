@@ -9,7 +9,10 @@
 //! `torchmem/gpu{N}/used_bytes`, `torchmem/gpu{N}/process_used_bytes`; step = ms since the run started),
 //! and at every step, phase and epoch end its exact peaks from the marker (`torchmem/step/peak_*`,
 //! `torchmem/phase/{name}/peak_*` at the step the phase ran in, `torchmem/epoch/peak_*`; step = the
-//! program's step or epoch index). A process that says its rank writes into `DIR/rank{N}/`, so TensorBoard
+//! program's step or epoch index). Where a boundary carries the Monitor's memory breakdown, each measured
+//! category as `torchmem/breakdown/{boundary}/{device}/{category}_bytes` (`boundary`: `step_start`,
+//! `end_of_forward`, `end_of_backward`, `end_of_optimizer_step`; `device`: `cuda_0`, `cpu`; step = the
+//! program's step). A process that says its rank writes into `DIR/rank{N}/`, so TensorBoard
 //! shows ranks as runs. `simple_value` is a 32-bit float: byte values keep 7 significant digits.
 
 use std::collections::BTreeMap;
@@ -17,6 +20,7 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
+use torchmem_core::breakdown::{boundary_of, Category};
 use torchmem_core::model::{Edge, Marker, MarkerKind};
 use torchmem_core::store::Record;
 
@@ -236,15 +240,38 @@ impl TensorBoardSink {
         Ok(())
     }
 
+    /// The breakdown a boundary marker carries, one scalar per measured category and device.
+    fn breakdown(&mut self, m: &Marker, rank: Option<u32>, step: i64) -> std::io::Result<()> {
+        let Some(entries) = m.breakdown.as_ref().filter(|b| !b.is_empty()) else { return Ok(()) };
+        let boundary = tag_part(&boundary_of(m));
+        let mut scalars = Vec::new();
+        for e in entries {
+            let device = tag_part(&e.device);
+            for c in Category::STACKED {
+                if let Some(v) = e.get(c) {
+                    scalars.push((format!("torchmem/breakdown/{boundary}/{device}/{}_bytes", c.as_str()), v as f32));
+                }
+            }
+        }
+        if scalars.is_empty() {
+            return Ok(());
+        }
+        let wall = self.wall(m.t_ns);
+        self.file(rank)?.write(wall, step, None, &scalars)
+    }
+
     fn marker(&mut self, m: &Marker) -> std::io::Result<()> {
         let s = self.spans.entry(m.origin.pid).or_default();
         s.rank = m.origin.rank.or(s.rank);
         let rank = s.rank;
+        if m.kind == MarkerKind::Step && m.edge == Edge::Start {
+            s.step = Some(m.index.unwrap_or(s.steps_ended));
+        }
+        let step_now = s.step.unwrap_or(s.steps_ended);
+        self.breakdown(m, rank, step_now)?;
+        let s = self.spans.entry(m.origin.pid).or_default();
         let (prefix, step) = match (m.kind, m.edge) {
-            (MarkerKind::Step, Edge::Start) => {
-                s.step = Some(m.index.unwrap_or(s.steps_ended));
-                return Ok(());
-            }
+            (MarkerKind::Step, Edge::Start) => return Ok(()),
             (MarkerKind::Step, Edge::End) => {
                 let step = m.index.or(s.step).unwrap_or(s.steps_ended);
                 s.steps_ended += 1;
