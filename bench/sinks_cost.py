@@ -1,7 +1,7 @@
 """What the recorder's sinks cost: the `torchmem` recorder's own CPU time (utime + stime of its process, read
 from /proc while it runs, so the profiled program's CPU is not counted) for the same program under two
-binaries (before and after a change), and under the new binary with --metrics / --tensorboard, alternated,
-N runs each; prints the medians and ratios.
+binaries (before and after a change), and under the new binary with --metrics / --tensorboard and without
+the live sink (`TORCHMEM_LIVE=0`), alternated, N runs each; prints the medians and ratios.
 
     python bench/sinks_cost.py --before /tmp/torchmem_before --after target/release/torchmem [--runs 5]
 
@@ -46,7 +46,9 @@ def cpu_s(pid: int) -> float | None:
 def one(binary: str, extra: list[str], script: Path, tmp: Path) -> float:
     out = tmp / "p.sqlite"
     out.unlink(missing_ok=True)
-    env = dict(os.environ, TORCHMEM_PYTHON=sys.executable)
+    env = dict(os.environ, TORCHMEM_PYTHON=sys.executable, TORCHMEM_LIVE_DIR=str(tmp / "live"))
+    if extra[:1] == ["TORCHMEM_LIVE=0"]:
+        env["TORCHMEM_LIVE"], extra = "0", extra[1:]
     cmd = [binary, "run", "-q", "-f", "-o", str(out), *extra, str(script)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     last = 0.0
@@ -79,6 +81,9 @@ def main() -> None:
                 ["--metrics", "127.0.0.1:0", "--metrics-textfile", str(tmp / "m.prom")],
             ),
             "after --tensorboard": (a.after, ["--tensorboard", str(tmp / "tb")]),
+            # The live sink (the state file `torchmem top` reads, rewritten 4 times a second) is in every plain
+            # run; TORCHMEM_LIVE=0 takes it out, so the two rows are its cost.
+            "after TORCHMEM_LIVE=0 (no live sink)": (a.after, ["TORCHMEM_LIVE=0"]),
         }
         times: dict[str, list[float]] = {k: [] for k in cases}
         for _ in range(a.runs):

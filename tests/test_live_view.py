@@ -341,3 +341,24 @@ def test_run_live_is_off_with_a_note_when_stderr_is_not_a_terminal(tmp_path, pro
     notes = [line for line in err.decode().splitlines() if "--live" in line]
     assert notes == ["torchmem: --live is off: stderr is not a terminal (`torchmem top` shows this run)"], err.decode()
     assert "\x1b[" not in err.decode(), "no escape sequences into a pipe"
+
+
+def test_torchmem_live_0_registers_nothing_and_top_sees_no_run(tmp_path, prog, env):
+    """`TORCHMEM_LIVE=0`: no state file in the live directory while the run records (no `top` entry), and the
+    run and its profile are as without it."""
+    env = dict(env, TORCHMEM_LIVE="0")
+    run = start_run(tmp_path, prog, env)
+    try:
+        wait_for(
+            "the program to hold its 200 MiB",
+            lambda: (tmp_path / "pid").exists() and (tmp_path / "pid").read_text(),
+            START_S,
+        )
+        assert not list((tmp_path / "live").glob("*.json")), "registered although TORCHMEM_LIVE=0"
+        out = subprocess.run([TM, "top", "--once"], env=env, capture_output=True, text=True, timeout=60)
+        assert "No program is running under torchmem" in out.stdout, out.stdout
+    finally:
+        code = finish(tmp_path, run)
+    assert code == 7
+    out = subprocess.run([TM, "report", str(tmp_path / "p.sqlite")], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and "alloc200" in out.stdout, out.stdout + out.stderr

@@ -102,8 +102,20 @@ def report_meta(tm: Path, prof: Path) -> dict:
     return json.loads(r.stdout)["meta"]
 
 
+def default_signals() -> None:
+    """The child starts as from an interactive shell, whatever ran the tests: a harness that started them in a
+    script's background (SIGINT ignored) or under nohup (SIGHUP ignored) would change what the program gets."""
+    for s in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_DFL)
+
+
 def start(cmd: list[str], preexec=None) -> subprocess.Popen:
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=ENV, start_new_session=True, preexec_fn=preexec)
+    def setup() -> None:
+        default_signals()
+        if preexec is not None:
+            preexec()
+
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=ENV, start_new_session=True, preexec_fn=setup)
     line = p.stdout.readline().strip()
     assert line == "ready", f"{cmd}: {line!r}"
     return p

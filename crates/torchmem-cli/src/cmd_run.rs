@@ -406,10 +406,19 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         ..Config::default()
     };
     let interval = Duration::from_secs_f64(args.interval_ms / 1000.0);
-    // Registered for `torchmem top` (and the state `--live` draws) as soon as the program runs.
-    let (mut live_sink, live) = LiveSink::start(&sink_context, &crate::sinks::live::live_dir(), child.id(), &output);
-    live_sink.set_gpu_note(gpu_note);
-    live_sinks.push(Box::new(live_sink));
+    // Registered for `torchmem top` (and the state `--live` draws) as soon as the program runs, unless
+    // TORCHMEM_LIVE=0.
+    let register = crate::sinks::live::registration_enabled();
+    let live = (register || args.live).then(|| {
+        let (mut live_sink, live) = if register {
+            LiveSink::start(&sink_context, &crate::sinks::live::live_dir(), child.id(), &output)
+        } else {
+            LiveSink::unregistered(&sink_context, child.id(), &output)
+        };
+        live_sink.set_gpu_note(gpu_note);
+        live_sinks.push(Box::new(live_sink));
+        live
+    });
     let mut rec = Recorder::new(config, Sinks::new(writer, live_sinks), gpu, child.id(), start_ns, Some(events));
     let mut bar = if args.status { StatusBar::start() } else { None };
     let mut panel = if args.live {
@@ -474,7 +483,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
                 last_status = Some(Instant::now());
             }
         }
-        if let Some(p) = panel.as_mut() {
+        if let (Some(p), Some(live)) = (panel.as_mut(), live.as_ref()) {
             if last_status.is_none_or(|t| t.elapsed() >= Duration::from_millis(250)) {
                 p.draw(&live.snapshot());
                 last_status = Some(Instant::now());

@@ -277,10 +277,14 @@ fn start_logger(dir: &Path, log: &Path) -> std::process::Child {
     let mut cmd = torchmem();
     cmd.args(["run", "-q", "-o"]).arg(log.with_extension("sqlite")).arg(&s).arg(log);
     cmd.stdout(std::process::Stdio::piped());
-    // SAFETY: setsid is async-signal-safe.
+    // SAFETY: setsid and signal are async-signal-safe.
     unsafe {
         cmd.pre_exec(|| {
             libc::setsid();
+            // As from an interactive shell, whatever ran these tests: a harness that started them in the
+            // background of a script (SIGINT ignored) would give the program no KeyboardInterrupt at all.
+            libc::signal(libc::SIGINT, libc::SIG_DFL);
+            libc::signal(libc::SIGHUP, libc::SIG_DFL);
             Ok(())
         });
     }

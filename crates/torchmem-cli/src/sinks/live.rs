@@ -19,6 +19,14 @@ use crate::tui::state::{LiveSnapshot, LiveState, FORMAT};
 pub const WRITE_INTERVAL_MS: u64 = 250;
 /// Overrides the live directory (tests, or runs that should be seen only by a `top` given the same value).
 pub const LIVE_DIR_ENV: &str = "TORCHMEM_LIVE_DIR";
+/// `TORCHMEM_LIVE=0`: the run is not registered for `torchmem top` (no state file is written; `run --live`
+/// still draws from the in-memory state).
+pub const LIVE_ENV: &str = "TORCHMEM_LIVE";
+
+/// Whether runs register for `torchmem top` (`TORCHMEM_LIVE` is not `0`).
+pub fn registration_enabled() -> bool {
+    std::env::var_os(LIVE_ENV).is_none_or(|v| v != "0")
+}
 
 fn uid() -> u32 {
     // SAFETY: geteuid is always safe.
@@ -162,10 +170,7 @@ impl LiveSink {
     /// unregistered (`top` will not see it; nothing else changes).
     pub fn start(ctx: &RunContext, dir: &Path, program_pid: u32, profile: &Path) -> (LiveSink, LiveHandle) {
         let me = std::process::id();
-        let profile = std::fs::canonicalize(profile).unwrap_or_else(|_| profile.to_path_buf());
-        let mut state = LiveState::new(ctx, me, Some(program_pid), Some(profile.display().to_string()));
-        state.set_recorder_start_ticks(start_ticks(me));
-        let state = Arc::new(Mutex::new(state));
+        let state = Self::state(ctx, program_pid, profile);
         let path = match ensure_dir(dir) {
             Ok(()) => {
                 // Files left by killed recorders go now too, not only when a `top` looks.
@@ -185,6 +190,20 @@ impl LiveSink {
         // The first batch with readings is written at once.
         sink.last_write = None;
         (sink, LiveHandle(state))
+    }
+
+    /// The same state for `run --live` alone, registered nowhere (`TORCHMEM_LIVE=0`).
+    pub fn unregistered(ctx: &RunContext, program_pid: u32, profile: &Path) -> (LiveSink, LiveHandle) {
+        let state = Self::state(ctx, program_pid, profile);
+        (LiveSink { state: state.clone(), path: None, last_write: None }, LiveHandle(state))
+    }
+
+    fn state(ctx: &RunContext, program_pid: u32, profile: &Path) -> Arc<Mutex<LiveState>> {
+        let me = std::process::id();
+        let profile = std::fs::canonicalize(profile).unwrap_or_else(|_| profile.to_path_buf());
+        let mut state = LiveState::new(ctx, me, Some(program_pid), Some(profile.display().to_string()));
+        state.set_recorder_start_ticks(start_ticks(me));
+        Arc::new(Mutex::new(state))
     }
 
     /// Says why the run has no GPU readings (shown by `run --live`).
