@@ -14,12 +14,17 @@ STUB = Path(__file__).resolve().parent.parent / "python" / "torchmem" / "_native
 TREE = ast.parse(STUB.read_text())
 STUB_FUNCS = {n.name: n for n in TREE.body if isinstance(n, ast.FunctionDef)}
 STUB_CLASSES = {n.name for n in TREE.body if isinstance(n, ast.ClassDef)}
+# Module constants (`NAME: type`), apart from the dunder ones.
+STUB_CONSTANTS = {
+    n.target.id for n in TREE.body if isinstance(n, ast.AnnAssign) and not n.target.id.startswith("__")
+}
 
 
 def test_stub_and_extension_name_the_same_things() -> None:
     exported = {k for k in dir(native) if not k.startswith("__")}
-    assert exported - set(STUB_FUNCS) - STUB_CLASSES == set(), "exported but missing from _native.pyi"
-    assert (set(STUB_FUNCS) | STUB_CLASSES) - exported == set(), "in _native.pyi but not exported"
+    stub = set(STUB_FUNCS) | STUB_CLASSES | STUB_CONSTANTS
+    assert exported - stub == set(), "exported but missing from _native.pyi"
+    assert stub - exported == set(), "in _native.pyi but not exported"
 
 
 @pytest.mark.parametrize("name", sorted(STUB_FUNCS))

@@ -4,6 +4,8 @@ side exports is listed here with its meaning and units. Sections belong to one c
 from typing import Any
 
 __version__: str
+#: The categories a breakdown entry carries as `<name>_bytes`, in core's order (`breakdown::Category::ALL`).
+BREAKDOWN_CATEGORIES: tuple[str, ...]
 
 # --- errors (crates/torchmem-py/src/errors.rs: the one place Rust errors become exceptions) ---
 # Bad input is a ValueError (so `except ValueError` keeps working); I/O is the matching OSError subclass

@@ -609,19 +609,7 @@ def watch(
 
 
 # The categories a boundary's breakdown entry carries as `<name>_bytes` (Rust's `breakdown::Category`).
-_BREAKDOWN_CATEGORIES = (
-    "parameters",
-    "gradients",
-    "optimizer_state",
-    "activations",
-    "inputs",
-    "other",
-    "cache",
-    "non_torch",
-    "allocated",
-    "reserved",
-    "rss",
-)
+_BREAKDOWN_CATEGORIES = _native.BREAKDOWN_CATEGORIES
 
 _REPORT_ONLY_KEYS = (
     "command",

@@ -587,6 +587,9 @@ fn allocator_sampler_running() -> bool {
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // The names a breakdown entry carries as `<name>_bytes` (core's `breakdown::Category`, one list).
+    let categories: Vec<&str> = torchmem_core::breakdown::Category::ALL.iter().map(|c| c.as_str()).collect();
+    m.add("BREAKDOWN_CATEGORIES", pyo3::types::PyTuple::new(m.py(), categories)?)?;
     m.add_function(wrap_pyfunction!(self_memory, m)?)?;
     m.add_function(wrap_pyfunction!(self_rss_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(self_rollup, m)?)?;
