@@ -5,9 +5,11 @@ the numbers; a loaded machine slows every mode alike, and interleaving spreads i
     python bench/breakdown.py [--model mlp|transformer|resnet50|gpt2] [--device cuda] [--blocks 8]
 
 Modes: `untraced` (no Monitor), `monitor` (phases only, `breakdown=False`), `breakdown` (the default with a
-model: the per-category breakdown at 4 boundaries per step and activations through the saved-tensors hook),
-`breakdown-no-saves` (the same boundaries, `activations=None`: no hook, so the two rows split the cost),
-`breakdown+modules` (`activations="modules"`: two more hooks per submodule call), and `torch.profiler`
+model: the per-category breakdown at the 4 boundaries of one step in ten, with activations through the
+saved-tensors hook on that step's forward), `breakdown-every-step` (`breakdown_every=1`: every step
+measured), `breakdown-no-saves` (every step's boundaries, `activations=None`: no hook, so it and the row
+above split a measured step's cost), `breakdown+modules` (`activations="modules"`, one step in ten: two
+more hooks per submodule call on every step), and `torch.profiler`
 (`profile(profile_memory=True, record_shapes=True, with_stack=True)` around the same steps: what
 `export_memory_timeline`'s categories need). Also printed: one boundary's measurement alone and the pack
 hook's cost per saved tensor, from the breakdown mode's own steps. Wall time is the user's number; the
@@ -58,13 +60,21 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--blocks", type=int, default=6, help="blocks per mode")
-    ap.add_argument("--steps", type=int, default=5, help="steps per block")
+    ap.add_argument(
+        "--steps", type=int, default=10, help="steps per block (a multiple of 10: one measured step per block)"
+    )
     ap.add_argument(
         "--modes",
         default="untraced,monitor,breakdown,breakdown+modules,torch.profiler",
         help="comma-separated modes to run (untraced always runs)",
     )
     args = ap.parse_args()
+    from torchmem._breakdown import EVERY_STEPS as every
+    if args.steps % every:
+        raise SystemExit(
+            f"--steps {args.steps}: expected a multiple of {every} (the default breakdown_every), so that every "
+            "block of the sampled modes holds one measured step"
+        )
     device = torch.device(args.device)
     if device.type == "cpu":
         # One intra-op thread: on a shared machine torch's spinning worker threads make every mode's time
@@ -98,16 +108,25 @@ def main() -> None:
             return torchmem.Monitor(model, opt, verbose=False, warn=False, breakdown=False)
         if mode == "breakdown":
             return torchmem.Monitor(model, opt, verbose=False, warn=False)
+        if mode == "breakdown-every-step":
+            return torchmem.Monitor(model, opt, verbose=False, warn=False, breakdown_every=1)
         if mode == "breakdown-no-saves":  # the boundaries' measurement without the saved-tensors hook
-            return torchmem.Monitor(model, opt, verbose=False, warn=False, activations=None)
+            return torchmem.Monitor(model, opt, verbose=False, warn=False, activations=None, breakdown_every=1)
         if mode == "breakdown+modules":
             return torchmem.Monitor(model, opt, verbose=False, warn=False, activations="modules")
         return None
+
+    # The sampled modes' step count carried from block to block, as in one long run: a fresh Monitor per block
+    # would measure each block's first steps (its parameter walk is done before the block's clock starts).
+    carried: dict[str, int] = {}
 
     def block(mode: str) -> float:
         mon = monitors.get(mode)
         if mode not in ("untraced", "torch.profiler") and mon is None:
             mon = monitors[mode] = make(mode)
+            if mode in carried and mon._bd is not None:
+                mon._bd.refresh_parameters()
+                mon._bd._steps = mon._bd._walked_at = carried[mode]
         sync()
         t0, c0 = time.perf_counter(), time.process_time()
         if mode == "torch.profiler":
@@ -123,11 +142,21 @@ def main() -> None:
         dt = (time.perf_counter() - t0) / args.steps
         cpu_times[mode].append((time.process_time() - c0) / args.steps)
         if mon is not None:
+            if mon._bd is not None:
+                carried[mode] = mon._bd._steps
             mon.close()  # one Monitor at a time: every Monitor receives every marker
             monitors.pop(mode)
         return dt
 
-    known = ["untraced", "monitor", "breakdown-no-saves", "breakdown", "breakdown+modules", "torch.profiler"]
+    known = [
+        "untraced",
+        "monitor",
+        "breakdown-no-saves",
+        "breakdown-every-step",
+        "breakdown",
+        "breakdown+modules",
+        "torch.profiler",
+    ]
     asked = set(args.modes.split(",")) | {"untraced", "monitor", "breakdown"}
     if asked - set(known):
         raise SystemExit(f"--modes: unknown {sorted(asked - set(known))}; expected some of {known}")
@@ -144,7 +173,7 @@ def main() -> None:
             times[mode].append(block(mode))
 
     # One boundary's measurement, and the hook per saved tensor, from a breakdown Monitor's own steps.
-    mon = torchmem.Monitor(model, opt, verbose=False, warn=False)
+    mon = torchmem.Monitor(model, opt, verbose=False, warn=False, breakdown_every=1)
     train_step(mon)
     bd = mon._bd
     dev = mon._dev()
@@ -205,8 +234,15 @@ def main() -> None:
             f"{min(c) * 1e3:>12.2f} {min(c) / cpu_base:>12.3f}"
         )
     over = (min(times["breakdown"]) - min(times["monitor"])) * 1e6
+    print(f"breakdown over monitor: {over:+.0f} us/step ({over / (base * 1e6) * 100:+.2f} % of an untraced step)")
+    if "breakdown-every-step" in times:
+        over = (min(times["breakdown-every-step"]) - min(times["monitor"])) * 1e6
+        print(
+            f"breakdown-every-step over monitor: {over:+.0f} us/step "
+            f"({over / (base * 1e6) * 100:+.2f} % of an untraced step)"
+        )
     print(
-        f"breakdown over monitor: {over:+.0f} us/step ({over / (base * 1e6) * 100:+.2f} % of an untraced step); "
+        "a measured step's parts: "
         f"one boundary's measure(): {measure_us:.0f} us (4 per step); "
         f"saved tensors per step: {len(pack_calls)} ({saved} live saves recorded at the end of forward)"
     )

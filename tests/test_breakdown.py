@@ -331,7 +331,7 @@ def test_activations_freed_by_backward_and_kept_by_a_leak():
     torch.manual_seed(0)
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = torchmem.Monitor(model, opt, verbose=False)
+    mon = torchmem.Monitor(model, opt, verbose=False, breakdown_every=1)  # steps 4 and 5 measured too
     for _ in range(2):
         one_step(mon, model, torch.randn(16, 64), opt)
     b = boundaries(mon)
@@ -563,6 +563,46 @@ def test_breakdown_off_and_bad_activations_argument():
     assert all(cpu_entry(b)["activations_bytes"] is None for b in mon.breakdown()["boundaries"])
 
 
+@pytest.mark.parametrize("every", [None, 1, 4])
+def test_measured_steps_are_the_first_three_then_one_in_breakdown_every(every):
+    """Steps 1-3, then every `breakdown_every`-th (10 by default) carry the breakdown at all 4 boundaries and
+    have the saved-tensors hook on their forward; the other steps carry none and install no hook (what they
+    would have cost). Optimizer state that appears on a step not measured shows at the next measured one."""
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)  # no state until momentum is turned on below
+    kw = {} if every is None else {"breakdown_every": every}
+    mon = torchmem.Monitor(model, opt, verbose=False, keep_markers=None, **kw)
+    hooked: list[bool] = []
+    model.register_forward_pre_hook(
+        lambda m, a: hooked.append(torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
+    )
+    for step in range(1, 23):
+        if step == 5:
+            opt.param_groups[0]["momentum"] = 0.9  # momentum buffers appear at step 5's optimizer step
+        one_step(mon, model, torch.randn(4, 64), opt)
+    n = every or 10
+    want = [s for s in range(1, 23) if s <= 3 or s % n == 0]
+    starts = [m for m in mon.markers if m["kind"] == "step" and m["edge"] == "start"]
+    measured = [i + 1 for i, m in enumerate(starts) if "breakdown" in m]
+    assert measured == want
+    with_bd = [m for m in mon.markers if "breakdown" in m]
+    assert len(with_bd) == 4 * len(want)  # each measured step: its 4 boundaries, no other marker
+    assert [i + 1 for i, h in enumerate(hooked) if h] == want  # the hook only on measured steps' forwards
+    assert mon.breakdown()["step"] == want[-1] - 1  # the last measured step (indices count from 0)
+    first_after = min(s for s in want if s > 5)
+    opt_bytes = [cpu_entry(m)["optimizer_state_bytes"] for m in with_bd if m["name"] == "optimizer step"]
+    assert opt_bytes[want.index(first_after)] == nbytes(model.parameters())  # SGD momentum: 1 copy
+    assert all(b == 0 for b in opt_bytes[: want.index(first_after)] if want[opt_bytes.index(b)] < 5)
+    mon.close()
+
+
+def test_bad_breakdown_every_names_the_value_and_what_is_expected():
+    for bad in (0, -1, 2.5, True, "10"):
+        with pytest.raises(ValueError, match=r"breakdown_every=.*whole number of steps >= 1"):
+            torchmem.Monitor(mlp(), verbose=False, breakdown_every=bad)
+
+
 def test_peak_composition_names_the_phase_of_the_peak():
     torch.manual_seed(0)
     model = mlp()
@@ -762,7 +802,7 @@ def test_parameter_changes_show_up_without_walking_every_boundary():
 
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    mon = torchmem.Monitor(model, opt, verbose=False)
+    mon = torchmem.Monitor(model, opt, verbose=False, breakdown_every=1)
     for _ in range(3):
         one_step(mon, model, torch.randn(2, 64), opt)
     base = nbytes(model.parameters())

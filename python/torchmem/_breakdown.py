@@ -7,13 +7,21 @@ Everything is counted by storage (`t.untyped_storage()`: key = device and data p
 storage's size), so a storage shared by views or tied weights counts once; a storage that falls in two
 categories counts in the first of parameters > gradients > optimizer state > inputs > activations.
 
-It is built to run every step: the parameter list is walked once per step (at the step's start) and each
+It is built to run on every step it measures: the parameter list is walked once per step (at the step's start) and each
 parameter's storage is looked up again only when its data pointer moved; gradients are matched to the
 storage found the last time by (object, data pointer); the optimizer's state is read after each optimizer
 step (the only place it changes, besides `load_state_dict`, which is hooked); activations come from a
 saved-tensors hook (`_SavedTracker`) that records a weak reference per saved storage, so a storage
 autograd freed drops out by itself and one kept alive across steps (`total_loss += loss`) stays visible.
 Nothing here calls `gc.get_objects()` or keeps a tensor alive.
+
+Not every step is measured: the first `FIRST_STEPS` steps are (warm-up: gradients and optimizer state
+appear there), then every `every`-th step (`Monitor(..., breakdown_every=10)`, the default). A measured
+step gets the breakdown at all its boundaries and the saved-tensors hook on its forward; the other steps
+get neither and cost nothing here. Measured on the H200: a ResNet-50 step (batch 64, 532 saved tensors)
+pays ~1.7 ms for a measured step (4 boundaries ~0.26 ms each, ~1.1 us per saved tensor), 5 % of its 33
+ms; sampled one step in ten, 0.5 %. Like torch.profiler's `schedule` and Lightning's
+`log_every_n_steps`, the period trades detail for cost; `breakdown_every=1` measures every step.
 """
 
 from __future__ import annotations
@@ -25,6 +33,12 @@ from . import _ledger, _native
 
 #: Steps between two walks of the parameter lists (a walk costs ~5 us per module; see step_started).
 REWALK_STEPS = 100
+
+#: Steps measured from the start, before one step in `every` (warm-up: gradients, optimizer state appear).
+FIRST_STEPS = 3
+
+#: The default `every`: one step in ten is measured after the first steps.
+EVERY_STEPS = 10
 
 #: Activation tracking modes of `Monitor(..., activations=...)`.
 ACTIVATION_MODES = ("total", "modules", None)
@@ -219,7 +233,14 @@ def _any_alive(refs: list[Any]) -> bool:
 class Breakdown:
     """Measures the per-device breakdown of one program's model(s) and optimizer(s)."""
 
-    def __init__(self, models: list[Any], optimizers: list[Any], activations: str | None) -> None:
+    def __init__(
+        self, models: list[Any], optimizers: list[Any], activations: str | None, every: int = EVERY_STEPS
+    ) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(
+                f"breakdown_every={every!r}: expected a whole number of steps >= 1 (1: every step; the "
+                f"default {EVERY_STEPS}: the first {FIRST_STEPS} steps, then one in {EVERY_STEPS})"
+            )
         if activations not in ACTIVATION_MODES:
             raise ValueError(
                 f"activations={activations!r}: expected 'total' (saved tensors, the default), 'modules' (also "
@@ -241,6 +262,10 @@ class Breakdown:
         self._opt_groups = 0
         self._opt_count = 0
         self._steps = 0
+        self._walked_at = 0  # the step of the last walk of the parameter lists
+        self.every = every
+        #: Whether the running step is measured (see the module's docstring); True outside steps.
+        self.sampling = True
         self._inputs: list[tuple[Any, Any, int]] = []  # (weak ref, key, bytes)
         self._handles: list[Any] = []
         for o in optimizers:
@@ -260,12 +285,18 @@ class Breakdown:
     # --- parameters ------------------------------------------------------------------------------------
 
     def step_started(self) -> None:
-        """At each step's start: walks the parameter lists again on the first steps, every
-        `REWALK_STEPS` steps, and whenever an optimizer's parameter count changed (`add_param_group`), so a
-        module added or replaced shows up; between walks only the data pointers are checked."""
+        """At each step's start: decides whether this step is measured (`sampling`); on a measured step,
+        walks the parameter lists again on the first steps, when `REWALK_STEPS` steps passed since the last
+        walk, and whenever an optimizer's parameter count changed (`add_param_group`), so a module added or
+        replaced shows up; between walks only the data pointers are checked."""
         self._steps += 1
+        steps = self._steps
+        self.sampling = steps <= FIRST_STEPS or steps % self.every == 0
+        if not self.sampling:
+            return
         count = self._optimizer_param_count()
-        if self._params is None or self._steps <= 2 or self._steps % REWALK_STEPS == 0 or count != self._opt_count:
+        if self._params is None or steps <= 2 or steps - self._walked_at >= REWALK_STEPS or count != self._opt_count:
+            self._walked_at = steps
             self.refresh_parameters()
 
     def _optimizer_param_count(self) -> int:

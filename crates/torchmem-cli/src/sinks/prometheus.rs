@@ -140,13 +140,19 @@ impl MetricsState {
                 }
                 Record::Torch(t) => {
                     self.learn(&t.origin);
+                    // A sample's peak is the allocator's since torchmem's last window reset (the ledger
+                    // folds what a reset took into the next sample): the peak since the start is the
+                    // highest of them, as the profile's peak is.
+                    let before = self.torch.get(&(t.origin.pid, t.device));
+                    let (peak_alloc, peak_res) =
+                        before.map_or((0, 0), |b| (b.peak_allocated_bytes, b.peak_reserved_bytes));
                     self.torch.insert(
                         (t.origin.pid, t.device),
                         TorchState {
                             allocated_bytes: t.allocated_bytes,
                             reserved_bytes: t.reserved_bytes,
-                            peak_allocated_bytes: t.peak_allocated_bytes,
-                            peak_reserved_bytes: t.peak_reserved_bytes,
+                            peak_allocated_bytes: t.peak_allocated_bytes.max(peak_alloc),
+                            peak_reserved_bytes: t.peak_reserved_bytes.max(peak_res),
                         },
                     );
                 }
@@ -245,11 +251,11 @@ impl MetricsState {
         let reserved = gauge("torchmem_cuda_reserved_bytes", "Bytes PyTorch's caching allocator holds from the driver");
         let peak_alloc = gauge(
             "torchmem_cuda_peak_allocated_bytes",
-            "PyTorch's peak allocated bytes (since the start or the program's last reset)",
+            "PyTorch's peak allocated bytes since the process started (the highest the allocator reached)",
         );
         let peak_res = gauge(
             "torchmem_cuda_peak_reserved_bytes",
-            "PyTorch's peak reserved bytes (since the start or the program's last reset)",
+            "PyTorch's peak reserved bytes since the process started (the highest the allocator reached)",
         );
         for ((pid, device), t) in &self.torch {
             let l = self.on_device(self.who(*pid), *device);
@@ -528,7 +534,7 @@ mod tests {
                     uss_bytes: None,
                     gpu_bytes: None,
                 }),
-                Record::Torch(torch),
+                Record::Torch(torch.clone()),
             ],
             markers: vec![
                 marker(42, MarkerKind::Step, Edge::Start, "step", Some(7)),
@@ -546,6 +552,15 @@ mod tests {
             "{text}"
         );
         assert!(text.contains(&format!("torchmem_step{{{l}}} 7")), "{text}");
+        // A later sample's peak is the allocator's since torchmem's last window reset (lower here): the peak
+        // gauges keep the highest since the start.
+        let later = TorchSample { t_ns: 2, allocated_bytes: 1 << 19, peak_allocated_bytes: 1 << 20, ..torch.clone() };
+        st.apply(&RecordBatch { records: vec![Record::Torch(later)], ..Default::default() });
+        let (text, _) = st.encode(false);
+        let dev = r#"device="0",UUID="GPU-abc""#;
+        assert!(text.contains(&format!("torchmem_cuda_allocated_bytes{{{l},{dev}}} 524288")), "{text}");
+        assert!(text.contains(&format!("torchmem_cuda_peak_allocated_bytes{{{l},{dev}}} 3145728")), "{text}");
+        assert!(text.contains(&format!("torchmem_cuda_peak_reserved_bytes{{{l},{dev}}} 4194304")), "{text}");
         assert!(text.contains(&format!(r#"torchmem_phase{{{l},phase="backward"}} 1"#)), "{text}");
         assert!(text.contains(&format!(r#"torchmem_phase{{{l},phase="forward"}} 0"#)), "{text}");
         assert!(text.contains(&format!("torchmem_process_pss_bytes{{{l}}} 4")), "{text}");
