@@ -186,6 +186,44 @@ def test_on_oom_report_on_a_real_oom_snapshot(tmp_path: Path) -> None:
     assert report["memory_limit_bytes"] == limit
 
 
+def test_on_oom_report_of_a_request_larger_than_any_segment(tmp_path: Path) -> None:
+    """A request no setting can place (`torch.empty(1 << 50)`, the 1 PiB OOM of the distributed GPU check):
+    the report is written, every setting fails, expandable segments "never" fit it (the request is larger than
+    a segment's whole address space, 1 1/8 of the device: the simulator panicked there before), and the
+    default settings need at least the request. Here: the real OOM snapshot above with its failed request
+    made 1 PiB."""
+    run = TRUTH["workloads"]["gpt2_adamw_amp"]["real"]["cap_retry"]
+    raw = pickle.loads(gunzip(run["snapshot"], tmp_path).read_bytes())  # our own fixture
+    oom = next(e for e in raw["device_traces"][0] if e["action"] == "oom")
+    oom["size"] = 1 << 50
+    snap = tmp_path / "oom_1pib.pickle"
+    snap.write_bytes(pickle.dumps(raw))
+    h = OomHandler(tmp_path / "reports", True, None, None)
+    out = (tmp_path / "r.txt", tmp_path / "r.json")
+    h._write_report(
+        snap,
+        out,
+        device=0,
+        alloc=1 << 50,
+        allocated=run["stats"]["allocated_bytes.all.current"],
+        reserved=run["stats"]["reserved_bytes.all.current"],
+        device_total=TOTAL,
+        device_free=oom["device_free"],
+        where=["train.py:12:step"],
+        physical_total_bytes=TOTAL,
+    )
+    wi = json.loads(out[1].read_text())["what_if"]
+    assert wi["unavailable"] is None and wi["recorded_oom"] is True, wi
+    rows = {r["settings"]: r for r in wi["rows"]}
+    assert all(r["avoids_recorded_oom"] is False for r in rows.values()), rows
+    assert rows[EXP]["min_memory_bytes"] is None and rows[EXP]["min_memory_searched"] is True
+    assert rows["default"]["min_memory_bytes"] >= 1 << 50
+    assert "none of these settings avoids it" in wi["headline"], wi["headline"]
+    assert "no memory limit runs it" in wi["headline"], wi["headline"]
+    text = out[0].read_text()
+    assert re.search(r"expandable_segments:True .* no +never", text), text
+
+
 def test_panel_says_why_when_the_trace_cannot_be_simulated(tmp_path: Path) -> None:
     raw = pickle.loads(gzip.decompress((TRUTH_DIR / "mlp_sgd_fp32__recorded.pickle.gz").read_bytes()))
     no_trace = {**raw, "device_traces": [[] for _ in raw["device_traces"]]}

@@ -238,8 +238,10 @@ def _whatif(
     simulator failure becomes the panel's one line, never an exception."""
     try:
         w = json.loads(_native.whatif_json(str(snap_path), memory_limit_bytes, physical_total_bytes))
-    except Exception as e:
-        why = f"the allocator simulator could not read the snapshot ({e})"
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # a Rust panic arrives as pyo3's PanicException, a BaseException
+        why = f"the allocator simulator could not replay the snapshot ({type(e).__name__}: {e})"
         return {"device": {"device": device, "unavailable": why, "rows": []}, "text": f"What if: no what-if: {why}"}
     panels = [p for p in w["devices"] if p["device"] == device]
     if not panels:
@@ -254,7 +256,9 @@ def _observer(device: int, alloc: int, device_total: int, device_free: int) -> N
         if h.active:
             try:
                 h._on_oom(int(device), int(alloc), int(device_total), int(device_free))
-            except Exception as e:  # never turn an OOM into a different crash
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # never turn an OOM into a different crash (a Rust panic included)
                 print(f"torchmem: could not write the out-of-memory report: {e}", file=sys.stderr)
 
 

@@ -109,6 +109,12 @@ impl Allocator {
         while self.arena.get(c).size_bytes < size {
             let remaining = size - self.arena.get(c).size_bytes;
             let next = self.arena.get(c).next;
+            if next == NONE {
+                // The request is larger than the segment's whole address space (1 1/8 of the device):
+                // on a real device mapping that much fails first (out of memory); a simulated device
+                // made larger (a what-if's memory search) must fail here the same way.
+                return None;
+            }
             let n = remaining.min(self.arena.get(next).size_bytes);
             if !self.map_block(next, n) {
                 return None;

@@ -109,6 +109,7 @@ pub fn device_whatif(snap: &Snapshot, device: i64, opts: &WhatIfOptions) -> What
             &baseline,
             avoids,
             min_memory_bytes,
+            with_min,
         ));
     }
     let rec_min = rows.iter().find(|r| r.recorded).and_then(|r| r.min_memory_bytes);
@@ -172,6 +173,7 @@ pub fn device_whatif(snap: &Snapshot, device: i64, opts: &WhatIfOptions) -> What
     WhatIf { device, unavailable: None, headline, recorded_oom, conditions, rows, notes }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn row(
     settings: String,
     recorded: bool,
@@ -179,6 +181,7 @@ fn row(
     baseline: &DeviceResult,
     avoids: Option<bool>,
     min_memory_bytes: Option<u64>,
+    min_memory_searched: bool,
 ) -> WhatIfRow {
     WhatIfRow {
         settings,
@@ -190,14 +193,16 @@ fn row(
         oom: r.oom.is_some(),
         avoids_recorded_oom: avoids,
         min_memory_bytes,
+        min_memory_searched,
         min_memory_change_bytes: None,
     }
 }
 
 fn needs(r: &WhatIfRow) -> String {
-    match r.min_memory_bytes {
-        Some(m) => format!("it needs at least {}", bytes(m)),
-        None => "its minimum memory was not searched".into(),
+    match (r.min_memory_bytes, r.min_memory_searched) {
+        (Some(m), _) => format!("it needs at least {}", bytes(m)),
+        (None, true) => "no memory limit runs it (an allocation larger than the settings can ever place)".into(),
+        (None, false) => "its minimum memory was not searched".into(),
     }
 }
 
@@ -323,7 +328,7 @@ pub fn text(panels: &[WhatIf]) -> String {
                 change,
                 r.num_alloc_retries,
                 verdict,
-                r.min_memory_bytes.map(bytes).unwrap_or_else(|| "-".into())
+                torchmem_snapshot::html::min_memory_cell(r)
             );
         }
         let _ = writeln!(o, "    ({})", p.conditions);

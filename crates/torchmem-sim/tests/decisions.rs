@@ -142,6 +142,18 @@ fn expandable_segments_map_whole_pages_and_unmap_free_pages() {
 }
 
 #[test]
+fn expandable_request_beyond_the_address_space_is_an_oom_not_a_panic() {
+    // A segment reserves 1 1/8 of the device's memory as address space; a bigger request (the 1 PiB
+    // `torch.empty` of a real OOM on the H200) cannot fit in it even on an unlimited simulated device (the
+    // what-if's memory search): it fails as an OOM, and the allocator goes on serving.
+    let mut a = alloc("expandable_segments:True", None, None);
+    a.malloc(30 * MB, 0).unwrap();
+    assert!(a.malloc(1 << 50, 0).is_err());
+    a.malloc(30 * MB, 0).unwrap();
+    assert_eq!(a.stats.allocated_bytes, 60 * MB);
+}
+
+#[test]
 fn unmapping_keeps_partial_pages_mapped() {
     let mut a = alloc("expandable_segments:True", None, None);
     let x = a.malloc(15 * MB, 0).unwrap(); // page 0

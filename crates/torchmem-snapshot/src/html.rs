@@ -184,11 +184,23 @@ pub struct WhatIfRow {
     /// For an OOM snapshot: the allocation that failed in the recording succeeds under this setting.
     pub avoids_recorded_oom: Option<bool>,
     /// The smallest memory limit (2 MiB steps) under which the trace runs without OOM; None when not
-    /// computed.
+    /// computed, or (`min_memory_searched`) when no memory runs it.
     pub min_memory_bytes: Option<u64>,
+    /// The minimum memory was searched: a `None` above then means no memory limit runs the trace (an
+    /// allocation larger than an expandable segment's whole address space).
+    pub min_memory_searched: bool,
     /// `min_memory_bytes` minus that of the recorded settings (the change an OOM panel shows: there the
     /// recorded settings' peak is only the peak up to the failure).
     pub min_memory_change_bytes: Option<i64>,
+}
+
+/// A row's "needs at least" cell: the memory, "never" when no memory runs the trace, "-" when not searched.
+pub fn min_memory_cell(r: &WhatIfRow) -> String {
+    match (r.min_memory_bytes, r.min_memory_searched) {
+        (Some(m), _) => bytes(m),
+        (None, true) => "never".into(),
+        (None, false) => "-".into(),
+    }
 }
 
 /// The what-if panel of one device: a one-sentence answer and the rows, or one line saying why the trace
@@ -261,7 +273,9 @@ pub fn whatif_html(panels: &[WhatIf]) -> String {
                 r.num_alloc_retries,
                 r.oom,
                 r.avoids_recorded_oom.map(|b| b.to_string()).unwrap_or_else(|| "unknown".into()),
-                r.min_memory_bytes.map(|b| b.to_string()).unwrap_or_else(|| "none".into()),
+                r.min_memory_bytes
+                    .map(|b| b.to_string())
+                    .unwrap_or_else(|| { if r.min_memory_searched { "never" } else { "none" }.into() }),
                 html_escape(&r.settings),
                 if r.recorded { " (recorded)" } else { "" },
                 bytes(r.peak_allocated_bytes),
@@ -269,7 +283,7 @@ pub fn whatif_html(panels: &[WhatIf]) -> String {
                 change,
                 r.num_alloc_retries,
                 verdict,
-                r.min_memory_bytes.map(bytes).unwrap_or_else(|| "-".into()),
+                min_memory_cell(r),
             ));
         }
         o.push_str("</table>");
@@ -437,6 +451,7 @@ mod tests {
             oom: avoids == Some(false),
             avoids_recorded_oom: avoids,
             min_memory_bytes: Some(reserved + (2 << 20)),
+            min_memory_searched: true,
             min_memory_change_bytes: Some(change),
         }
     }
