@@ -112,6 +112,29 @@ def test_a_forced_probe_names_a_list_of_tensors_in_process() -> None:
     mon.close()
 
 
+def test_empty_side_tensors_off_the_graph_do_not_hide_the_line_that_holds_it() -> None:
+    """Non-reentrant checkpoint (torch 2.11) makes an empty tensor with a grad_fn (`_NoopSaveInputs`) per
+    checkpointed call, kept alive outside the autograd graph, and attributed to the line that called the
+    model: that line then has live tensors whose grad_fns the leaking graph does not reach. It must still be
+    named through the line that keeps the graph (`total = total + out.sum()`), not as a leak of its own (on
+    the H200 it came first). Here the side tensor is made on the model's line, as checkpoint's is."""
+    import torch
+
+    model = torch.nn.Linear(64, 512)
+    mon = torchmem.Monitor(model, verbose=False, warn=False)
+    mon._leaks.probe_now(5)
+    total, frames = 0.0, []
+    for _ in range(6):
+        with mon.step():
+            out, side = model(torch.randn(1024, 64)), torch.zeros(0, requires_grad=True) * 1.0
+            frames.append(side)  # kept outside the graph, as checkpoint's frame keeps its saver
+            total = total + out.sum()  # kept: each step's graph
+    found = mon.leaks()
+    assert [f["source"] for f in found] == ["total = total + out.sum()  # kept: each step's graph"], found
+    assert found[0]["holds_graph"] and any("test_leaks.py:" in h for h in found[0]["holds_tensors_of"]), found[0]
+    mon.close()
+
+
 def test_bad_settings_say_what_to_use() -> None:
     with pytest.raises(ValueError, match="probe_steps=2"):
         torchmem._leaks.LeakDetector(probe_steps=2)
