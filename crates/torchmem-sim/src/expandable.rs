@@ -126,6 +126,92 @@ impl Allocator {
         Some(c)
     }
 
+    /// A reservation that had pages mapped before the trace (`start::StartReservation`): all unmapped here;
+    /// `seed_mapped_range` then maps its ranges. 9/8 of the device's memory from `base`, at least up to the
+    /// highest address the recording shows in it.
+    pub fn seed_reservation(&mut self, base: u64, end_seen: u64, stream: u16, small: bool) {
+        let pool: u8 = if small { 0 } else { 1 };
+        let page = if small { SMALL_BUFFER_BYTES } else { self.conf.large_segment_size_bytes };
+        let want = (self.device.total_global_bytes / 8 * 9).max(end_seen.saturating_sub(base));
+        let size_bytes = want.div_ceil(page) * page;
+        self.device.address(size_bytes, Some(base));
+        let es_id = self.expandable.len() as u32;
+        self.expandable.push(ExpandableSegment { base, size_bytes, page_bytes: page, stream, pool, released: false });
+        let b = Block {
+            addr: base,
+            size_bytes,
+            requested_bytes: 0,
+            stream,
+            pool,
+            allocated: false,
+            pending: false,
+            mapped: false,
+            expandable: es_id,
+            prev: NONE,
+            next: NONE,
+            gc_base: 0,
+            alloc_entry: u32::MAX,
+        };
+        let id = self.arena.alloc(b.clone());
+        self.pools[pool as usize].insert_unmapped(&b, id);
+    }
+
+    /// Maps `[addr, addr + size)` of a seeded reservation (pages mapped at the trace's start): cut out of
+    /// the unmapped block holding it, counted as reserved. Returns the mapped block (linked to the unmapped
+    /// rests around it, in no pool set yet: the caller lays out its live and free blocks).
+    pub fn seed_mapped_range(&mut self, addr: u64, size: u64, stream: u16, small: bool) -> u32 {
+        let pool = if small { 0 } else { 1 };
+        let holder = self.pools[pool]
+            .unmapped
+            .range(addr_key(stream, 0)..=addr_key(stream, addr))
+            .next_back()
+            .map(|(_, &id)| id)
+            .filter(|&id| {
+                let b = self.arena.get(id);
+                b.addr <= addr && addr + size <= b.addr + b.size_bytes
+            });
+        let Some(id) = holder else {
+            // Not inside a seeded reservation (cannot happen for a reconstructed start): a lone mapped block.
+            return self.seed_segment(addr, size, stream, small);
+        };
+        self.device.used_bytes += size;
+        self.add_reserved(size);
+        let b = self.arena.get(id).clone();
+        self.pools[pool].remove_unmapped(&b);
+        let (end, b_end) = (addr + size, b.addr + b.size_bytes);
+        let mut pieces = Vec::with_capacity(3);
+        if addr > b.addr {
+            pieces.push((b.addr, addr - b.addr, false));
+        }
+        let mapped_at = pieces.len();
+        pieces.push((addr, size, true));
+        if end < b_end {
+            pieces.push((end, b_end - end, false));
+        }
+        let mut ids = vec![id];
+        for _ in 1..pieces.len() {
+            ids.push(self.arena.alloc(b.clone()));
+        }
+        for (i, (&(pa, ps, mapped), &pid)) in pieces.iter().zip(&ids).enumerate() {
+            let piece = Block {
+                addr: pa,
+                size_bytes: ps,
+                mapped,
+                prev: if i == 0 { b.prev } else { ids[i - 1] },
+                next: ids.get(i + 1).copied().unwrap_or(b.next),
+                ..b.clone()
+            };
+            *self.arena.get_mut(pid) = piece.clone();
+            if !mapped {
+                self.pools[pool].insert_unmapped(&piece, pid);
+            }
+        }
+        if b.next != NONE {
+            self.arena.get_mut(b.next).prev = *ids.last().expect("one piece at least");
+        }
+        ids[mapped_at]
+    }
+
     /// `map_block`: map the pages under the first `size` bytes of an unmapped range, then merge with free
     /// neighbours. False when the device has no room for the pages.
     fn map_block(&mut self, id: u32, size: u64) -> bool {

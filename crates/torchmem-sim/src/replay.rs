@@ -511,9 +511,18 @@ impl<'a> Prepared<'a> {
     /// Puts the start state into the allocator.
     fn seed(&self, a: &mut Allocator, block_of: &mut [u32]) {
         let mut next_slot = 0usize;
+        for r in &self.start.reservations {
+            a.seed_reservation(r.base, r.end_seen, self.rank(r.stream), r.small);
+        }
         for (seg, live) in self.start.segments.iter().zip(&self.start.blocks) {
             let stream = self.rank(seg.stream);
-            let first = a.seed_segment(seg.addr, seg.size_bytes, stream, seg.small);
+            let first = if seg.expandable {
+                a.seed_mapped_range(seg.addr, seg.size_bytes, stream, seg.small)
+            } else {
+                a.seed_segment(seg.addr, seg.size_bytes, stream, seg.small)
+            };
+            // The blocks around it in its expandable reservation (unmapped ranges), else none.
+            let (outer_prev, outer_next) = (a.arena.get(first).prev, a.arena.get(first).next);
             let pool = if seg.small { 0u8 } else { 1u8 };
             // Lay out [free gap][live]... as a linked chain.
             let end = seg.addr + seg.size_bytes;
@@ -541,9 +550,15 @@ impl<'a> Prepared<'a> {
             for _ in 1..pieces.len() {
                 ids.push(a.arena.alloc(proto.clone()));
             }
+            if outer_prev != NONE {
+                a.arena.get_mut(outer_prev).next = ids[0];
+            }
+            if outer_next != NONE {
+                a.arena.get_mut(outer_next).prev = *ids.last().expect("one piece at least");
+            }
             for (i, (mut p, &id)) in pieces.into_iter().zip(&ids).enumerate() {
-                p.prev = if i == 0 { NONE } else { ids[i - 1] };
-                p.next = ids.get(i + 1).copied().unwrap_or(NONE);
+                p.prev = if i == 0 { outer_prev } else { ids[i - 1] };
+                p.next = ids.get(i + 1).copied().unwrap_or(outer_next);
                 p.pool = pool;
                 p.stream = stream;
                 let (allocated, pending, size, req) = (p.allocated, p.pending, p.size_bytes, p.requested_bytes);

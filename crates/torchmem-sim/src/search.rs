@@ -37,9 +37,11 @@ pub fn min_memory(p: &Prepared<'_>, base: &SimOptions) -> MinMemory {
             runs,
         };
     }
-    // hi passes (the unlimited peak: no allocation ever exceeds it); find the lowest passing step.
+    // hi passes (the unlimited peak: no allocation ever exceeds it); find the lowest passing step. A trace
+    // that starts with memory reserved (history switched on late) holds that from its first entry: a limit
+    // below it fails.
     let mut hi = unlimited.peak_reserved_bytes.div_ceil(LIMIT_STEP_BYTES);
-    let mut lo = 0u64; // fails (or is the floor)
+    let mut lo = p.start.reserved_bytes().div_ceil(LIMIT_STEP_BYTES).saturating_sub(1).min(hi.saturating_sub(1)); // fails (or is the floor)
     while hi - lo > 1 {
         let mid = lo + (hi - lo) / 2;
         opts.memory_limit_bytes = Some(mid * LIMIT_STEP_BYTES);

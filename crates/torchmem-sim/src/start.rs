@@ -3,8 +3,13 @@
 //! blocks, as memory_viz does, then lay each segment out as live blocks with the free space between them
 //! merged (torch never leaves two adjacent free blocks unmerged). Blocks freed during the trace but
 //! allocated before it have no recorded block size: it is inferred from the recorded settings' rules.
+//!
+//! Expandable segments mapped before the trace: the dump lists each contiguous mapped range of a
+//! reservation (one reservation per stream and pool); walking the trace's maps and unmaps backwards gives
+//! the ranges mapped at its start. The reservation's base is the lowest address seen in it (the first
+//! mapping starts at the base), its size 9/8 of the device's memory, as torch reserves it.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use torchmem_snapshot::model::{Action, BlockState, Snapshot};
 
@@ -18,6 +23,19 @@ pub struct StartSegment {
     pub size_bytes: u64,
     pub stream: i64,
     pub small: bool,
+    /// A mapped range of an expandable segment (its reservation is in `StartState::reservations`).
+    pub expandable: bool,
+}
+
+/// An expandable segment's reservation with pages mapped at the trace's start.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StartReservation {
+    pub stream: i64,
+    pub small: bool,
+    /// The lowest address seen in it (dump or trace): where its first mapping began.
+    pub base: u64,
+    /// The highest end seen in it.
+    pub end_seen: u64,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -37,6 +55,8 @@ pub struct StartState {
     pub blocks: Vec<Vec<StartBlock>>,
     /// Blocks whose size was inferred rather than read from the dump.
     pub inferred_sizes: usize,
+    /// Expandable reservations with pages mapped at the start (their mapped ranges are in `segments`).
+    pub reservations: Vec<StartReservation>,
 }
 
 impl StartState {
@@ -65,21 +85,22 @@ pub fn reconstruct(
 ) -> Result<StartState, String> {
     let mut segments: HashMap<u64, StartSegment> = HashMap::new();
     let mut live: HashMap<u64, Live> = HashMap::new();
-    let mut expandable_bytes: i128 = 0;
+    // Expandable: per (stream, small pool) the mapped ranges (start -> end) and the address hull seen.
+    let mut mapped: BTreeMap<(i64, bool), BTreeMap<u64, u64>> = BTreeMap::new();
+    let mut hull: BTreeMap<(i64, bool), (u64, u64)> = BTreeMap::new();
     for s in snap.segments.iter().filter(|s| s.device == device) {
+        let small = s.segment_type == "small";
         if s.is_expandable {
-            expandable_bytes += s.total_bytes as i128;
-            continue;
+            let group = (s.stream, small);
+            add_range(mapped.entry(group).or_default(), s.address, s.address + s.total_bytes);
+            let h = hull.entry(group).or_insert((s.address, s.address + s.total_bytes));
+            *h = (h.0.min(s.address), h.1.max(s.address + s.total_bytes));
+        } else {
+            segments.insert(
+                s.address,
+                StartSegment { addr: s.address, size_bytes: s.total_bytes, stream: s.stream, small, expandable: false },
+            );
         }
-        segments.insert(
-            s.address,
-            StartSegment {
-                addr: s.address,
-                size_bytes: s.total_bytes,
-                stream: s.stream,
-                small: s.segment_type == "small",
-            },
-        );
         for b in &s.blocks {
             let pending = match b.state {
                 BlockState::ActiveAllocated => false,
@@ -124,20 +145,56 @@ pub fn reconstruct(
                         size_bytes: e.size_bytes,
                         stream: e.stream,
                         small: e.size_bytes == SMALL_BUFFER_BYTES,
+                        expandable: false,
                     },
                 );
             }
-            Action::SegmentMap => expandable_bytes -= e.size_bytes as i128,
-            Action::SegmentUnmap => expandable_bytes += e.size_bytes as i128,
+            Action::SegmentMap | Action::SegmentUnmap => {
+                // The reservation it belongs to: the nearest one of its stream the dump shows.
+                let end = e.addr + e.size_bytes;
+                let group = hull
+                    .iter()
+                    .filter(|((stream, _), _)| *stream == e.stream)
+                    .min_by_key(|(_, &(lo, hi))| if e.addr >= hi { e.addr - hi } else { lo.saturating_sub(e.addr) })
+                    .map(|(g, _)| *g);
+                match group {
+                    Some(g) => {
+                        let h = hull.get_mut(&g).expect("found above");
+                        *h = (h.0.min(e.addr), h.1.max(end));
+                        let ranges = mapped.entry(g).or_default();
+                        if e.action == Action::SegmentMap {
+                            remove_range(ranges, e.addr, end); // mapped in the trace: not before it
+                        } else {
+                            add_range(ranges, e.addr, end); // unmapped in the trace: mapped before it
+                        }
+                    }
+                    // A map with no reservation in the dump was undone by the trace (all unmapped again);
+                    // an unmap there means pages mapped at the start in a reservation the dump does not show.
+                    None if e.action == Action::SegmentUnmap => {
+                        return Err(format!(
+                            "device {device}: the trace unmaps expandable-segment pages at {:#x} that were mapped \
+                             before it, in a reservation the dump no longer shows; their layout cannot be \
+                             reconstructed. Record with torch.cuda.memory._record_memory_history() before the first \
+                             allocation",
+                            e.addr
+                        ));
+                    }
+                    None => {}
+                }
+            }
             _ => {}
         }
     }
-    if expandable_bytes > 0 {
-        return Err(format!(
-            "device {device}: the trace starts with {expandable_bytes} bytes of expandable segments already mapped \
-             (history was switched on late); their layout cannot be reconstructed. Record with \
-             torch.cuda.memory._record_memory_history() before the first allocation"
-        ));
+    let mut reservations = Vec::new();
+    for (&(stream, small), ranges) in &mapped {
+        if ranges.is_empty() {
+            continue; // nothing mapped at the start: the replay reserves it at its first map, as torch did
+        }
+        let (base, end_seen) = hull[&(stream, small)];
+        reservations.push(StartReservation { stream, small, base, end_seen });
+        for (&a, &b) in ranges {
+            segments.insert(a, StartSegment { addr: a, size_bytes: b - a, stream, small, expandable: true });
+        }
     }
     let mut segs: Vec<StartSegment> = segments.into_values().collect();
     segs.sort_by_key(|s| s.addr);
@@ -186,7 +243,33 @@ pub fn reconstruct(
         }
         blocks.push(out);
     }
-    Ok(StartState { segments: segs, blocks, inferred_sizes: inferred })
+    Ok(StartState { segments: segs, blocks, inferred_sizes: inferred, reservations })
+}
+
+/// Adds `[a, b)` to a set of disjoint ranges (start -> end), merging what touches it.
+fn add_range(ranges: &mut BTreeMap<u64, u64>, a: u64, b: u64) {
+    let (mut lo, mut hi) = (a, b);
+    let touching: Vec<(u64, u64)> = ranges.range(..=b).filter(|(_, &e)| e >= a).map(|(&s, &e)| (s, e)).collect();
+    for (s, e) in touching {
+        ranges.remove(&s);
+        lo = lo.min(s);
+        hi = hi.max(e);
+    }
+    ranges.insert(lo, hi);
+}
+
+/// Removes `[a, b)` from a set of disjoint ranges, splitting the ranges it cuts.
+fn remove_range(ranges: &mut BTreeMap<u64, u64>, a: u64, b: u64) {
+    let cut: Vec<(u64, u64)> = ranges.range(..b).filter(|(_, &e)| e > a).map(|(&s, &e)| (s, e)).collect();
+    for (s, e) in cut {
+        ranges.remove(&s);
+        if s < a {
+            ranges.insert(s, a);
+        }
+        if e > b {
+            ranges.insert(b, e);
+        }
+    }
 }
 
 /// The block size a request got under the recorded settings, given the room up to the next live block:

@@ -449,7 +449,37 @@ mod tests {
     }
 
     #[test]
-    fn no_trace_graph_pool_and_expandable_start_get_one_line() {
+    fn a_trace_starting_with_expandable_pages_mapped_replays_exactly() {
+        // H200 recordings under expandable segments with their first entries cut off (history switched on
+        // late): the reservations' mapped ranges at the cut come from the dump and the maps after it. The
+        // replay under the recorded settings reproduces every later map and the recording's peak reserved.
+        for name in [
+            "gpt2_adamw_amp__real__expandable",
+            "resnet50_adamw_foreach_fp32__real__expandable",
+            "bert_base_adamw_fp32__real__expandable",
+        ] {
+            let path = fixture(&format!("sim-h200/{name}.pickle.gz"));
+            let n = crate::read_snapshot(&path).unwrap().device_traces[0].len();
+            for cut in [3, n / 3, 2 * n / 3] {
+                let mut snap = crate::read_snapshot(&path).unwrap();
+                snap.device_traces[0].drain(..cut);
+                let p = Prepared::new(&snap, 0).unwrap();
+                assert!(!p.start.reservations.is_empty(), "{name} at {cut}: pages mapped at the start");
+                let conf = p.recorded_conf.clone();
+                let r = p.run(&SimOptions { conf: Some(conf), detailed: true, ..Default::default() });
+                let c = r.comparison.as_ref().expect("recorded settings: compared");
+                assert!(c.matches && r.oom.is_none(), "{name} at {cut}: {:?}", c.divergence);
+                assert_eq!(r.peak_reserved_bytes, c.recorded_peak_reserved_bytes, "{name} at {cut}");
+                let panel = device_whatif(&snap, 0, &WhatIfOptions::default());
+                assert!(panel.unavailable.is_none() && !panel.rows.is_empty(), "{name}: {:?}", panel.unavailable);
+                let exp = panel.rows.iter().find(|r| r.settings == EXPANDABLE).unwrap();
+                assert!(exp.min_memory_bytes.unwrap() >= p.start.reserved_bytes(), "holds the start's pages");
+            }
+        }
+    }
+
+    #[test]
+    fn no_trace_and_graph_pool_get_one_line() {
         let read = || crate::read_snapshot(&fixture("sim-h200/mlp_sgd_fp32__recorded.pickle.gz")).unwrap();
         let mut snap = read();
         let full = whatif(&snap, &WhatIfOptions::default());
