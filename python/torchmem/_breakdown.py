@@ -18,10 +18,11 @@ Nothing here calls `gc.get_objects()` or keeps a tensor alive.
 Not every step is measured: the first `FIRST_STEPS` steps are (warm-up: gradients and optimizer state
 appear there), then every `every`-th step (`Monitor(..., breakdown_every=10)`, the default). A measured
 step gets the breakdown at all its boundaries and the saved-tensors hook on its forward; the other steps
-get neither and cost nothing here. Measured on the H200: a ResNet-50 step (batch 64, 532 saved tensors)
-pays ~1.7 ms for a measured step (4 boundaries ~0.26 ms each, ~1.1 us per saved tensor), 5 % of its 33
-ms; sampled one step in ten, 0.5 %. Like torch.profiler's `schedule` and Lightning's
-`log_every_n_steps`, the period trades detail for cost; `breakdown_every=1` measures every step.
+get neither and cost nothing here. Measured on the H200 (docs/benchmarks.md): on a ResNet-50 step (batch
+64, 33 ms, 532 saved tensors) a boundary's measurement takes ~0.2 ms and the pack hook ~1 us per saved
+tensor; every step measured costs +1.25 % of the step (up to +5 % in an earlier, noisier run), one step in
+ten −0.03 % (within noise of zero). Like torch.profiler's `schedule` and Lightning's `log_every_n_steps`,
+the period trades detail for cost; `breakdown_every=1` measures every step.
 """
 
 from __future__ import annotations
