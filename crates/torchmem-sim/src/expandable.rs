@@ -63,11 +63,23 @@ impl Allocator {
                 return c;
             }
         }
-        let page = if pool == 0 { SMALL_BUFFER_BYTES } else { self.conf.large_segment_size_bytes };
-        let address_space = self.device.total_global_bytes / 8 * 9;
-        let size_bytes = address_space.div_ceil(page) * page;
+        let (page, size_bytes) = self.reservation_size(pool, 0);
         let hint = self.hinted_addr(SegKind::SegmentMap, None);
         let base = self.device.address(size_bytes, hint);
+        self.reserve(base, size_bytes, page, stream, pool)
+    }
+
+    /// A reservation's page size in `pool` and its size: 9/8 of the device's memory, at least `at_least`
+    /// bytes, in whole pages.
+    fn reservation_size(&self, pool: usize, at_least: u64) -> (u64, u64) {
+        let page = if pool == 0 { SMALL_BUFFER_BYTES } else { self.conf.large_segment_size_bytes };
+        let want = (self.device.total_global_bytes / 8 * 9).max(at_least);
+        (page, want.div_ceil(page) * page)
+    }
+
+    /// A new expandable segment at `base` (its address range already taken from the device), all unmapped:
+    /// returns its one unmapped block.
+    fn reserve(&mut self, base: u64, size_bytes: u64, page: u64, stream: u16, pool: usize) -> u32 {
         let es_id = self.expandable.len() as u32;
         self.expandable.push(ExpandableSegment {
             base,
@@ -130,30 +142,10 @@ impl Allocator {
     /// `seed_mapped_range` then maps its ranges. 9/8 of the device's memory from `base`, at least up to the
     /// highest address the recording shows in it.
     pub fn seed_reservation(&mut self, base: u64, end_seen: u64, stream: u16, small: bool) {
-        let pool: u8 = if small { 0 } else { 1 };
-        let page = if small { SMALL_BUFFER_BYTES } else { self.conf.large_segment_size_bytes };
-        let want = (self.device.total_global_bytes / 8 * 9).max(end_seen.saturating_sub(base));
-        let size_bytes = want.div_ceil(page) * page;
+        let pool = if small { 0 } else { 1 };
+        let (page, size_bytes) = self.reservation_size(pool, end_seen.saturating_sub(base));
         self.device.address(size_bytes, Some(base));
-        let es_id = self.expandable.len() as u32;
-        self.expandable.push(ExpandableSegment { base, size_bytes, page_bytes: page, stream, pool, released: false });
-        let b = Block {
-            addr: base,
-            size_bytes,
-            requested_bytes: 0,
-            stream,
-            pool,
-            allocated: false,
-            pending: false,
-            mapped: false,
-            expandable: es_id,
-            prev: NONE,
-            next: NONE,
-            gc_base: 0,
-            alloc_entry: u32::MAX,
-        };
-        let id = self.arena.alloc(b.clone());
-        self.pools[pool as usize].insert_unmapped(&b, id);
+        self.reserve(base, size_bytes, page, stream, pool);
     }
 
     /// Maps `[addr, addr + size)` of a seeded reservation (pages mapped at the trace's start): cut out of
