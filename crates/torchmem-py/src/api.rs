@@ -473,48 +473,62 @@ use crate::events::{event_fd, write_all};
 /// The allocator's peak counters are cumulative, so a later first read loses no peak.
 const IDLE_TICKS_PER_READ: u32 = 10;
 
-fn sampler_loop(stop: Arc<AtomicBool>, fd: i32, interval: Duration) {
+/// The sampler thread's body. It attaches to the interpreter once, for its whole life, and between reads only
+/// releases and retakes the GIL (`PyEval_SaveThread`/`RestoreThread`, which allocate nothing). Attaching
+/// afresh on every tick (`PyGILState_Ensure` from a thread without a thread state) allocates a new thread
+/// state each time through `PyMem_RawCalloc`; on Python < 3.13 that allocation races `tracemalloc.stop()` in
+/// another thread and segfaults in tracemalloc's `traceback_new` (CPython gh-128679) — a program that stops
+/// tracemalloc, or torchmem's own leak probe, was killed by SIGSEGV about once in fifteen runs under load.
+/// `ready` is signalled once the thread state exists, so that its one allocation happens while
+/// `start_allocator_sampler` waits, not while the program runs.
+fn sampler_loop(stop: Arc<AtomicBool>, fd: i32, interval: Duration, ready: std::sync::mpsc::Sender<()>) {
+    // try_attach returns None once the interpreter is finalizing: the thread then just ends.
+    let attached = Python::try_attach(|py| {
+        let _ = ready.send(());
+        sampler_ticks(py, &stop, fd, interval);
+    });
+    if attached.is_none() {
+        let _ = ready.send(());
+        crate::events::flush();
+    }
+}
+
+fn sampler_ticks(py: Python<'_>, stop: &AtomicBool, fd: i32, interval: Duration) {
     let mut cache: Option<TorchFns> = None;
     let mut map = DeviceMap::default();
     let mut cuda_seen = false;
     let mut tick: u32 = 0;
     loop {
-        std::thread::park_timeout(interval);
         // Stopping (at exit): one last read, so that a program whose GPU work ended between two idle reads
         // (every 10th tick) still leaves its peaks in the timeline.
-        let stopping = stop.load(Ordering::Acquire);
+        let stopping = py.detach(|| {
+            std::thread::park_timeout(interval);
+            stop.load(Ordering::Acquire)
+        });
         tick = tick.wrapping_add(1);
         if !stopping && !cuda_seen && tick % IDLE_TICKS_PER_READ != 1 {
-            crate::events::flush();
+            py.detach(crate::events::flush);
             continue;
         }
-        // try_attach returns None once the interpreter is finalizing: the thread then just ends.
-        let Some((devices, t_ns, unknown)) = Python::try_attach(|py| {
-            let devices = sample_devices(py, &mut cache, true);
-            let t_ns = torchmem_core::clock::monotonic_ns();
-            let unknown = map.unknown_uuids(py, &devices);
-            (devices, t_ns, unknown)
-        }) else {
-            break;
-        };
+        let devices = sample_devices(py, &mut cache, true);
+        let t_ns = torchmem_core::clock::monotonic_ns();
+        let unknown = map.unknown_uuids(py, &devices);
         cuda_seen |= !devices.is_empty();
-        map.learn(unknown);
-        // Each line is one write (< PIPE_BUF), so it never interleaves with the Python side's events.
-        if !devices.iter().all(|(dev, c)| write_all(fd, c.wire_line(t_ns, map.nvml_index(*dev)).as_bytes())) {
-            break;
-        }
-        // The Python API's buffered events go out on the same tick, without the interpreter.
-        crate::events::flush();
-        if stopping {
+        let sent = py.detach(|| {
+            map.learn(unknown);
+            // Each line is one write (< PIPE_BUF), so it never interleaves with the Python side's events.
+            let sent = devices.iter().all(|(dev, c)| write_all(fd, c.wire_line(t_ns, map.nvml_index(*dev)).as_bytes()));
+            // The Python API's buffered events go out on the same tick, without the interpreter.
+            crate::events::flush();
+            sent
+        });
+        if !sent || stopping {
             break;
         }
     }
-    crate::events::flush();
-    // Release the references with the interpreter attached while it still runs; otherwise pyo3 defers the
-    // decrefs (the closure and `cache` are dropped unrun), which is safe.
-    if let Some(fns) = cache.take() {
-        let _ = Python::try_attach(move |_py| drop(fns));
-    }
+    py.detach(crate::events::flush);
+    // `cache`'s references to torch's functions are released here, with the interpreter attached.
+    drop(cache);
 }
 
 /// Starts the thread that sends the allocator's counters to `torchmem run`'s recorder every `interval_ms`.
@@ -547,11 +561,15 @@ fn start_allocator_sampler(py: Python<'_>, interval_ms: f64) -> PyResult<bool> {
         let stop = Arc::new(AtomicBool::new(false));
         let interval = Duration::from_secs_f64(interval_ms / 1000.0);
         let thread_stop = stop.clone();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("torchmem-allocator-sampler".into())
-            .spawn(move || sampler_loop(thread_stop, fd, interval))
+            .spawn(move || sampler_loop(thread_stop, fd, interval, ready_tx))
             .map_err(|e| Error::Tool(format!("cannot start the sampler thread: {e}")))?;
         *guard = Some(Sampler { stop, thread, pid: me });
+        drop(guard);
+        // Until the thread has its thread state (it needs the GIL to make one); an error means it ended.
+        let _ = py.detach(move || ready_rx.recv());
     }
     if !ATEXIT_REGISTERED.swap(true, Ordering::AcqRel) {
         let stopper = wrap_pyfunction!(stop_allocator_sampler, py)?;
