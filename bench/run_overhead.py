@@ -32,14 +32,17 @@ def timed(cmd: list[str], env: dict) -> tuple[float, int, float | None]:
     """Wall seconds, the peak RSS (KiB) of the largest child (wait4's rusage) and the program's own
     training-loop seconds when it prints them."""
     start = time.perf_counter()
-    with tempfile.TemporaryFile() as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.DEVNULL)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err)
         _, status, rusage = os.wait4(proc.pid, 0)
         elapsed = time.perf_counter() - start
         out.seek(0)
         found = LOOP_LINE.search(out.read())
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"failed ({status}): {' '.join(cmd)}")
+        err.seek(0)
+        stderr = err.read().decode(errors="replace")
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise SystemExit(f"failed (exit {code}): {' '.join(cmd)}\n{stderr[-2000:]}")
     return elapsed, rusage.ru_maxrss, float(found.group(1)) if found else None
 
 
@@ -70,6 +73,7 @@ def main() -> None:
             torchmem,
             "run",
             "-q",
+            "--force",
             "--interval",
             str(args.interval_ms),
             "-o",
@@ -82,12 +86,12 @@ def main() -> None:
     if args.diagnose:
         for flag in ("--no-inject", "--no-gpu"):
             variants[f"torchmem run {flag}"] = [
-                torchmem, "run", "-q", flag, "-o", str(tmp / "diag.sqlite"), "--", python, *program,
+                torchmem, "run", "-q", "--force", flag, "-o", str(tmp / "diag.sqlite"), "--", python, *program,
             ]  # fmt: skip
         # The in-process allocator read (it needs the interpreter's lock) at 100 ms instead of every tick.
         variants["torchmem run, alloc 100ms"] = [
             "env", "TORCHMEM_ALLOCATOR_INTERVAL_MS=100",
-            torchmem, "run", "-q", "-o", str(tmp / "diag.sqlite"), "--", python, *program,
+            torchmem, "run", "-q", "--force", "-o", str(tmp / "diag.sqlite"), "--", python, *program,
         ]  # fmt: skip
     if mprof and not args.no_anchor:
         variants["mprof run (100 ms)"] = [mprof, "run", "-o", str(tmp / "mprof.dat"), python, *program]
