@@ -499,17 +499,18 @@ fn sampler_ticks(py: Python<'_>, stop: &AtomicBool, fd: i32, interval: Duration)
     let mut cuda_seen = false;
     let mut tick: u32 = 0;
     loop {
+        // Detached until a read is due: idle ticks only flush the event buffer, without the GIL.
         // Stopping (at exit): one last read, so that a program whose GPU work ended between two idle reads
         // (every 10th tick) still leaves its peaks in the timeline.
-        let stopping = py.detach(|| {
+        let stopping = py.detach(|| loop {
             std::thread::park_timeout(interval);
-            stop.load(Ordering::Acquire)
+            let stopping = stop.load(Ordering::Acquire);
+            tick = tick.wrapping_add(1);
+            if stopping || cuda_seen || tick % IDLE_TICKS_PER_READ == 1 {
+                return stopping;
+            }
+            crate::events::flush();
         });
-        tick = tick.wrapping_add(1);
-        if !stopping && !cuda_seen && tick % IDLE_TICKS_PER_READ != 1 {
-            py.detach(crate::events::flush);
-            continue;
-        }
         let devices = sample_devices(py, &mut cache, true);
         let t_ns = torchmem_core::clock::monotonic_ns();
         let unknown = map.unknown_uuids(py, &devices);
