@@ -5,9 +5,9 @@ buffers, sort buffers). The result is the catalogue `torchmem estimate` looks co
 (`python/torchmem/estimate/_workspaces.py`), and a table of the other operators for study.
 
 How: a TorchDispatchMode on real CUDA tensors wraps every operator of a real training step. Before the call it
-makes a 1-byte marker allocation and frees it; after the call it compares torch's allocation counters and, when
-the operator allocated more than its outputs or freed anything, takes an allocator snapshot (history on, small
-ring buffer) and reads the events after the marker: each allocation is an output (its address is an output's
+makes a 1-byte marker allocation and frees it; after the call it compares torch's allocation counters and, for
+every convolution and any other operator that allocated more than its outputs or freed anything, takes an
+allocator snapshot (history on, small ring buffer) and reads the events after the marker: each allocation is an output (its address is an output's
 storage), a temporary (freed inside the call) or kept (neither). Sizes are the bytes requested, in order.
 
 Workloads: the convolutional configs of `gpu_estimator_truth.py` and more torchvision models and batch sizes
@@ -117,9 +117,14 @@ class Capture:
                     outs.setdefault(t.untyped_storage().data_ptr(), i)
                 except (RuntimeError, NotImplementedError):
                     pass
+        name = str(func)
         if n_free == 0 and n_alloc <= len(outs):
+            # No temporary: still a recording for a convolution (cuDNN picked an algorithm without a workspace,
+            # which the estimate must know from a shape never recorded).
+            if name in _opsig.CONV_OPS:
+                self.record(name, args, kwargs, marker, n_alloc, n_free, outs)
             return out
-        self.record(str(func), args, kwargs, marker, n_alloc, n_free, outs)
+        self.record(name, args, kwargs, marker, n_alloc, n_free, outs)
         return out
 
     def record(self, name, args, kwargs, marker, n_alloc, n_free, outs) -> None:

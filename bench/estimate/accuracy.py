@@ -1,7 +1,8 @@
 """The estimator's accuracy table: every config of `scripts/gpu_estimator_truth.py` estimated here (no GPU) with
 `torchmem.estimate()` for the H200, against what the H200 measured (`tests/fixtures/estimator-h200/`).
 
-    .venv/bin/python bench/estimate/accuracy.py [--only NAME,...] [--out bench/estimate/accuracy.json]
+    .venv/bin/python bench/estimate/accuracy.py [--only NAME,...] [--catalogue full|leave-model-out|none]
+        [--out bench/estimate/accuracy.json]
 
 Prints one row per config (measured, predicted, error for peak allocated, peak reserved and NVML) and the
 median / p90 / max of the absolute errors, plus the estimate's own time; writes the rows as JSON.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -21,7 +23,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "python"))
 
 
-def estimate_config(name: str, steps: int):
+def estimate_config(name: str, steps: int, catalogue: str = "full"):
     import gpu_estimator_truth as truth
     import torch
     import torchmem.estimate as te
@@ -36,6 +38,12 @@ def estimate_config(name: str, steps: int):
             state.update(opt=opt, loss_fn=loss_fn, scaler=scaler)
         truth.train_step(spec, torch, state["opt"], state["loss_fn"], state["scaler"])
 
+    if catalogue == "leave-model-out":
+        os.environ["TORCHMEM_ESTIMATE_CONV_EXCLUDE"] = spec.get("arch") or ""
+    elif catalogue == "none":
+        os.environ["TORCHMEM_ESTIMATE_CONV_EXCLUDE"] = "*"
+    else:
+        os.environ.pop("TORCHMEM_ESTIMATE_CONV_EXCLUDE", None)
     t0 = time.perf_counter()
     est = te.estimate(step, gpu="H200", steps=steps, alloc_conf=spec.get("alloc_conf", ""))
     return est, time.perf_counter() - t0
@@ -49,6 +57,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument(
+        "--catalogue",
+        choices=("full", "leave-model-out", "none"),
+        default="full",
+        help="cuDNN workspace catalogue: all of it; without the config's own architecture; none",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "estimate" / "accuracy.json"))
     args = ap.parse_args()
     truth = json.loads((ROOT / "tests" / "fixtures" / "estimator-h200" / "estimator-truth.json").read_text())
@@ -64,7 +78,7 @@ def main() -> None:
         if "error" in t:
             continue
         try:
-            est, secs = estimate_config(n, args.steps)
+            est, secs = estimate_config(n, args.steps, args.catalogue)
         except Exception as e:  # noqa: BLE001 - a failed config is a row with its error
             print(f"{n:45s} FAILED: {type(e).__name__}: {str(e)[:200]}", flush=True)
             rows.append({"config": n, "error": f"{type(e).__name__}: {e}"})
@@ -98,7 +112,9 @@ def main() -> None:
             p90 = vals[min(len(vals) - 1, int(round(0.9 * (len(vals) - 1))))]
             med = statistics.median(vals)
             print(f"|{key}|: median {med:.2f} %  p90 {p90:.2f} %  max {vals[-1]:.2f} %  (n={len(vals)})")
-    Path(args.out).write_text(json.dumps({"torch_here": __import__("torch").__version__, "rows": rows}, indent=1))
+    Path(args.out).write_text(
+        json.dumps({"torch_here": __import__("torch").__version__, "catalogue": args.catalogue, "rows": rows}, indent=1)
+    )
 
 
 if __name__ == "__main__":

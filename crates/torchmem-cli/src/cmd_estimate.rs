@@ -263,8 +263,8 @@ fn report(trace: &Path, summary: &Value, target: &Target, alloc_conf: Option<&st
         )));
     }
     notes.push(json!(
-        "cuDNN convolution workspaces and CUDA reduction buffers are not modelled: reserved may be low for \
-         convolutional networks (see docs/estimator.md)"
+        "CUDA reduction kernels' temporary buffers outside convolutions are not modelled (transient: reserved \
+         may be slightly low; see docs/estimator.md)"
     ));
     Ok(json!({
         "gpu": target.gpu.name,
@@ -286,6 +286,7 @@ fn report(trace: &Path, summary: &Value, target: &Target, alloc_conf: Option<&st
         "largest_at_peak": summary["largest_at_peak"],
         "trace_seconds": summary["trace_seconds"],
         "requests": summary["requests"],
+        "convolution_workspaces": summary["convolution_workspaces"],
         "alloc_conf": alloc_conf.unwrap_or(""),
         "simulator_rules": result.rules,
         "notes": notes,

@@ -27,6 +27,10 @@ import threading
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
 from torch._subclasses.fake_tensor import DataDependentOutputException
+from torch.utils._pytree import tree_flatten
+
+from ._opsig import CONV_OPS, signature
+from ._workspaces import ConvCatalogue
 
 _MIB = 2**20
 _GEMM_OPS = {
@@ -70,6 +74,10 @@ class CudaRules:
         # What the run touched, for the context overhead NVML adds (cuDNN / half-precision kernels).
         self.used_half = False
         self.used_conv = False
+        # cuDNN convolution workspaces from the recorded catalogue (`_workspaces`), and how each call was found.
+        self._conv_catalogue = None
+        self.conv_calls = {"exact": 0, "interpolated": 0, "unknown": 0}
+        self.conv_unknown: dict[str, int] = {}
 
     # ------------------------------------------------------------------ dispatch-level rules
     def before(self, tracer, func, args, kwargs):
@@ -80,6 +88,8 @@ class CudaRules:
                 tracer.note("a tensor value was read (.item() or similar); the estimate used 0 for it")
                 return (0,)
         name = str(func)
+        if name in CONV_OPS:
+            return self._convolution(tracer, func, name, args, kwargs)
         if name == "aten.add.Tensor" and self._accumulates_in_place(args, kwargs):
             return (args[0].add_(args[1]),)
         if name == "aten._scaled_dot_product_cudnn_attention_backward.default":
@@ -108,10 +118,90 @@ class CudaRules:
             self._gemm_workspaces(tracer, lt=name in _LT_OPS)
             if args and isinstance(args[-1], torch.Tensor) and args[-1].dtype in (torch.float16, torch.bfloat16):
                 self.used_half = True
-        elif "convolution" in name:
+        elif "convolution" in name:  # (transposed / other convolution operators than CONV_OPS)
             self.used_conv = True
         elif "cudnn_attention" in name:
             self.used_half = True
+
+    def conv_catalogue(self) -> ConvCatalogue:
+        if self._conv_catalogue is None:
+            self._conv_catalogue = ConvCatalogue.load()
+        return self._conv_catalogue
+
+    def _convolution(self, tracer, func, name, args, kwargs):
+        """A convolution with the requests cuDNN makes in the call on the H200 (outputs, workspaces, the bias
+        gradient's reduction buffers), in their order; without a recording of its key, the outputs only."""
+        self.used_conv = True
+        out = func(*args, **kwargs)
+        if not tracer.enabled:
+            return (out,)
+        sig = signature(name, args) if not kwargs else None
+        found = self.conv_catalogue().lookup(*sig) if sig is not None else None
+        flat, _ = tree_flatten(out)
+        if found is None:
+            self.conv_calls["unknown"] += 1
+            if sig is not None:
+                self.conv_unknown[sig[0]] = self.conv_unknown.get(sig[0], 0) + 1
+            for t in flat:
+                if isinstance(t, torch.Tensor):
+                    tracer.track(t, name)
+            return (out,)
+        template, how = found
+        self.conv_calls[how] += 1
+        addrs: dict[int, tuple[int, int]] = {}
+        for pos, (kind, a, _b) in enumerate(template):
+            if kind == "o":  # ["o", output index, bytes]
+                if a < len(flat) and isinstance(flat[a], torch.Tensor):
+                    tracer.track(flat[a], name)
+            elif kind == "t":  # ["t", bytes, 0]
+                addrs[pos] = (tracer.alloc(a, "cuDNN convolution workspace"), a)
+            else:
+                tracer.free(*addrs.pop(a))
+        for t in flat:  # outputs the recording did not allocate (none on the H200); tracked once
+            if isinstance(t, torch.Tensor):
+                tracer.track(t, name)
+        return (out,)
+
+    def conv_summary(self) -> dict:
+        cat = self.conv_catalogue() if any(self.conv_calls.values()) else None
+        return {
+            "calls": dict(self.conv_calls),
+            "unknown_shapes": len(self.conv_unknown),
+            "catalogue": None
+            if cat is None
+            else {
+                "device": cat.header["device_name"],
+                "torch": cat.header["torch_version"],
+                "cudnn": cat.header["cudnn_version"],
+                "excluded_archs": list(cat.exclude_archs),
+                "unknown_keys": sorted(self.conv_unknown)[:20],
+            },
+        }
+
+    def conv_notes(self) -> list[str]:
+        c = self.conv_calls
+        total = sum(c.values())
+        if not total:
+            return []
+        cat = self.conv_catalogue()
+        h = cat.header
+        notes = []
+        if c["unknown"]:
+            notes.append(
+                f"{c['unknown']} of {total} convolution calls ({len(self.conv_unknown)} shapes) are not in the cuDNN "
+                f"workspace catalogue ({h['device_name']}, torch {h['torch_version']}): their workspaces are not in "
+                "the estimate, so reserved may be low (docs/estimator.md)"
+            )
+        if c["interpolated"]:
+            notes.append(
+                f"{c['interpolated']} of {total} convolution calls took cuDNN workspaces interpolated from other "
+                "batch sizes of the same shape"
+            )
+        if self.gpu.name != h["device_name"]:
+            notes.append(
+                f"cuDNN workspaces are the {h['device_name']}'s (recorded there); the {self.gpu.name}'s may differ"
+            )
+        return notes
 
     # The autograd engine sums two gradients for one input in place when it holds the only reference to the
     # first (InputBuffer::accumulate); it never does for a tensor subclass, and a FakeTensor is one, so a fake

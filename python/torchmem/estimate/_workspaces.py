@@ -1,0 +1,133 @@
+"""cuDNN convolution workspaces for the estimate's trace, from a catalogue recorded on a real GPU.
+
+cuDNN's heuristics pick an algorithm per convolution shape, and its workspace (odd sizes: 98 MiB, 250 MiB, ...
+for ResNet-18's convolutions at batch 64) goes through the caching allocator inside the call, then is freed. No
+fake kernel shows it, and it is not a formula of the shape, so the estimate looks it up:
+`scripts/gpu_op_workspaces.py` recorded, on an H200 (torch 2.11, cuDNN 9.19, default cuDNN flags), every
+convolution call of real training steps of 17 torchvision architectures at several batch sizes and dtypes: the
+allocator requests in the call, in order (the outputs, the workspaces, the bias gradient's reduction buffers).
+`build_catalogue` turns that recording (`tests/fixtures/op-workspaces-h200/`) into `data/cudnn-conv-h200.json.gz`.
+
+Lookup by `_opsig.signature` (operator, shapes without the batch, dtypes, layouts, arguments):
+* the same key at the same batch: the recorded requests, exactly ("exact");
+* the key at other batch sizes: the structure of the nearest, each workspace interpolated linearly in the batch
+  between the two recorded neighbours (most workspaces are linear in the batch), or scaled in proportion to it
+  outside the recorded range ("interpolated");
+* an unknown key: no workspace, and the estimate says how many convolution calls that was.
+
+`TORCHMEM_ESTIMATE_CONV_EXCLUDE=arch,arch` leaves out what those architectures' runs recorded (the accuracy
+bench's leave-one-model-out: a model is then estimated from other models' recordings only); `*` leaves out all.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from bisect import bisect_left
+from pathlib import Path
+
+CATALOGUE_PATH = Path(__file__).with_name("data") / "cudnn-conv-h200.json.gz"
+EXCLUDE_ENV = "TORCHMEM_ESTIMATE_CONV_EXCLUDE"
+
+# A template is a list of requests in call order: ["o", k, bytes] the call's k-th (flattened) output,
+# ["t", bytes, 0] a temporary, ["f", i, 0] the free of the temporary requested at position i.
+
+
+def normalize(raw: list) -> list:
+    """One recorded call (`gpu_op_workspaces.py`: ["out", k, size] / ["tmp", id, size] / ["free", id, 0]) as a
+    template. A request the recorder called a temporary but never freed in the call is an output whose block
+    reused a freed temporary's address; it takes the lowest output index not yet named."""
+    pending: dict[int, list[int]] = {}
+    for pos, (kind, i, _size) in enumerate(raw):
+        if kind == "tmp":
+            pending.setdefault(i, []).append(pos)
+        elif kind == "free":
+            pending[i].pop()
+    unfreed = sorted(p for ps in pending.values() for p in ps)
+    named = {k for kind, k, _ in raw if kind == "out"}
+    spare = iter(sorted(set(range(len(named) + len(unfreed))) - named))
+    as_output = {p: next(spare) for p in unfreed}
+    events: list = []
+    stack: dict[int, list[int]] = {}
+    for pos, (kind, i, size) in enumerate(raw):
+        if kind == "out":
+            events.append(["o", i, size])
+        elif kind == "tmp" and pos in as_output:
+            events.append(["o", as_output[pos], size])
+        elif kind == "tmp":
+            stack.setdefault(i, []).append(len(events))
+            events.append(["t", size, 0])
+        elif kind == "free":
+            events.append(["f", stack[i].pop(), 0])
+        else:
+            raise ValueError(f"unexpected request kind {kind!r} in a convolution recording")
+    return events
+
+
+def build_catalogue(recording: dict) -> dict:
+    """The catalogue file's content from `gpu_op_workspaces.py`'s JSON."""
+    convs: dict = {}
+    for key, per_batch in recording["conv"].items():
+        for batch, slot in per_batch.items():
+            templates = [normalize(t) for t in slot["templates"]]
+            first = templates[0]
+            if any(t != first for t in templates[1:]):
+                raise ValueError(f"{key} at batch {batch}: the recorded calls disagree")
+            archs = sorted({s.split("/")[0] for s in slot["sources"]})
+            convs.setdefault(key, {})[batch] = {"events": first, "archs": archs}
+    header = {k: recording[k] for k in ("device_name", "capability", "torch_version", "cuda_version", "cudnn_version")}
+    header["cudnn_flags"] = recording["cudnn_flags"]
+    return {"header": header, "convolutions": convs}
+
+
+def _shape(events: list) -> list:
+    return [(e[0], e[1] if e[0] != "t" else None) for e in events]
+
+
+class ConvCatalogue:
+    """Workspace templates by convolution key and batch size."""
+
+    def __init__(self, data: dict, exclude_archs: tuple[str, ...] = ()) -> None:
+        self.header = data["header"]
+        self.entries: dict[str, dict[int, list]] = {}
+        for key, per_batch in data["convolutions"].items():
+            kept = {
+                int(b): slot["events"]
+                for b, slot in per_batch.items()
+                if "*" not in exclude_archs and any(a not in exclude_archs for a in slot["archs"])
+            }
+            if kept:
+                self.entries[key] = kept
+        self.exclude_archs = exclude_archs
+
+    @classmethod
+    def load(cls, path: Path = CATALOGUE_PATH) -> ConvCatalogue:
+        exclude = tuple(a for a in os.environ.get(EXCLUDE_ENV, "").split(",") if a)
+        with gzip.open(path, "rt") as f:
+            return cls(json.load(f), exclude)
+
+    def lookup(self, key: str, batch: int) -> tuple[list, str] | None:
+        """(template, "exact" | "interpolated") or None for a key never recorded."""
+        per_batch = self.entries.get(key)
+        if not per_batch:
+            return None
+        if batch in per_batch:
+            return per_batch[batch], "exact"
+        batches = sorted(per_batch)
+        i = bisect_left(batches, batch)
+        if 0 < i < len(batches):
+            lo, hi = batches[i - 1], batches[i]
+            a, b = per_batch[lo], per_batch[hi]
+            near = a if batch - lo <= hi - batch else b
+            if _shape(a) == _shape(b):
+                w = (batch - lo) / (hi - lo)
+                return [
+                    ["t", max(0, round(ea[1] + (eb[1] - ea[1]) * w)), 0] if ea[0] == "t" else list(ea)
+                    for ea, eb in zip(a, b, strict=True)
+                ], "interpolated"
+            nb = lo if near is a else hi
+        else:
+            nb = batches[0] if i == 0 else batches[-1]
+            near = per_batch[nb]
+        return [["t", max(0, round(e[1] * batch / nb)), 0] if e[0] == "t" else list(e) for e in near], "interpolated"

@@ -1,0 +1,41 @@
+"""Builds the estimator's cuDNN convolution catalogue (`python/torchmem/estimate/data/cudnn-conv-h200.json.gz`)
+from the H200 recording of `scripts/gpu_op_workspaces.py` (`tests/fixtures/op-workspaces-h200/`). Runs on any
+machine (no GPU, no torch).
+
+Usage: ``python scripts/build_conv_catalogue.py [RECORDING.json[.gz]] [OUT.json.gz]``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("_workspaces", ROOT / "python/torchmem/estimate/_workspaces.py")
+_ws = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_ws)
+
+
+def main() -> None:
+    src = (
+        Path(sys.argv[1])
+        if len(sys.argv) > 1
+        else ROOT / "tests/fixtures/op-workspaces-h200/op-workspaces-h200.json.gz"
+    )
+    dst = Path(sys.argv[2]) if len(sys.argv) > 2 else _ws.CATALOGUE_PATH
+    opener = gzip.open if src.suffix == ".gz" else open
+    with opener(src, "rt") as f:
+        recording = json.load(f)
+    catalogue = _ws.build_catalogue(recording)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.GzipFile(dst, "wb", compresslevel=9, mtime=0) as f:
+        f.write(json.dumps(catalogue, sort_keys=True, separators=(",", ":")).encode())
+    n = sum(len(v) for v in catalogue["convolutions"].values())
+    print(f"{dst}: {len(catalogue['convolutions'])} convolution keys, {n} (key, batch) templates")
+
+
+if __name__ == "__main__":
+    main()
