@@ -7,8 +7,9 @@ buffers, sort buffers). The result is the catalogue `torchmem estimate` looks co
 How: a TorchDispatchMode on real CUDA tensors wraps every operator of a real training step. Before the call it
 makes a 1-byte marker allocation and frees it; after the call it compares torch's allocation counters and, for
 every convolution and any other operator that allocated more than its outputs or freed anything, takes an
-allocator snapshot (history on, small ring buffer) and reads the events after the marker: each allocation is an output (its address is an output's
-storage), a temporary (freed inside the call) or kept (neither). Sizes are the bytes requested, in order.
+allocator snapshot (history on, small ring buffer) and reads the events after the marker: each allocation is
+an output (its address is an output's storage), a temporary (freed inside the call) or kept (neither). Sizes
+are the bytes requested, in order.
 
 Workloads: the convolutional configs of `gpu_estimator_truth.py` and more torchvision models and batch sizes
 (`CAPTURES`), 2 steps each (the second confirms the choice is the same), in one process.
