@@ -18,6 +18,9 @@ Every rule here was found by comparing the trace request by request with traces 
   (RNG seed/offset first), see the comments below.
 * cuDNN attention backward: a transient workspace of 4 * B * H * S_q * (D + 1) + 256 bytes (the fp32 dQ
   accumulator and softmax statistics; exact on GPT-2 batch 4/8/16, Llama, ViT-B/16).
+* cuDNN convolution workspaces: looked up in the catalogue recorded on the H200 (`_workspaces`), with the
+  requests of the call in their recorded order.
+* Layer norm of a non-contiguous input: CUDA's kernel copies it first (ConvNeXt's permuted LayerNorm).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ _GEMM_OPS = {
 _LT_OPS = {"aten.addmm.default", "aten._addmm_activation.default"}
 # Operators whose CUDA kernel allocates its outputs in another order than the meta kernel returns them.
 _OUTPUT_ORDER = {"aten.native_dropout.default": (1, 0)}  # the mask, then the output
+_LAYER_NORM_OPS = ("aten.native_layer_norm.default", "aten.native_layer_norm_backward.default")
 # torch.nn.attention.SDPBackend values
 _MATH, _FLASH, _EFFICIENT, _CUDNN = 0, 1, 2, 3
 
@@ -90,6 +94,8 @@ class CudaRules:
         name = str(func)
         if name in CONV_OPS:
             return self._convolution(tracer, func, name, args, kwargs)
+        if name in _LAYER_NORM_OPS and tracer.enabled:
+            return self._layer_norm(tracer, func, name, args, kwargs)
         if name == "aten.add.Tensor" and self._accumulates_in_place(args, kwargs):
             return (args[0].add_(args[1]),)
         if name == "aten._scaled_dot_product_cudnn_attention_backward.default":
@@ -122,6 +128,32 @@ class CudaRules:
             self.used_conv = True
         elif "cudnn_attention" in name:
             self.used_half = True
+
+    def _layer_norm(self, tracer, func, name, args, kwargs):
+        """CUDA's layer norm makes its input contiguous first (`expect_contiguous`: a copy of a permuted input,
+        ConvNeXt's channels-last LayerNorm), before the outputs; the backward copies the input first and the
+        output gradient after its outputs. The copies are freed at the end of the call (H200 recordings)."""
+        backward = name.endswith("backward.default")
+        x = args[1] if backward else args[0]
+        x_copy = self._copy_of(tracer, x)
+        out = func(*args, **kwargs)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                tracer.track(t, name)
+        if backward:
+            dy_copy = self._copy_of(tracer, args[0])
+            if dy_copy is not None:
+                tracer.free(*dy_copy)
+        if x_copy is not None:
+            tracer.free(*x_copy)
+        return (out,)
+
+    @staticmethod
+    def _copy_of(tracer, t):
+        if not isinstance(t, torch.Tensor) or t.device.type != "cuda" or t.is_contiguous():
+            return None
+        size = t.numel() * t.element_size()
+        return tracer.alloc(size, "contiguous copy of a layer norm input"), size
 
     def conv_catalogue(self) -> ConvCatalogue:
         if self._conv_catalogue is None:

@@ -1,0 +1,179 @@
+"""The estimator's cuDNN convolution workspaces: the catalogue recorded on the H200
+(`tests/fixtures/op-workspaces-h200/`, `scripts/gpu_op_workspaces.py`), its lookup, and traces that equal the
+H200's recordings request by request once the workspaces are in."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORDING = ROOT / "tests" / "fixtures" / "op-workspaces-h200" / "op-workspaces-h200.json.gz"
+TRUTH = ROOT / "tests" / "fixtures" / "estimator-h200"
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+torch = pytest.importorskip("torch")
+if torch.cuda.is_available():  # pragma: no cover - these tests are about machines without a GPU
+    pytest.skip("the estimator tests run on a machine without a GPU", allow_module_level=True)
+
+from torchmem.estimate import _workspaces as ws  # noqa: E402
+from torchmem.estimate._opsig import signature  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def recording() -> dict:
+    with gzip.open(RECORDING, "rt") as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def catalogue_data() -> dict:
+    with gzip.open(ws.CATALOGUE_PATH, "rt") as f:
+        return json.load(f)
+
+
+def test_the_packaged_catalogue_is_built_from_the_recording(recording, catalogue_data):
+    # `python scripts/build_conv_catalogue.py` regenerates it; a stale file fails here.
+    assert ws.build_catalogue(recording) == catalogue_data
+    h = catalogue_data["header"]
+    assert h["device_name"] == "NVIDIA H200" and h["torch_version"].startswith("2.11")
+    assert len(catalogue_data["convolutions"]) > 800
+    # Every recorded source ran (no workspace recording failed on the GPU).
+    assert recording["errors"] == []
+    assert all("seconds" in v for v in recording["sources"].values())
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        # forward: output, workspace, its free
+        ([["out", 0, 100], ["tmp", 0, 50], ["free", 0, 0]], [["o", 0, 100], ["t", 50, 0], ["f", 1, 0]]),
+        # backward: the weight gradient's block reused the freed workspace's address, so the recorder called it
+        # a temporary that is never freed: it is output 1
+        (
+            [["out", 0, 10], ["tmp", 0, 20], ["free", 0, 0], ["tmp", 0, 30], ["out", 2, 4]],
+            [["o", 0, 10], ["t", 20, 0], ["f", 1, 0], ["o", 1, 30], ["o", 2, 4]],
+        ),
+        # nested temporaries (the bias gradient's reduction buffers), freed last-in first-out
+        (
+            [["out", 0, 8], ["tmp", 1, 3584], ["tmp", 2, 512], ["free", 2, 0], ["free", 1, 0]],
+            [["o", 0, 8], ["t", 3584, 0], ["t", 512, 0], ["f", 2, 0], ["f", 1, 0]],
+        ),
+    ],
+)
+def test_normalize(raw, expected):
+    assert ws.normalize(raw) == expected
+
+
+def test_recordings_of_one_call_agree_after_normalizing(recording):
+    # The recorder saw some calls twice with different output/temporary labels (address reuse); normalized they
+    # are one template (build_catalogue raises otherwise).
+    multi = [
+        (k, b, s["templates"])
+        for k, per in recording["conv"].items()
+        for b, s in per.items()
+        if len(s["templates"]) > 1
+    ]
+    assert multi, "the recording has calls seen with differing labels"
+    for _k, _b, templates in multi:
+        assert all(ws.normalize(t) == ws.normalize(templates[0]) for t in templates)
+
+
+def _fake_catalogue() -> ws.ConvCatalogue:
+    """A made-up two-batch entry (a fake, for the interpolation arithmetic only)."""
+    data = {
+        "header": {"device_name": "fake"},
+        "convolutions": {
+            "k": {
+                "16": {"events": [["o", 0, 1], ["t", 1000, 0], ["f", 1, 0]], "archs": ["a"]},
+                "64": {"events": [["o", 0, 4], ["t", 4000, 0], ["f", 1, 0]], "archs": ["b"]},
+            }
+        },
+    }
+    return ws.ConvCatalogue(data), data
+
+
+@pytest.mark.parametrize(
+    ("batch", "how", "workspace"),
+    [
+        (16, "exact", 1000),
+        (64, "exact", 4000),
+        (32, "interpolated", 2000),
+        (8, "interpolated", 500),
+        (128, "interpolated", 8000),
+    ],
+)
+def test_lookup_by_batch(batch, how, workspace):
+    cat, _ = _fake_catalogue()
+    template, found = cat.lookup("k", batch)
+    assert found == how
+    assert template[1] == ["t", workspace, 0] and template[2] == ["f", 1, 0]
+    assert cat.lookup("unknown key", 16) is None
+
+
+def test_excluding_architectures():
+    _, data = _fake_catalogue()
+    only_b = ws.ConvCatalogue(data, exclude_archs=("a",))
+    # (an output keeps its recorded size: the tracer takes the fake output's own)
+    assert only_b.lookup("k", 16) == ([["o", 0, 4], ["t", 4000 // 4, 0], ["f", 1, 0]], "interpolated")
+    assert ws.ConvCatalogue(data, exclude_archs=("*",)).lookup("k", 64) is None
+
+
+def test_signature_of_real_convolutions_matches_the_recording(catalogue_data):
+    # The estimator's key of ResNet-18's stem on a fake CUDA tensor is the recorder's key on the H200.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(64, 3, 224, 224, device="cuda")
+        w = torch.empty(64, 3, 7, 7, device="cuda")
+        key, batch = signature("aten.convolution.default", (x, w, None, [2, 2], [3, 3], [1, 1], False, [0, 0], 1))
+    assert batch == 64
+    assert key in catalogue_data["convolutions"]
+    assert "64" in catalogue_data["convolutions"][key]
+
+
+def _requests(trace, free="free_requested"):
+    import test_estimate
+
+    return test_estimate._requests(trace, "alloc", free)
+
+
+def test_resnet18_trace_equals_the_h200_recording_request_by_request():
+    """Three training steps of ResNet-18 (batch 64, SGD, fp32) on the fake device: every request (outputs,
+    cuDNN workspaces, cuBLAS workspaces) and every free equals the H200's recording, in order."""
+    pytest.importorskip("torchvision")
+    import test_estimate
+
+    s, snap = test_estimate._trace_workload("resnet18_sgd_fp32")
+    real = pickle.load(gzip.open(TRUTH / "resnet18_sgd_fp32__estimator.pickle.gz"))["device_traces"][0]
+    real_reqs = _requests(real)
+    assert real_reqs[:2] == [("alloc", 4, 0), ("free", 4, 0)]  # the truth script's own torch.zeros(1)
+    shifted = [(a, size, i - 1) for a, size, i in real_reqs[2:]]
+    assert _requests(snap["device_traces"][0]) == shifted
+    calls = s.rules.conv_calls
+    assert calls["unknown"] == 0 and calls["exact"] == 3 * (20 + 20)  # 20 convolutions, forward and backward
+    workspaces = [e for e in s.tracer.events if e.what == "cuDNN convolution workspace" and e.action == "alloc"]
+    assert len(workspaces) > 100 and max(e.size_bytes for e in workspaces) == 262972560
+
+
+def test_convnext_layer_norm_copies_its_permuted_input():
+    # ConvNeXt's LayerNorm runs on a permuted (non-contiguous) tensor: CUDA copies it first. With that rule and
+    # the catalogue, the forward of the first step equals the H200 recording (the backward then differs at the
+    # first reduction staging buffer, which is not modelled).
+    pytest.importorskip("torchvision")
+    import test_estimate
+
+    s, snap = test_estimate._trace_workload("convnext_tiny_adamw_fp32", steps=1)
+    real = pickle.load(gzip.open(TRUTH / "convnext_tiny_adamw_fp32__estimator.pickle.gz"))["device_traces"][0]
+    real_reqs = [(a, size, i - 1) for a, size, i in _requests(real)[2:]]
+    est = _requests(snap["device_traces"][0])
+    first_backward = next(i for i, e in enumerate(s.tracer.events) if e.phase == "backward")
+    assert est[:first_backward] == real_reqs[:first_backward]
+    copies = [e for e in s.tracer.events if e.what == "contiguous copy of a layer norm input"]
+    assert copies and all(e.size_bytes == 38535168 for e in copies[:3])
