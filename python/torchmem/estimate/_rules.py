@@ -96,6 +96,16 @@ class CudaRules:
             return self._convolution(tracer, func, name, args, kwargs)
         if name in _LAYER_NORM_OPS and tracer.enabled:
             return self._layer_norm(tracer, func, name, args, kwargs)
+        if name in _REDUCTION_OPS and tracer.enabled:
+            staging = reduction_staging_bytes(args[0], args[1] if len(args) > 1 else None, self.gpu.multi_processor_count)
+            if staging is not None:
+                out = func(*args, **kwargs)
+                tracer.track(out, name)
+                buf = tracer.alloc(staging[0], "reduction staging buffer")
+                sem = tracer.alloc(staging[1], "reduction semaphores")
+                tracer.free(sem, staging[1])
+                tracer.free(buf, staging[0])
+                return (out,)
         if name == "aten.add.Tensor" and self._accumulates_in_place(args, kwargs):
             return (args[0].add_(args[1]),)
         if name == "aten._scaled_dot_product_cudnn_attention_backward.default":
@@ -334,6 +344,70 @@ class CudaRules:
             if checks[backend]():
                 return backend
         return _MATH
+
+
+_REDUCTION_OPS = ("aten.sum.dim_IntList", "aten.mean.dim")
+
+
+def _last_pow2(n: int) -> int:
+    return max(1, 1 << (n.bit_length() - 1)) if n > 0 else 1
+
+
+def reduction_staging_bytes(x, dims, sms: int, max_threads_per_sm: int = 2048) -> tuple[int, int] | None:
+    """(staging buffer, semaphores) in bytes that CUDA's reduction kernel (ATen `Reduce.cuh`) allocates for a
+    sum/mean over the *outer* dimensions of a dense tensor (the kept dimensions innermost in memory: a Linear's
+    bias gradient, a channels-last sum over N, H, W), when its launch configuration splits each output's
+    reduction across blocks; None when it does not (or for another layout, not modelled).
+
+    The launch configuration, as `setReduceConfig` computes it for this case: outputs vectorized by 4 (2, 1 when
+    the count is not divisible), `block_width = min(pow2(outputs / vec), 32)`, `block_height = min(pow2(rows),
+    (512 / vec) / block_width)`; each output's rows split over `ctas = max(min(ceil(target / grid_x), ceil(vpt /
+    16)), ceil(vpt / 256))` blocks when `vpt = ceil(rows / block_height) >= 256`, target = SMs * 2048 /
+    threads per block. Buffer = acc bytes * outputs * ctas * block_width * vec; semaphores = 4 * grid_x. Checked
+    against all 71 reductions recorded on the H200 (`tests/test_conv_workspaces.py`)."""
+    import math
+
+    if not isinstance(x, torch.Tensor) or x.device.type != "cuda" or x.dim() == 0 or dims is None:
+        return None
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        return None
+    nd = x.dim()
+    red = sorted({d % nd for d in (dims if isinstance(dims, (list, tuple)) else [dims])})
+    kept = [d for d in range(nd) if d not in red]
+    if not red or not kept or not is_non_overlapping_and_dense(x):
+        return None
+    # Memory order (outermost first); the kept dims must be the innermost, contiguous among themselves.
+    sizes, strides = x.shape, x.stride()
+    order = sorted((d for d in range(nd) if sizes[d] != 1), key=lambda d: -strides[d])
+    kept_order = [d for d in order if d in kept]
+    if not kept_order or order[-len(kept_order) :] != kept_order:
+        return None
+    outputs = math.prod(sizes[d] for d in kept)
+    rows = math.prod(sizes[d] for d in red)
+    if outputs <= 1 or rows <= 1:
+        return None
+    acc = 8 if x.dtype == torch.float64 else 4
+    vec = 4 if outputs % 4 == 0 else 2 if outputs % 2 == 0 else 1
+    max_threads = 512 // vec
+    dim0 = outputs // vec
+
+    def pow2(n: int) -> int:
+        return _last_pow2(n) if n < 512 else 512
+
+    bw = min(pow2(dim0), 32)
+    bh = min(pow2(rows), max_threads // bw)
+    bw = min(pow2(dim0), max_threads // bh)
+    if bh <= 1:
+        return None
+    grid_x = -(-outputs // (bw * vec))
+    vpt = -(-rows // bh)
+    target = sms * (max_threads_per_sm // (bw * bh))
+    if vpt < 256 or grid_x > target:
+        return None
+    ctas = max(min(-(-target // grid_x), -(-vpt // 16)), -(-vpt // 256))
+    if ctas <= 1:
+        return None
+    return acc * outputs * ctas * bw * vec, 4 * grid_x
 
 
 def _called_from_cpp() -> bool:
