@@ -97,7 +97,11 @@ class CudaRules:
         if name in _LAYER_NORM_OPS and tracer.enabled:
             return self._layer_norm(tracer, func, name, args, kwargs)
         if name in _REDUCTION_OPS and tracer.enabled:
-            staging = reduction_staging_bytes(args[0], args[1] if len(args) > 1 else None, self.gpu.multi_processor_count)
+            dims = args[1] if len(args) > 1 else None
+            g = self.gpu
+            staging = reduction_staging_bytes(
+                args[0], dims, g.multi_processor_count, max_threads_per_sm(g.major, g.minor)
+            )
             if staging is not None:
                 out = func(*args, **kwargs)
                 tracer.track(out, name)
@@ -349,11 +353,21 @@ class CudaRules:
 _REDUCTION_OPS = ("aten.sum.dim_IntList", "aten.mean.dim")
 
 
+def max_threads_per_sm(major: int, minor: int) -> int:
+    """`maxThreadsPerMultiProcessor` of a compute capability (CUDA programming guide, table of technical
+    specifications): 2048 on sm_80, sm_90, sm_100; 1536 on sm_86/87/89 and sm_120; 1024 on sm_75."""
+    if (major, minor) == (7, 5):
+        return 1024
+    if (major == 8 and minor in (6, 7, 9)) or major >= 11:
+        return 1536
+    return 2048
+
+
 def _last_pow2(n: int) -> int:
     return max(1, 1 << (n.bit_length() - 1)) if n > 0 else 1
 
 
-def reduction_staging_bytes(x, dims, sms: int, max_threads_per_sm: int = 2048) -> tuple[int, int] | None:
+def reduction_staging_bytes(x, dims, sms: int, threads_per_sm: int = 2048) -> tuple[int, int] | None:
     """(staging buffer, semaphores) in bytes that CUDA's reduction kernel (ATen `Reduce.cuh`) allocates for a
     sum/mean over the *outer* dimensions of a dense tensor (the kept dimensions innermost in memory: a Linear's
     bias gradient, a channels-last sum over N, H, W), when its launch configuration splits each output's
@@ -362,7 +376,7 @@ def reduction_staging_bytes(x, dims, sms: int, max_threads_per_sm: int = 2048) -
     The launch configuration, as `setReduceConfig` computes it for this case: outputs vectorized by 4 (2, 1 when
     the count is not divisible), `block_width = min(pow2(outputs / vec), 32)`, `block_height = min(pow2(rows),
     (512 / vec) / block_width)`; each output's rows split over `ctas = max(min(ceil(target / grid_x), ceil(vpt /
-    16)), ceil(vpt / 256))` blocks when `vpt = ceil(rows / block_height) >= 256`, target = SMs * 2048 /
+    16)), ceil(vpt / 256))` blocks when `vpt = ceil(rows / block_height) >= 256`, target = SMs * threads_per_sm /
     threads per block. Buffer = acc bytes * outputs * ctas * block_width * vec; semaphores = 4 * grid_x. Checked
     against all 71 reductions recorded on the H200 (`tests/test_conv_workspaces.py`)."""
     import math
@@ -401,7 +415,7 @@ def reduction_staging_bytes(x, dims, sms: int, max_threads_per_sm: int = 2048) -
         return None
     grid_x = -(-outputs // (bw * vec))
     vpt = -(-rows // bh)
-    target = sms * (max_threads_per_sm // (bw * bh))
+    target = sms * (threads_per_sm // (bw * bh))
     if vpt < 256 or grid_x > target:
         return None
     ctas = max(min(-(-target // grid_x), -(-vpt // 16)), -(-vpt // 256))
