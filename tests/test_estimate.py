@@ -256,7 +256,15 @@ def test_fit_finds_the_largest_batch(tmp_path):
     )  # fmt: skip
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
-    best = r["largest_fitting"]
+    fit = r["fit"]
+    best = fit["largest_fitting"]
+    assert fit["parameter"] == "batch" and fit["first_not_fitting"] == min(
+        t["value"] for t in r["tried"] if not t["fits"]
+    )
+    assert (
+        fit["at_largest_fitting"]["nvml_bytes"] <= r["device_memory_bytes"] < fit["at_first_not_fitting"]["nvml_bytes"]
+        or fit["at_first_not_fitting"]["oom"]
+    )
     tried = {t["value"]: t["fits"] for t in r["tried"]}
     assert tried[best] is True
     assert any(v > best and not ok for v, ok in tried.items())

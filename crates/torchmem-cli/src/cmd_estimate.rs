@@ -247,6 +247,7 @@ fn report(trace: &Path, summary: &Value, target: &Target, alloc_conf: Option<&st
         device_total_bytes: Some(target.cuda_total_bytes),
         detailed: true,
         frees_at_request: true,
+        driver_addresses: true,
         ..SimOptions::default()
     };
     let result = torchmem_sim::simulate(&snap, &trace.display().to_string(), &opts);
@@ -397,6 +398,8 @@ fn fit_search(args: &EstimateArgs, target: &Target, spec: &str) -> anyhow::Resul
         bail!("--fit {name}=...: the command has no {placeholder} to replace");
     }
     let mut tried: Vec<Value> = Vec::new();
+    // The estimate at each value tried, for the peaks at the answer and at the first value that does not fit.
+    let mut reports: std::collections::BTreeMap<u64, Value> = std::collections::BTreeMap::new();
     let mut attempt = |unit: u64| -> anyhow::Result<bool> {
         let v = unit * step;
         let cmd: Vec<String> = args.command.iter().map(|a| a.replace(&placeholder, &v.to_string())).collect();
@@ -410,6 +413,7 @@ fn fit_search(args: &EstimateArgs, target: &Target, spec: &str) -> anyhow::Resul
             );
         }
         tried.push(json!({"value": v, "fits": fits, "peak_reserved_bytes": r["peak_reserved_bytes"], "nvml_bytes": r["nvml_bytes"]}));
+        reports.insert(v, r);
         Ok(fits)
     };
     let (mut good, mut bad) = (None::<u64>, None::<u64>);
@@ -438,13 +442,54 @@ fn fit_search(args: &EstimateArgs, target: &Target, spec: &str) -> anyhow::Resul
         good = Some(g);
     }
     let good = good.map(|u| u * step);
+    let first_bad = match (good, bad) {
+        (Some(g), Some(_)) => reports.keys().copied().find(|&v| v > g),
+        (Some(_), None) => None,
+        (None, _) => Some(lo * step),
+    };
     let lo = lo * step;
-    let out = json!({"name": name, "largest_fitting": good, "gpu": target.gpu.name, "tried": tried});
+    let peaks = |v: Option<u64>| -> Value {
+        match v.and_then(|v| reports.get(&v)) {
+            Some(r) => json!({
+                "peak_allocated_bytes": r["peak_allocated_bytes"],
+                "peak_reserved_bytes": r["peak_reserved_bytes"],
+                "nvml_bytes": r["nvml_bytes"],
+                "margin_bytes": r["margin_bytes"],
+                "oom": r["oom"],
+            }),
+            None => Value::Null,
+        }
+    };
+    let fit = json!({
+        "parameter": name,
+        "largest_fitting": good,
+        "first_not_fitting": first_bad,
+        "at_largest_fitting": peaks(good),
+        "at_first_not_fitting": peaks(first_bad),
+    });
+    let out = json!({
+        "fit": fit,
+        "gpu": target.gpu.name,
+        "device_memory_bytes": target.cuda_total_bytes,
+        "command": args.command,
+        "tried": tried,
+    });
     if args.json {
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
+        let nvml = |v: Option<u64>| peaks(v)["nvml_bytes"].as_u64().map(format_bytes).unwrap_or_else(|| "?".into());
         match good {
-            Some(g) => println!("torchmem estimate --fit: largest {name} that fits on {}: {g}", target.gpu.name),
+            Some(g) => {
+                println!(
+                    "torchmem estimate --fit: largest {name} that fits on {}: {g} (NVML {} of {})",
+                    target.gpu.name,
+                    nvml(good),
+                    format_bytes(target.cuda_total_bytes)
+                );
+                if let Some(x) = first_bad {
+                    println!("  {name}={x} does not fit: NVML {}", nvml(first_bad));
+                }
+            }
             None => println!("torchmem estimate --fit: even {name}={lo} does not fit on {}", target.gpu.name),
         }
     }

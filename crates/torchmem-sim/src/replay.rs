@@ -42,6 +42,9 @@ pub struct SimOptions {
     /// Give the allocator the device memory it could have had at the recording's OOM
     /// (`recorded_oom_capacity_bytes`; overrides `device_memory_bytes` when the trace has one).
     pub device_memory_from_oom: bool,
+    /// New segments' addresses from the driver model (`Device::driver_model`): for traces with no addresses of
+    /// their own (the estimator's).
+    pub driver_addresses: bool,
 }
 
 /// The first difference between the replay and the recording.
@@ -365,6 +368,7 @@ impl<'a> Prepared<'a> {
         };
         let mut a = Allocator::new(conf.clone(), allowed, Device::new(device_memory, total));
         a.keep_events = opts.detailed;
+        a.device.driver_model = opts.driver_addresses;
         if opts.recorded_addresses {
             for ev in self.recorded_events.iter().filter(|e| e.kind == SegKind::SegmentAlloc) {
                 a.device.recorded_by_size.entry(ev.size_bytes).or_default().push(ev.addr);
