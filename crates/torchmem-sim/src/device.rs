@@ -135,3 +135,37 @@ impl Device {
         self.live.remove(&addr);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn descending_model_hands_out_lower_addresses() {
+        let mut d = Device::new(None, 1 << 40);
+        let a = d.address(20 * MIB, None);
+        let b = d.address(20 * MIB, None);
+        assert!(b < a);
+    }
+
+    #[test]
+    fn driver_model_fills_upward_then_below_first_fit() {
+        let mut d = Device::new(None, 1 << 40);
+        d.driver_model = true;
+        // The first range fills upward.
+        let a = d.address(100 * MIB, None);
+        let b = d.address(200 * MIB, None);
+        assert_eq!(b, a + 100 * MIB);
+        // 300 MiB no longer fits in the 512 MiB range: a new 320 MiB range below it.
+        let c = d.address(300 * MIB, None);
+        assert_eq!(c, a - 320 * MIB);
+        // 20 MiB fits the gap left at the top of c's range (the lowest gap that fits), before the first range's.
+        let e = d.address(20 * MIB, None);
+        assert_eq!(e, c + 300 * MIB);
+        // A freed range is reused first-fit.
+        d.release_address(a);
+        assert_eq!(d.address(50 * MIB, None), a);
+    }
+}
