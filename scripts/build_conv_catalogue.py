@@ -2,7 +2,8 @@
 from the H200 recording of `scripts/gpu_op_workspaces.py` (`tests/fixtures/op-workspaces-h200/`). Runs on any
 machine (no GPU, no torch).
 
-Usage: ``python scripts/build_conv_catalogue.py [RECORDING.json[.gz]] [OUT.json.gz]``.
+Usage: ``python scripts/build_conv_catalogue.py [RECORDING.json[.gz] ... OUT.json.gz]`` (default: every
+recording in the fixture folder, into the package).
 """
 
 from __future__ import annotations
@@ -20,21 +21,23 @@ _spec.loader.exec_module(_ws)
 
 
 def main() -> None:
-    src = (
-        Path(sys.argv[1])
-        if len(sys.argv) > 1
-        else ROOT / "tests/fixtures/op-workspaces-h200/op-workspaces-h200.json.gz"
-    )
-    dst = Path(sys.argv[2]) if len(sys.argv) > 2 else _ws.CATALOGUE_PATH
-    opener = gzip.open if src.suffix == ".gz" else open
-    with opener(src, "rt") as f:
-        recording = json.load(f)
-    catalogue = _ws.build_catalogue(recording)
+    fixtures = ROOT / "tests/fixtures/op-workspaces-h200"
+    sources = [Path(a) for a in sys.argv[1:-1]] if len(sys.argv) > 2 else sorted(fixtures.glob("*.json.gz"))
+    dst = Path(sys.argv[-1]) if len(sys.argv) > 2 else _ws.CATALOGUE_PATH
+    recordings = []
+    for src in sources:
+        opener = gzip.open if src.suffix == ".gz" else open
+        with opener(src, "rt") as f:
+            recordings.append(json.load(f))
+    catalogue = _ws.build_catalogue(*recordings)
     dst.parent.mkdir(parents=True, exist_ok=True)
     with gzip.GzipFile(dst, "wb", compresslevel=9, mtime=0) as f:
         f.write(json.dumps(catalogue, sort_keys=True, separators=(",", ":")).encode())
     n = sum(len(v) for v in catalogue["convolutions"].values())
-    print(f"{dst}: {len(catalogue['convolutions'])} convolution keys, {n} (key, batch) templates")
+    print(
+        f"{dst}: {len(catalogue['convolutions'])} convolution keys, {n} (key, batch) templates"
+        f" from {len(sources)} recordings"
+    )
 
 
 if __name__ == "__main__":

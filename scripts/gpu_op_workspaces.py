@@ -17,7 +17,8 @@ Workloads: the convolutional configs of `gpu_estimator_truth.py` and more torchv
 Output: ``OUT/op-workspaces-h200.json``: versions, cuDNN flags, and per convolution key (``_opsig.signature``)
 the templates per batch size with the workloads that produced them; ``other_ops``: the non-convolution
 operators with temporaries (op, argument shapes, template, count).
-Usage: ``python scripts/gpu_op_workspaces.py OUT [--only SOURCE,...]``.
+Usage: ``python scripts/gpu_op_workspaces.py OUT [--only SOURCE,...|large-batch]`` (``large-batch``: ResNet-50 at
+batch 256-2048, the second recording of the fixture).
 """
 
 from __future__ import annotations
@@ -62,6 +63,13 @@ for _arch in ("mobilenet_v2", "efficientnet_b0", "densenet121", "vgg11", "convne
 for _dt in ("fp32", "amp_bf16"):
     for _b in (16, 32, 64):
         CAPTURES.setdefault(f"vit_b_16/{_dt}/b{_b}", _tv("vit_b_16", _dt, _b))
+# Large batches (the `--fit` searches of a big GPU go there; not in the default run: `--only` them).
+LARGE_BATCH = {
+    f"resnet50/{dt}/b{b}": _tv("resnet50", dt, b)
+    for dt, batches in (("fp32", (256, 512, 1024, 1536)), ("amp_bf16", (256, 512, 1024, 2048)))
+    for b in batches
+}
+CAPTURES.update(LARGE_BATCH)
 
 
 def _describe(func_name: str, args, kwargs) -> str:
@@ -210,7 +218,10 @@ def main() -> None:
     torch.cuda.init()
     torch.cuda.memory._record_memory_history(context=None, stacks="python", max_entries=4096)
     cap = Capture(torch)
-    names = [n for n in CAPTURES if not args.only or n in args.only.split(",")]
+    if args.only == "large-batch":
+        names = list(LARGE_BATCH)
+    else:
+        names = [n for n in CAPTURES if n not in LARGE_BATCH and (not args.only or n in args.only.split(","))]
     done: dict = {}
     t0 = time.time()
     for n in names:

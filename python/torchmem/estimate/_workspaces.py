@@ -6,7 +6,8 @@ fake kernel shows it, and it is not a formula of the shape, so the estimate look
 `scripts/gpu_op_workspaces.py` recorded, on an H200 (torch 2.11, cuDNN 9.19, default cuDNN flags), every
 convolution call of real training steps of 17 torchvision architectures at several batch sizes and dtypes: the
 allocator requests in the call, in order (the outputs, the workspaces, the bias gradient's reduction buffers).
-`build_catalogue` turns that recording (`tests/fixtures/op-workspaces-h200/`) into `data/cudnn-conv-h200.json.gz`.
+`build_catalogue` turns that recording (`tests/fixtures/op-workspaces-h200/`: the main run and a ResNet-50 run at
+batch 256-2048) into `data/cudnn-conv-h200.json.gz`.
 
 Lookup by `_opsig.signature` (operator, shapes without the batch, dtypes, layouts, arguments):
 * the same key at the same batch: the recorded requests, exactly ("exact");
@@ -65,19 +66,25 @@ def normalize(raw: list) -> list:
     return events
 
 
-def build_catalogue(recording: dict) -> dict:
-    """The catalogue file's content from `gpu_op_workspaces.py`'s JSON."""
+def build_catalogue(*recordings: dict) -> dict:
+    """The catalogue file's content from `gpu_op_workspaces.py`'s JSON (one or more runs of it on one GPU, torch
+    and cuDNN: their calls merge; a (key, batch) recorded twice must agree)."""
+    head_keys = ("device_name", "capability", "torch_version", "cuda_version", "cudnn_version", "cudnn_flags")
+    first_rec = recordings[0]
     convs: dict = {}
-    for key, per_batch in recording["conv"].items():
-        for batch, slot in per_batch.items():
-            templates = [normalize(t) for t in slot["templates"]]
-            first = templates[0]
-            if any(t != first for t in templates[1:]):
-                raise ValueError(f"{key} at batch {batch}: the recorded calls disagree")
-            archs = sorted({s.split("/")[0] for s in slot["sources"]})
-            convs.setdefault(key, {})[batch] = {"events": first, "archs": archs}
-    header = {k: recording[k] for k in ("device_name", "capability", "torch_version", "cuda_version", "cudnn_version")}
-    header["cudnn_flags"] = recording["cudnn_flags"]
+    for recording in recordings:
+        if any(recording[k] != first_rec[k] for k in head_keys):
+            raise ValueError("the recordings come from different GPUs, torch, cuDNN or cuDNN flags")
+        for key, per_batch in recording["conv"].items():
+            for batch, slot in per_batch.items():
+                templates = [normalize(t) for t in slot["templates"]]
+                first = templates[0]
+                have = convs.get(key, {}).get(batch)
+                if any(t != first for t in templates[1:]) or (have is not None and have["events"] != first):
+                    raise ValueError(f"{key} at batch {batch}: the recorded calls disagree")
+                archs = sorted({s.split("/")[0] for s in slot["sources"]} | set(have["archs"] if have else ()))
+                convs.setdefault(key, {})[batch] = {"events": first, "archs": archs}
+    header = {k: first_rec[k] for k in head_keys}
     return {"header": header, "convolutions": convs}
 
 
