@@ -97,19 +97,9 @@ class CudaRules:
         if name in _LAYER_NORM_OPS and tracer.enabled:
             return self._layer_norm(tracer, func, name, args, kwargs)
         if name in _REDUCTION_OPS and tracer.enabled:
-            dims = args[1] if len(args) > 1 else None
-            g = self.gpu
-            staging = reduction_staging_bytes(
-                args[0], dims, g.multi_processor_count, max_threads_per_sm(g.major, g.minor)
-            )
-            if staging is not None:
-                out = func(*args, **kwargs)
-                tracer.track(out, name)
-                buf = tracer.alloc(staging[0], "reduction staging buffer")
-                sem = tracer.alloc(staging[1], "reduction semaphores")
-                tracer.free(sem, staging[1])
-                tracer.free(buf, staging[0])
-                return (out,)
+            replaced = self._reduction(tracer, func, name, args, kwargs)
+            if replaced is not None:
+                return replaced
         if name == "aten.add.Tensor" and self._accumulates_in_place(args, kwargs):
             return (args[0].add_(args[1]),)
         if name == "aten._scaled_dot_product_cudnn_attention_backward.default":
@@ -142,6 +132,22 @@ class CudaRules:
             self.used_conv = True
         elif "cudnn_attention" in name:
             self.used_half = True
+
+    def _reduction(self, tracer, func, name, args, kwargs):
+        """A sum/mean whose CUDA kernel stages partial sums: its output, then the staging buffer and the
+        semaphores, freed in the call (`reduction_staging_bytes`); None when the kernel needs none."""
+        g = self.gpu
+        dims = args[1] if len(args) > 1 else None
+        staging = reduction_staging_bytes(args[0], dims, g.multi_processor_count, max_threads_per_sm(g.major, g.minor))
+        if staging is None:
+            return None
+        out = func(*args, **kwargs)
+        tracer.track(out, name)
+        buf = tracer.alloc(staging[0], "reduction staging buffer")
+        sem = tracer.alloc(staging[1], "reduction semaphores")
+        tracer.free(sem, staging[1])
+        tracer.free(buf, staging[0])
+        return (out,)
 
     def _layer_norm(self, tracer, func, name, args, kwargs):
         """CUDA's layer norm makes its input contiguous first (`expect_contiguous`: a copy of a permuted input,
