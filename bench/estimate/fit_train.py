@@ -24,8 +24,14 @@ def main() -> int:
     ap.add_argument("--workload", required=True, choices=sorted(truth.WORKLOADS))
     ap.add_argument("--batch", type=int, required=True)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument(
+        "--snapshot", metavar="PATH", help="record the allocator's history and write its snapshot here (on a GPU)"
+    )
     args = ap.parse_args()
     import torch
+
+    if args.snapshot:
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
 
     spec = {**truth.WORKLOADS[args.workload], "batch": args.batch}
     model, opt, loss_fn, _info = truth.build(spec, torch)
@@ -40,6 +46,14 @@ def main() -> int:
     if torch.cuda.is_available() and not oom:
         out["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
         out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    if torch.cuda.is_available():
+        # Out-of-memory errors raised and caught inside the step (cuDNN then tries a plan with a smaller workspace),
+        # and the allocator's free-the-cache-and-retry passes.
+        stats = torch.cuda.memory_stats()
+        out["num_ooms"] = stats.get("num_ooms")
+        out["num_alloc_retries"] = stats.get("num_alloc_retries")
+    if args.snapshot:
+        torch.cuda.memory._dump_snapshot(args.snapshot)
     print(json.dumps(out), flush=True)
     return 3 if oom else 0
 

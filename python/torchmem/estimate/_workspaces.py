@@ -12,8 +12,9 @@ batch 256-2048) into `data/cudnn-conv-h200.json.gz`.
 Lookup by `_opsig.signature` (operator, shapes without the batch, dtypes, layouts, arguments):
 * the same key at the same batch: the recorded requests, exactly ("exact");
 * the key at other batch sizes: the structure of the nearest, each workspace interpolated linearly in the batch
-  between the two recorded neighbours (most workspaces are linear in the batch), or scaled in proportion to it
-  outside the recorded range ("interpolated");
+  between the two recorded neighbours (most workspaces are a*batch + c), or extrapolated along the line through
+  the two nearest outside the recorded range (scaled in proportion when only one batch, or two of different
+  structure, were recorded) ("interpolated");
 * an unknown key: no workspace, and the estimate says how many convolution calls that was.
 
 `TORCHMEM_ESTIMATE_CONV_EXCLUDE=arch,arch` leaves out what those architectures' runs recorded (the accuracy
@@ -125,16 +126,19 @@ class ConvCatalogue:
         i = bisect_left(batches, batch)
         if 0 < i < len(batches):
             lo, hi = batches[i - 1], batches[i]
-            a, b = per_batch[lo], per_batch[hi]
-            near = a if batch - lo <= hi - batch else b
-            if _shape(a) == _shape(b):
-                w = (batch - lo) / (hi - lo)
-                return [
-                    ["t", max(0, round(ea[1] + (eb[1] - ea[1]) * w)), 0] if ea[0] == "t" else list(ea)
-                    for ea, eb in zip(a, b, strict=True)
-                ], "interpolated"
-            nb = lo if near is a else hi
+        elif len(batches) >= 2:
+            # Outside the recorded range: extend the line through the two nearest recorded batches (a
+            # workspace is mostly a*batch + c; scaling in proportion would scale c too).
+            lo, hi = (batches[-2], batches[-1]) if i else (batches[0], batches[1])
         else:
-            nb = batches[0] if i == 0 else batches[-1]
-            near = per_batch[nb]
+            lo = hi = batches[0]
+        a, b = per_batch[lo], per_batch[hi]
+        if lo != hi and _shape(a) == _shape(b):
+            w = (batch - lo) / (hi - lo)
+            return [
+                ["t", max(0, round(ea[1] + (eb[1] - ea[1]) * w)), 0] if ea[0] == "t" else list(ea)
+                for ea, eb in zip(a, b, strict=True)
+            ], "interpolated"
+        nb = min((lo, hi), key=lambda x: abs(x - batch))
+        near = per_batch[nb]
         return [["t", max(0, round(e[1] * batch / nb)), 0] if e[0] == "t" else list(e) for e in near], "interpolated"
