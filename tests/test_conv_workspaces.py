@@ -320,3 +320,35 @@ def test_resnet50_at_the_h200s_fit_edge(tmp_path):
     off = [(r, e) for r, e in zip(real_sizes, est_sizes, strict=True) if r != e]
     assert len(off) <= 30 and all(abs(e - r) <= 0.002 * r for r, e in off)
     assert results[1709][0]["fits"] is False and results[1709][0]["oom"] is not None
+
+
+def test_extrapolating_along_the_line_beats_scaling_in_proportion(catalogue_data):
+    """Each key's largest recorded batch held out and predicted from the two below it (the lookup of a batch above
+    the recorded range): over the H200's 782 such workspaces the line through the two nearest has a median error
+    of 0 (in proportion: 0.46 %) and a smaller error of the total (0.74 % against 1.10 %)."""
+    import statistics
+
+    rel_line, rel_prop, total = [], [], {"line": 0.0, "prop": 0.0, "true": 0}
+    for key, per_batch in catalogue_data["convolutions"].items():
+        batches = sorted(int(b) for b in per_batch)
+        if len(batches) < 3:
+            continue
+        held, below = batches[-1], batches[:-1]
+        partial = {"header": {}, "convolutions": {key: {str(b): per_batch[str(b)] for b in below}}}
+        predicted, how = ws.ConvCatalogue(partial).lookup(key, held)
+        truth = per_batch[str(held)]["events"]
+        if how != "interpolated" or [e[0] for e in predicted] != [e[0] for e in truth]:
+            continue
+        near = per_batch[str(below[-1])]["events"]
+        for p, t, n in zip(predicted, truth, near, strict=True):
+            if t[0] != "t" or t[1] == 0 or n[0] != "t":
+                continue
+            prop = n[1] * held / below[-1]
+            rel_line.append(abs(p[1] - t[1]) / t[1])
+            rel_prop.append(abs(prop - t[1]) / t[1])
+            total["line"] += p[1]
+            total["prop"] += prop
+            total["true"] += t[1]
+    assert len(rel_line) > 500
+    assert statistics.median(rel_line) < 1e-4 < statistics.median(rel_prop)
+    assert abs(total["line"] / total["true"] - 1) < abs(total["prop"] / total["true"] - 1)
