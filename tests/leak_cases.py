@@ -29,6 +29,25 @@ print("PROBES " + str(len(mon._leaks.reports) + mon._leaks.probing))
 print("GROWTH " + json.dumps([r.get("growth") for r in mon._leaks.reports]))
 """
 
+# One training step of the cases that train; each case adds its own lines around it (the `# LEAK` line is the
+# one the probe must name).
+_TRAIN_STEP = """    with mon.step():
+        x = torch.randn(2048, 256, device=DEVICE)
+        out = model(x)
+        loss = out.pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+def _training(before: str, in_step: str = "") -> str:
+    """`before`, then the loop of STEPS training steps with `in_step` (indented into the step) at its end."""
+    return (
+        before + "for step in range(STEPS):\n" + _TRAIN_STEP + "".join(f"        {ln}\n" for ln in in_step.splitlines())
+    )
+
+
 _BODIES = {
     # Evaluation with autograd on: each step's graph (every saved activation) stays reachable from total_loss.
     "total_loss": """
@@ -41,71 +60,21 @@ for step in range(STEPS):
 print("mean loss", float(total_loss) / STEPS)
 """,
     # A list of outputs that grows: 2048 x 256 floats (2 MiB) per step.
-    "tensor_list": """
-outputs = []
-for step in range(STEPS):
-    with mon.step():
-        x = torch.randn(2048, 256, device=DEVICE)
-        out = model(x)
-        loss = out.pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        outputs.append(out.detach())  # LEAK
-""",
+    "tensor_list": _training("\noutputs = []\n", "outputs.append(out.detach())  # LEAK"),
     # A dict of Python objects that grows by ~1.3 MiB per step.
-    "python_dict": """
-history = {}
-for step in range(STEPS):
-    with mon.step():
-        x = torch.randn(2048, 256, device=DEVICE)
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        history[step] = [float(i) + step for i in range(40000)]  # LEAK
-""",
+    "python_dict": _training("\nhistory = {}\n", "history[step] = [float(i) + step for i in range(40000)]  # LEAK"),
     # A cache of CPU copies that is never trimmed: 2 MiB per step.
-    "cpu_cache": """
-cache = {}
-for step in range(STEPS):
-    with mon.step():
-        x = torch.randn(2048, 256, device=DEVICE)
-        out = model(x)
-        loss = out.pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        cache[step] = out.detach().cpu().clone()  # LEAK
-""",
+    "cpu_cache": _training("\ncache = {}\n", "cache[step] = out.detach().cpu().clone()  # LEAK"),
     # Healthy: Adam's state appears at the first optimizer step, then memory is flat.
-    "healthy_adam": """
-opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-for step in range(STEPS):
-    with mon.step():
-        x = torch.randn(2048, 256, device=DEVICE)
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-""",
+    "healthy_adam": _training("\nopt = torch.optim.Adam(model.parameters(), lr=1e-3)\n"),
     # Healthy: a warm-up cache that fills over the first 4 steps, then stops growing; a bounded history.
-    "healthy_cache": """
-cache = {}
-recent = []
-for step in range(STEPS):
-    with mon.step():
-        x = torch.randn(2048, 256, device=DEVICE)
-        out = model(x)
-        loss = out.pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if len(cache) < 4:
-            cache[step] = torch.randn(2048, 256, device=DEVICE)
-        recent.append(loss.item())
-        recent = recent[-10:]
-""",
+    "healthy_cache": _training(
+        "\ncache = {}\nrecent = []\n",
+        """if len(cache) < 4:
+    cache[step] = torch.randn(2048, 256, device=DEVICE)
+recent.append(loss.item())
+recent = recent[-10:]""",
+    ),
 }
 
 LEAKY = ("total_loss", "tensor_list", "python_dict", "cpu_cache")

@@ -21,8 +21,8 @@ def a_snapshot() -> Path:
 
 
 CASES = [
-    ("summary_json not JSON", lambda tmp: _native.summary_json("not json"), torchmem.InputError),
-    ("journey format", lambda tmp: _native.journey("[]", None, "svg"), torchmem.InputError),
+    ("marker not a Marker", lambda tmp: _native.MarkerLog().push({"kind": "step"}), torchmem.InputError),
+    ("journey format", lambda tmp: _native.MarkerLog().journey(None, "svg"), torchmem.InputError),
     ("sampler interval", lambda tmp: _native.start_allocator_sampler(-1.0), torchmem.InputError),
     ("explain_oom_json not an OOM", lambda tmp: _native.explain_oom_json("hello"), torchmem.OomParseError),
     ("emit_marker kind", lambda tmp: _native.emit_marker(0, "nope", "start", "x", None, {}, None), torchmem.InputError),

@@ -139,6 +139,7 @@ def test_long_runs_keep_first_markers_and_exact_aggregates():
     assert b["phases"] == a["phases"], (a["phases"], b["phases"])
     assert [p["count"] for p in b["phases"]] == [25, 24, 24], "the last step ran forward only"
     assert b["epochs"] == a["epochs"]
+    assert [e["steps"] for e in b["epochs"]] == [12, 12], "steps per epoch count the folded ones too"
     peak = lambda d: [s for s in d["journey"] if s["name"] == "Peak"]  # noqa: E731
     assert peak(a) == peak(b)
 

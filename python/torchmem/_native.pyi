@@ -26,6 +26,33 @@ class SnapshotError(TorchmemError, ValueError):
     """An allocator snapshot that cannot be read (truncated, malicious, not a snapshot, unreadable file)."""
 
 # --- profile files (crates/torchmem-py/src/profile.rs) ---
+class MarkerLog:
+    """A Monitor's record of its run (analysis::MarkerLog): the markers of the first `keep_markers` occurrences of
+    each step and phase name (None: all), every later one folded into exact aggregates by the recorder's rule
+    (fold::SpanFolder), epochs and marks always kept. Every view is computed over all markers pushed."""
+
+    def __init__(self, keep_markers: int | None = None) -> None: ...
+    def push(self, marker: dict[str, Any]) -> bool:
+        """Takes one marker in model::Marker form ({"t_ns", "kind", "edge", "name", "index", "memory":
+        MarkerMemory, optional "origin", "device", "breakdown", "activations_by_module"}); True when it is kept as
+        a marker. InputError (a ValueError) for a dict not in that form."""
+    @property
+    def steps_started(self) -> int:
+        """Steps started so far (finished or not, kept or folded)."""
+    def __len__(self) -> int:
+        """How many markers are kept."""
+    def summary(self, capacity_bytes: int | None = None) -> dict[str, Any]:
+        """analysis::Summary as a dict: epochs (with their step counts), steps, phases, breakdown, growth, journey
+        (each named point once). `capacity_bytes`: the journey's yardstick."""
+    def summary_text(self, capacity_bytes: int | None = None) -> str:
+        """The per-epoch and per-phase tables, the breakdown tables and growth warnings, as text."""
+    def journey(
+        self, capacity_bytes: int | None = None, format: str = "text", title: str = "torchmem memory journey"
+    ) -> str:
+        """The memory journey as "text" or "mermaid" (InputError, a ValueError, on any other format)."""
+    def epoch_report(self) -> dict[str, Any]:
+        """{"line", "row", "growth", "growth_per_epoch_bytes"} for the last finished epoch."""
+
 class ProfileData:
     """A profile file loaded once in Rust (python/torchmem/profile.py wraps it as torchmem.Profile)."""
 
@@ -87,29 +114,6 @@ def nvml_read(index: int, pid: int) -> tuple[int, int, int, int | None, int]:
 def device_info_json() -> str:
     """JSON of the host (total/available RAM) and every NVML device (name, uuid, total/used/free, this
     process's and other processes' bytes, driver and CUDA driver versions, or `nvml_error`). No CUDA context."""
-
-def summary_json(markers_json: str, capacity_bytes: int | None = None, aggregates_json: str | None = None) -> str:
-    """analysis::Summary (epochs, steps, phases, growth, journey) as JSON, from a JSON list of markers in
-    model::Marker form ({"t_ns", "kind", "edge", "name", "index", "memory": MarkerMemory}). `aggregates_json`
-    (analysis::MarkerAggregates: {"steps", "phases": [PhaseRow], "peak_allocated_bytes", "peak_reserved_bytes",
-    "peak_rss_bytes"}) replaces the step count and phase rows, and raises the journey's peak: what a Monitor
-    that kept only its first markers passes. InputError (a ValueError) for malformed JSON."""
-
-def summary_text(markers_json: str, capacity_bytes: int | None = None, aggregates_json: str | None = None) -> str:
-    """The per-epoch and per-phase tables and growth warnings as text, from markers (and aggregates)."""
-
-def journey(
-    markers_json: str,
-    capacity_bytes: int | None = None,
-    format: str = "text",
-    title: str = "torchmem memory journey",
-    aggregates_json: str | None = None,
-) -> str:
-    """The memory journey from markers (and aggregates), as "text" or "mermaid" (InputError, a
-    ValueError, on any other format)."""
-
-def epoch_report_json(markers_json: str) -> str:
-    """{"line", "row", "growth", "growth_per_epoch_bytes"} for the last finished epoch, from epoch markers."""
 
 def allocator_counters(nested: dict[str, Any]) -> tuple[int, int, int, int, int, int, int, int]:
     """(allocated, reserved, peak_allocated, peak_reserved, active, inactive_split, num_alloc_retries, num_ooms)

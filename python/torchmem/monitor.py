@@ -107,7 +107,6 @@ class Monitor:
         self.growth_messages: list[str] = []
         self._device_arg = device
         self._first_param: Any = None
-        self._epoch_markers: list[dict[str, Any]] = []
         self._epoch_index = 0
         self._step_index = 0
         self._handles: list[Any] = []
@@ -115,14 +114,10 @@ class Monitor:
         self._forward_depth = 0
         self._warned = False
         # A training run can take millions of steps: markers of steps and phases are kept for the first
-        # `keep_markers` occurrences of each name only; the aggregates below cover every occurrence, so the
-        # tables stay exact while the Monitor's memory stays flat.
+        # `keep_markers` occurrences of each name only; the log (Rust, `analysis::MarkerLog`) folds the rest
+        # into exact aggregates by the recorder's rule, so the tables stay exact while memory stays flat.
         self.keep_markers = keep_markers
-        self._open: dict[tuple[str, str], list[dict[str, Any]]] = {}
-        self._seen: dict[tuple[str, str], int] = {}
-        self._phase_agg: dict[str, list[Any]] = {}
-        self._bd_folded: dict[tuple[Any, ...], dict[str, Any]] = {}  # breakdowns of markers not kept
-        self._peak_seen: list[int | None] = [None, None, None]  # steps' highest allocated, reserved, RSS
+        self._log = _native.MarkerLog(keep_markers)
         ref = weakref.ref(self)
 
         def sink(marker: dict[str, Any]) -> None:
@@ -133,7 +128,7 @@ class Monitor:
         self._sink = sink
         _api._sinks.append(sink)
         if _api._last_device_check is not None:
-            self.markers.append(_api._last_device_check)
+            self._take(_api._last_device_check)
         else:
             _api._mark("Device checked", self._dev())
         if model is not None:
@@ -142,117 +137,11 @@ class Monitor:
         if optimizer is not None:
             self._hook_optimizer(optimizer)
 
-    # --- markers and aggregates ---------------------------------------------------------------------------
+    # --- markers ---------------------------------------------------------------------------------------
 
     def _take(self, marker: dict[str, Any]) -> None:
-        kind = marker["kind"]
-        if kind != "step" and kind != "phase":
-            self.markers.append(marker)  # epochs and marks: few, always kept
-            return
-        key = (kind, marker["name"])
-        done = self._seen.get(key, 0)
-        if marker["edge"] == "start":
-            self._open.setdefault(key, []).append(marker)
-            if kind == "phase" and marker["name"] not in self._phase_agg:
-                self._phase_agg[marker["name"]] = _new_phase_row()  # rows in order of first start
-        elif marker["edge"] == "end":
-            self._seen[key] = done + 1
-            stack = self._open.get(key)
-            start = stack.pop() if stack else None
-            if start is not None and kind == "step":
-                # The highest values any step reached (phases keep theirs in their rows; epochs and marks
-                # are kept as markers).
-                _fold_span_peaks(self._peak_seen, 0, start["memory"], marker["memory"])
-            elif start is not None:
-                self._aggregate_phase(marker["name"], start, marker)
-        if self.keep_markers is None or done < self.keep_markers:
+        if self._log.push(marker):
             self.markers.append(marker)
-        elif marker.get("breakdown"):
-            self._fold_breakdown(marker)
-
-    def _fold_breakdown(self, marker: dict[str, Any]) -> None:
-        """A boundary's breakdown whose marker is not kept: folded into per-(boundary, device) count, Σ and max
-        per category (the `BreakdownAggregate` rows the recorder folds too), so the Breakdown table's means and
-        maxes cover every step."""
-        origin = marker.get("origin") or {}
-        if marker["kind"] == "step" and marker["edge"] == "start":
-            boundary = "step start"
-        elif marker["kind"] == "phase" and marker["edge"] == "end":
-            boundary = f"end of {marker['name']}"
-        else:
-            boundary = f"{marker['kind']} {marker['edge']} {marker['name']}"
-        for entry in marker["breakdown"]:
-            key = (origin.get("pid"), origin.get("rank"), boundary, entry["device"])
-            row = self._bd_folded.get(key)
-            if row is None:
-                row = self._bd_folded[key] = {
-                    "origin": dict(origin),
-                    "boundary": boundary,
-                    "device": entry["device"],
-                    "count": 0,
-                    "categories": {},
-                }
-            row["count"] += 1
-            for cat in _BREAKDOWN_CATEGORIES:
-                v = entry.get(f"{cat}_bytes")
-                if v is None:
-                    continue
-                v = max(0, int(v))
-                stat = row["categories"].setdefault(cat, {"count": 0, "sum_bytes": 0, "max_bytes": 0})
-                stat["count"] += 1
-                stat["sum_bytes"] += v
-                stat["max_bytes"] = max(stat["max_bytes"], v)
-
-    def _aggregate_phase(self, name: str, start: dict[str, Any], end: dict[str, Any]) -> None:
-        """Folds one finished phase into its row, as `analysis::phase_rows` computes it from all markers."""
-        row = self._phase_agg.get(name)
-        if row is None:
-            row = self._phase_agg[name] = _new_phase_row()
-        entry, exit_ = start["memory"], end["memory"]
-        row[0] += 1
-        row[1] += max(0, end["t_ns"] - start["t_ns"])
-        for slot, key in ((2, "allocated_bytes"), (4, "rss_bytes")):
-            before, after = entry.get(key), exit_.get(key)
-            if before is not None and after is not None:
-                row[slot] += after - before
-                row[slot + 1] += 1
-        _fold_span_peaks(row, 6, entry, exit_)
-
-    def _aggregates_json(self) -> str:
-        phases = []
-        peaks = list(self._peak_seen)
-        for start in self._open.get(("step", "step"), []):  # a step still running: its entry values count
-            _fold_span_peaks(peaks, 0, start["memory"])
-        for name, done in self._phase_agg.items():
-            r = list(done)
-            for start in self._open.get(("phase", name), []):  # still open: counted, entry values only
-                r[0] += 1
-                _fold_span_peaks(r, 6, start["memory"])
-            for i in range(3):
-                peaks[i] = _max_opt(peaks[i], r[6 + i])
-            phases.append(
-                {
-                    "name": name,
-                    "count": r[0],
-                    "total_ns": r[1],
-                    "mean_delta_allocated_bytes": _mean_toward_zero(r[2], r[3]),
-                    "max_peak_allocated_bytes": r[6],
-                    "max_peak_reserved_bytes": r[7],
-                    "mean_delta_rss_bytes": _mean_toward_zero(r[4], r[5]),
-                    "max_peak_rss_bytes": r[8],
-                }
-            )
-        steps = self._seen.get(("step", "step"), 0) + len(self._open.get(("step", "step"), []))
-        return json.dumps(
-            {
-                "steps": steps,
-                "phases": phases,
-                "peak_allocated_bytes": peaks[0],
-                "peak_reserved_bytes": peaks[1],
-                "peak_rss_bytes": peaks[2],
-                "breakdown_folded": list(self._bd_folded.values()),
-            }
-        )
 
     # --- device ---------------------------------------------------------------------------------------
 
@@ -471,16 +360,14 @@ class Monitor:
             index = self._epoch_index
         self._epoch_index = index + 1
         span = _api._Span("epoch", "epoch", index, self._dev())
-        self._epoch_markers.append(span.start)
         try:
             yield
         finally:
-            end = span.close()
-            self._epoch_markers.append(end)
+            span.close()
             self._after_epoch()
 
     def _after_epoch(self) -> None:
-        report = json.loads(_native.epoch_report_json(json.dumps(self._epoch_markers)))
+        report = self._log.epoch_report()
         self.epoch_lines.append(report["line"])
         if self.verbose:
             who = "" if self.rank is None else f" rank {self.rank}"
@@ -497,23 +384,9 @@ class Monitor:
 
     # --- results --------------------------------------------------------------------------------------
 
-    def _markers_json(self) -> str:
-        return json.dumps(self.markers)
-
-    def _journey_markers(self) -> str:
-        # Each named point once: the first occurrence, except cleanup points (the last "Cache emptied").
-        points: dict[str, dict[str, Any]] = {}
-        for m in self.markers:
-            if m["kind"] == "mark" and m["edge"] == "point":
-                if m["name"] not in points or "cache" in m["name"].lower():
-                    points[m["name"]] = m
-        kept = [m for m in self.markers if m["kind"] != "mark"] + list(points.values())
-        kept.sort(key=lambda m: m["t_ns"])
-        return json.dumps(kept)
-
     def summary(self) -> str:
         """The per-epoch and per-phase tables and any growth warning, as text (and the leaks found)."""
-        text = _native.summary_text(self._markers_json(), self._capacity_bytes(), self._aggregates_json())
+        text = self._log.summary_text(self._capacity_bytes())
         return _native.leaks_text(json.dumps(self.leaks())) + text
 
     def leaks(self) -> list[dict[str, Any]]:
@@ -524,9 +397,7 @@ class Monitor:
 
     def to_dict(self) -> dict[str, Any]:
         """The summary as data (epochs, phases, growth, journey) plus the raw markers."""
-        data = json.loads(
-            _native.summary_json(self._journey_markers(), self._capacity_bytes(), self._aggregates_json())
-        )
+        data = self._log.summary(self._capacity_bytes())
         # The summary is the profile report's: its run and sample fields (command, exit code, sample counts,
         # peaks from samples, processes) are not measured in-process and would read as zeros or blanks.
         for key in _REPORT_ONLY_KEYS:
@@ -548,9 +419,7 @@ class Monitor:
         """The run's memory journey (device checked, model initialised, forward, backward, optimizer step,
         peak, cache emptied): `format="text"` or `"mermaid"` (a Mermaid `journey` diagram whose 1–5 scores
         fall as memory pressure rises)."""
-        return _native.journey(
-            self._journey_markers(), self._capacity_bytes(), format, self.title, self._aggregates_json()
-        )
+        return self._log.journey(self._capacity_bytes(), format, self.title)
 
     def close(self) -> None:
         """Removes the hooks; the recorded data stays."""
@@ -570,7 +439,7 @@ class Monitor:
         return monitor_html(self)
 
     def __repr__(self) -> str:
-        steps = self._seen.get(("step", "step"), 0) + len(self._open.get(("step", "step"), []))
+        steps = self._log.steps_started
         dev = self._dev()
         where = "CPU" if dev is None else f"cuda:{dev}"
         hooked = [what for what, obj in (("model", self.model), ("optimizer", self.optimizer)) if obj is not None]
@@ -623,9 +492,6 @@ def watch(
     return mon
 
 
-# The categories a boundary's breakdown entry carries as `<name>_bytes` (Rust's `breakdown::Category`).
-_BREAKDOWN_CATEGORIES = _native.BREAKDOWN_CATEGORIES
-
 _REPORT_ONLY_KEYS = (
     "command",
     "exit_code",
@@ -636,44 +502,6 @@ _REPORT_ONLY_KEYS = (
     "peak",
     "processes",
 )
-
-_PEAK_KEYS = (
-    ("peak_allocated_bytes", "allocated_bytes"),
-    ("peak_reserved_bytes", "reserved_bytes"),
-    ("peak_rss_bytes", "rss_bytes"),
-)
-
-
-def _new_phase_row() -> list[Any]:
-    # count, total_ns, Σ Δallocated, n, Σ ΔRSS, n, max peak allocated, max peak reserved, max peak RSS
-    return [0, 0, 0, 0, 0, 0, None, None, None]
-
-
-def _fold_span_peaks(into: list[Any], at: int, entry: dict[str, Any], exit_: dict[str, Any] | None = None) -> None:
-    """Raises `into[at:at + 3]` (allocated, reserved, RSS) to a span's highest values, as `analysis::span_peaks`
-    takes them from markers: the exit's peak, else its current value, and the entry's; entry only while open."""
-    for i, (peak_key, now_key) in enumerate(_PEAK_KEYS):
-        v = entry.get(now_key)
-        if exit_ is not None:
-            v = _max_opt(exit_.get(peak_key), _max_opt(exit_.get(now_key), v))
-        into[at + i] = _max_opt(into[at + i], v)
-
-
-def _max_opt(a: int | None, b: int | None) -> int | None:
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return a if a > b else b
-
-
-def _mean_toward_zero(total: int, n: int) -> int | None:
-    """Σ/n rounded toward zero, as Rust's integer division does (Python's // rounds down)."""
-    if n == 0:
-        return None
-    q = abs(total) // n
-    return q if total >= 0 else -q
-
 
 #: The boundary that opens each phase: the composition a peak inside the phase is read against.
 _OPENED_BY = {"forward": "step start", "backward": "end of forward", "optimizer step": "end of backward"}

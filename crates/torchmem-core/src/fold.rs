@@ -21,7 +21,7 @@ type Stream = (Option<u32>, Option<u32>);
 
 /// Which epoch is open in each process: a span belongs to the epoch open (in its own process) when it
 /// starts. An epoch start without an index gets the number of epochs that process started before it.
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct EpochTracker {
     streams: HashMap<Stream, (Option<i64>, i64)>,
 }
@@ -49,6 +49,7 @@ impl EpochTracker {
     }
 }
 
+#[derive(Clone)]
 struct OpenSpan {
     kept: bool,
     t_ns: u64,
@@ -58,13 +59,14 @@ struct OpenSpan {
     origin: Origin,
 }
 
-#[derive(Default)]
+#[derive(Clone, Default)]
 struct SpanStream {
     started: u64,
     open: Vec<OpenSpan>,
 }
 
 /// Applies the keep-or-fold rule to a stream of markers in time order.
+#[derive(Clone)]
 pub struct SpanFolder {
     keep_spans: u64,
     streams: HashMap<(Option<u32>, Option<u32>, MarkerKind, String), SpanStream>,
@@ -243,6 +245,14 @@ impl SpanFolder {
         for (kind, name, o) in open {
             self.fold(kind, name, o, None);
         }
+    }
+
+    /// Every aggregate row so far, in key order, with the folded spans still open counted as `finish` would
+    /// count them (the folder itself goes on: the in-process Monitor asks for tables mid-run).
+    pub fn aggregates_so_far(&self) -> Vec<SpanAggregate> {
+        let mut done = self.clone();
+        done.finish();
+        done.into_aggregates()
     }
 
     /// Every aggregate row, in key order.

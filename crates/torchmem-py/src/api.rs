@@ -11,9 +11,6 @@ use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use torchmem_core::analysis::MarkerAggregates;
-use torchmem_core::model::Marker;
-use torchmem_core::report::monitor;
 use torchmem_core::sources::allocator::AllocatorCounters;
 use torchmem_core::sources::gpu::{nvml_index_of_torch_device, NvmlLib};
 use torchmem_core::sources::{device_info, self_proc};
@@ -115,70 +112,6 @@ fn device_info_json(py: Python<'_>) -> Result<String> {
     let pid = std::process::id();
     let info = py.detach(|| device_info::device_info(pid));
     Ok(serde_json::to_string(&info)?)
-}
-
-// --- Monitor summaries -----------------------------------------------------------------------------------
-
-/// A Monitor's markers (`model::Marker` JSON list) and, for a Monitor that kept only the first occurrences'
-/// markers, its aggregates over all of them: what every summary binding parses first.
-fn markers_and_aggregates(
-    markers_json: &str,
-    aggregates_json: Option<&str>,
-) -> Result<(Vec<Marker>, Option<MarkerAggregates>)> {
-    Ok((monitor::parse_markers(markers_json)?, aggregates_json.map(monitor::parse_aggregates).transpose()?))
-}
-
-/// The Monitor's summary (epochs, phases, growth, journey) as JSON, from markers in `model::Marker` form and,
-/// for a Monitor that kept only the first occurrences' markers, its aggregates over all of them.
-#[pyfunction]
-#[pyo3(signature = (markers_json, capacity_bytes=None, aggregates_json=None))]
-fn summary_json(
-    py: Python<'_>,
-    markers_json: &str,
-    capacity_bytes: Option<u64>,
-    aggregates_json: Option<&str>,
-) -> Result<String> {
-    let (markers, agg) = markers_and_aggregates(markers_json, aggregates_json)?;
-    Ok(py.detach(|| monitor::summary_json(&markers, capacity_bytes, agg.as_ref()))?)
-}
-
-/// The per-epoch and per-phase tables and growth warnings as text.
-#[pyfunction]
-#[pyo3(signature = (markers_json, capacity_bytes=None, aggregates_json=None))]
-fn summary_text(
-    py: Python<'_>,
-    markers_json: &str,
-    capacity_bytes: Option<u64>,
-    aggregates_json: Option<&str>,
-) -> Result<String> {
-    let (markers, agg) = markers_and_aggregates(markers_json, aggregates_json)?;
-    Ok(py.detach(|| monitor::summary_text(&markers, capacity_bytes, agg.as_ref())))
-}
-
-/// The journey as "text" or "mermaid".
-#[pyfunction]
-#[pyo3(signature = (markers_json, capacity_bytes=None, format="text", title="torchmem memory journey", aggregates_json=None))]
-fn journey(
-    markers_json: &str,
-    capacity_bytes: Option<u64>,
-    format: &str,
-    title: &str,
-    aggregates_json: Option<&str>,
-) -> Result<String> {
-    let mermaid = match format {
-        "text" => false,
-        "mermaid" => true,
-        other => return Err(Error::Input(format!("journey format {other:?}: use \"text\" or \"mermaid\""))),
-    };
-    let (markers, agg) = markers_and_aggregates(markers_json, aggregates_json)?;
-    Ok(monitor::journey_render(&markers, capacity_bytes, agg.as_ref(), mermaid, title))
-}
-
-/// `{"line", "row", "growth", "growth_per_epoch_bytes"}` for the last finished epoch, from epoch markers.
-#[pyfunction]
-fn epoch_report_json(markers_json: &str) -> Result<String> {
-    let markers = monitor::parse_markers(markers_json)?;
-    Ok(serde_json::to_string(&monitor::epoch_report(&markers))?)
 }
 
 // --- the program's peak ledger -------------------------------------------------------------------------
@@ -620,10 +553,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(nvml_index_of_device, m)?)?;
     m.add_function(wrap_pyfunction!(nvml_read, m)?)?;
     m.add_function(wrap_pyfunction!(device_info_json, m)?)?;
-    m.add_function(wrap_pyfunction!(summary_json, m)?)?;
-    m.add_function(wrap_pyfunction!(summary_text, m)?)?;
-    m.add_function(wrap_pyfunction!(journey, m)?)?;
-    m.add_function(wrap_pyfunction!(epoch_report_json, m)?)?;
     m.add_function(wrap_pyfunction!(allocator_counters, m)?)?;
     m.add_function(wrap_pyfunction!(program_peaks_fold, m)?)?;
     m.add_function(wrap_pyfunction!(program_peaks_apply, m)?)?;

@@ -9,6 +9,7 @@ mod errors;
 mod events;
 mod leaks;
 mod line;
+mod marker_log;
 mod profile;
 mod simulate;
 mod snapshot;
@@ -24,6 +25,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     events::register(m)?;
     leaks::register(m)?;
     line::register(m)?;
+    marker_log::register(m)?;
     snapshot::register(m)?;
     profile::register(m)?;
     simulate::register(m)?;

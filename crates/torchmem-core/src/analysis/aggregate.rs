@@ -1,9 +1,7 @@
 //! Exact totals over spans that are partly kept as markers and partly folded into `SpanAggregate` rows:
 //! `SpanTotals` adds both kinds into one sum (counts, durations, delta sums, peaks), so a table computed
-//! from kept spans plus aggregates equals the table computed from every marker. Also the Monitor's own
-//! aggregates (`MarkerAggregates`), which it computes in-process.
-
-use serde::Deserialize;
+//! from kept spans plus aggregates equals the table computed from every marker (the recorder's, the
+//! loader's and the in-process Monitor's `MarkerLog` folding alike).
 
 use super::spans::{span_peaks, Span};
 use super::tables::PhaseRow;
@@ -85,21 +83,4 @@ impl SpanTotals {
             max_peak_rss_bytes: self.peak_rss_bytes,
         }
     }
-}
-
-/// What a long-running Monitor keeps instead of every step and phase marker (it keeps the markers of the
-/// first occurrences only, so its memory does not grow with the number of steps): computed as
-/// `phase_rows` and `Summary::steps` would compute them from all markers.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
-pub struct MarkerAggregates {
-    pub steps: usize,
-    pub phases: Vec<PhaseRow>,
-    /// The highest peak (else current) value of any marker, kept or not.
-    pub peak_allocated_bytes: Option<u64>,
-    pub peak_reserved_bytes: Option<u64>,
-    pub peak_rss_bytes: Option<u64>,
-    /// The breakdowns of the boundary markers it did not keep, folded per (boundary, device) as the
-    /// recorder folds them (`fold.rs`): the Breakdown table's means and maxes then cover every step.
-    #[serde(default)]
-    pub breakdown_folded: Vec<crate::breakdown::BreakdownAggregate>,
 }

@@ -47,14 +47,19 @@ pub fn journey_of_spans(
     let mut phases_done: Vec<&str> = Vec::new();
     let mut peak_inserted = false;
     let mut items: Vec<(u64, JourneyStage)> = Vec::new();
-    // A journey is a path, not a log: a mark repeated every epoch (e.g. "Cache emptied") appears once, first time.
-    let mut marks_done: Vec<&str> = Vec::new();
+    // A journey is a path, not a log: a mark repeated every epoch appears once, the first time, except a cache
+    // mark ("Cache emptied"), which shows its last time: the state the run was left in.
+    let mut marks_done: Vec<(&str, usize)> = Vec::new();
     for m in markers.iter().filter(|m| m.kind == MarkerKind::Mark && m.edge == Edge::Point) {
-        if marks_done.contains(&m.name.as_str()) {
-            continue;
+        let item = (m.t_ns, stage(m.name.clone(), &m.memory, false));
+        match marks_done.iter().find(|(name, _)| *name == m.name) {
+            None => {
+                marks_done.push((&m.name, items.len()));
+                items.push(item);
+            }
+            Some(&(_, at)) if m.name.to_ascii_lowercase().contains("cache") => items[at] = item,
+            Some(_) => {}
         }
-        marks_done.push(&m.name);
-        items.push((m.t_ns, stage(m.name.clone(), &m.memory, false)));
     }
     for s in all_spans.iter().filter(|s| s.kind == MarkerKind::Phase) {
         if phases_done.contains(&s.name) || s.exit.is_none() {

@@ -8,6 +8,7 @@ pub mod breakdown;
 mod growth;
 mod journey;
 pub mod leaks;
+mod marker_log;
 mod peaks;
 pub mod ranks;
 mod spans;
@@ -17,11 +18,12 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
-pub use aggregate::{MarkerAggregates, SpanTotals};
+pub use aggregate::SpanTotals;
 pub use breakdown::{breakdown_summary, BreakdownSummary};
 pub use growth::{detect_growth, growth_by_process, growth_warnings, Growth};
 pub use journey::{journey, journey_of_spans};
 pub use leaks::{leak_findings, leaks_of_blobs, Leak, LeakReport, StepGrowth, StepGrowthDetector};
+pub use marker_log::MarkerLog;
 pub use peaks::{devices, gpu_peaks, GpuPeak, PeakAt, Peaks};
 pub use spans::{span_peaks, spans, Span};
 pub use tables::{epoch_rows, epoch_totals, phase_rows, process_rows, EpochRow, EpochTotalRow, PhaseRow, ProcessRow};
@@ -157,6 +159,16 @@ impl Summary {
 
     /// A summary of markers alone: what the in-process Monitor has (no sampler timeline).
     pub fn from_markers(markers: &[Marker], capacity_bytes: Option<u64>) -> Summary {
+        Summary::from_folded_markers(markers, capacity_bytes, &[], &[])
+    }
+
+    /// A summary of kept markers and the aggregates of folded ones, without samples (`MarkerLog`'s).
+    pub fn from_folded_markers(
+        markers: &[Marker],
+        capacity_bytes: Option<u64>,
+        aggregates: &[SpanAggregate],
+        breakdown_aggregates: &[BreakdownAggregate],
+    ) -> Summary {
         // Without samples the journey's yardstick is `host_total_bytes`, i.e. `capacity_bytes`.
         let meta = RunMeta { host_total_bytes: capacity_bytes, ..Default::default() };
         Summary::build(&Inputs {
@@ -167,27 +179,9 @@ impl Summary {
             gpu: &[],
             torch: &[],
             markers,
-            aggregates: &[],
-            breakdown_aggregates: &[],
+            aggregates,
+            breakdown_aggregates,
         })
-    }
-
-    /// The Monitor's summary when it kept only some step and phase markers: `agg` covers every occurrence
-    /// (phase rows, step count, the highest values seen), the kept markers give epochs, marks and the
-    /// journey's first phases.
-    pub fn from_markers_aggregated(markers: &[Marker], capacity_bytes: Option<u64>, agg: &MarkerAggregates) -> Summary {
-        let mut s = Summary::from_markers(markers, capacity_bytes);
-        s.steps = agg.steps;
-        s.phases = agg.phases.clone();
-        // The kept markers hold the first steps only, and the aggregates are not per epoch.
-        for row in &mut s.epochs {
-            row.steps = None;
-        }
-        raise_peak_stage(&mut s.journey, agg.peak_allocated_bytes, agg.peak_reserved_bytes, agg.peak_rss_bytes);
-        if !agg.breakdown_folded.is_empty() {
-            s.breakdown = breakdown_summary(markers, &agg.breakdown_folded, &[], &[]);
-        }
-        s
     }
 }
 
@@ -252,27 +246,6 @@ mod tests {
         assert_eq!(sp[0].end_t_ns, Some(5));
         assert_eq!(sp[1].delta_allocated(), Some(50 * MIB as i64));
         assert!(sp[3].end_t_ns.is_none());
-    }
-
-    #[test]
-    fn aggregates_stand_in_for_markers_a_monitor_did_not_keep() {
-        let all = leaky_run(4, 0);
-        let full = Summary::from_markers(&all, None);
-        // The Monitor kept the epochs only, and aggregated the phases itself.
-        let epochs_only: Vec<Marker> = all.iter().filter(|m| m.kind == MarkerKind::Epoch).cloned().collect();
-        let agg = MarkerAggregates {
-            steps: 0,
-            phases: full.phases.clone(),
-            peak_allocated_bytes: Some(500 * MIB),
-            ..Default::default()
-        };
-        let s = Summary::from_markers_aggregated(&epochs_only, None, &agg);
-        assert_eq!(s.phases, full.phases);
-        let mut want = full.epochs.clone();
-        want.iter_mut().for_each(|e| e.steps = None); // not per epoch in the Monitor's aggregates
-        assert_eq!(s.epochs, want);
-        let peak = s.journey.iter().find(|st| st.name == "Peak").expect("a peak stage");
-        assert_eq!(peak.allocated_bytes, Some(500 * MIB), "the aggregate's peak counts though its marker is gone");
     }
 
     #[test]

@@ -1,11 +1,12 @@
-//! The Monitor's views, rendered from its markers alone (the Python Monitor keeps the markers and hooks;
-//! this is everything it shows): `summary()` as JSON or text (per-epoch and per-phase tables, growth
-//! warnings), the journey as text or Mermaid, and the line and growth warnings printed when an epoch ends.
+//! The Monitor's views, rendered from its `MarkerLog` (the Python Monitor keeps the hooks and pushes each
+//! marker into the log; this is everything it shows): `summary()` as text (per-epoch and per-phase tables,
+//! growth warnings; as data it is `MarkerLog::summary`), the journey as text or Mermaid, and the line and
+//! growth warnings printed when an epoch ends.
 
 use serde::Serialize;
 
-use crate::analysis::{EpochRow, MarkerAggregates, Summary};
-use crate::error::{CoreError, Result};
+use crate::analysis::{EpochRow, MarkerLog, Summary};
+use crate::error::Result;
 use crate::journey;
 use crate::model::Marker;
 use crate::report::table;
@@ -16,26 +17,9 @@ pub fn parse_markers(markers_json: &str) -> Result<Vec<Marker>> {
     Ok(serde_json::from_str(markers_json)?)
 }
 
-/// The Monitor's summary (epochs, phases, growth, journey) as JSON, from its markers alone.
-pub fn summary_json(markers: &[Marker], capacity_bytes: Option<u64>, agg: Option<&MarkerAggregates>) -> Result<String> {
-    Ok(serde_json::to_string(&monitor_summary(markers, capacity_bytes, agg))?)
-}
-
-fn monitor_summary(markers: &[Marker], capacity_bytes: Option<u64>, agg: Option<&MarkerAggregates>) -> Summary {
-    match agg {
-        Some(a) => Summary::from_markers_aggregated(markers, capacity_bytes, a),
-        None => Summary::from_markers(markers, capacity_bytes),
-    }
-}
-
-/// The Monitor's aggregates (`MarkerAggregates`) from JSON.
-pub fn parse_aggregates(json: &str) -> Result<MarkerAggregates> {
-    serde_json::from_str(json).map_err(|e| CoreError::Invalid(format!("bad Monitor aggregates JSON: {e}")))
-}
-
 /// The Monitor's `summary()` text: the per-epoch table, the per-phase table, growth warnings.
-pub fn summary_text(markers: &[Marker], capacity_bytes: Option<u64>, agg: Option<&MarkerAggregates>) -> String {
-    let s = monitor_summary(markers, capacity_bytes, agg);
+pub fn summary_text(log: &MarkerLog, capacity_bytes: Option<u64>) -> String {
+    let s = log.summary(capacity_bytes);
     let mut out = String::new();
     if !s.epochs.is_empty() {
         out.push_str(&table::render_epochs(&s.epochs));
@@ -60,14 +44,8 @@ pub fn summary_text(markers: &[Marker], capacity_bytes: Option<u64>, agg: Option
 }
 
 /// The journey as text or as a Mermaid `journey` diagram.
-pub fn journey_render(
-    markers: &[Marker],
-    capacity_bytes: Option<u64>,
-    agg: Option<&MarkerAggregates>,
-    mermaid: bool,
-    title: &str,
-) -> String {
-    let stages = monitor_summary(markers, capacity_bytes, agg).journey;
+pub fn journey_render(log: &MarkerLog, capacity_bytes: Option<u64>, mermaid: bool, title: &str) -> String {
+    let stages = log.summary(capacity_bytes).journey;
     if mermaid {
         journey::render_mermaid(&stages, title)
     } else {
@@ -162,17 +140,19 @@ mod tests {
     }
 
     #[test]
-    fn markers_round_trip_from_python_json() {
+    fn views_of_a_log_of_python_markers() {
         let json = r#"[{"t_ns":1,"kind":"mark","edge":"point","name":"Device checked","index":null,"memory":{"rss_bytes":10}},
                        {"t_ns":2,"kind":"phase","edge":"start","name":"forward","index":null,"memory":{"rss_bytes":10}},
                        {"t_ns":3,"kind":"phase","edge":"end","name":"forward","index":null,"memory":{"rss_bytes":20,"peak_rss_bytes":30}}]"#;
-        let m = parse_markers(json).unwrap();
-        assert_eq!(m.len(), 3);
-        let text = journey_render(&m, Some(1000), None, false, "run");
+        let mut log = MarkerLog::new(None);
+        for m in parse_markers(json).unwrap() {
+            assert!(log.push(m));
+        }
+        let text = journey_render(&log, Some(1000), false, "run");
         assert!(text.contains("Device checked") && text.contains("forward"), "{text}");
-        let mermaid = journey_render(&m, Some(1000), None, true, "run");
+        let mermaid = journey_render(&log, Some(1000), true, "run");
         assert!(mermaid.starts_with("journey\n"));
-        assert!(summary_json(&m, None, None).unwrap().contains("\"phases\""));
+        assert!(summary_text(&log, None).contains("forward"));
         assert!(parse_markers("[{}]").is_err());
     }
 }

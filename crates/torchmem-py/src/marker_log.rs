@@ -1,0 +1,87 @@
+//! `MarkerLog`: the Monitor's record of its run, held in Rust (`analysis::MarkerLog`). The Python hooks push
+//! each marker (a dict in `model::Marker` form) as it is made; the log keeps the first occurrences' markers
+//! and folds the rest into exact aggregates by the recorder's rule, and every view of the Monitor (summary
+//! as data and text, journey, the epoch line) is computed from it here. Markers cross as Python objects
+//! (pythonize, through serde), not JSON text.
+
+use pyo3::prelude::*;
+use pythonize::{depythonize, pythonize};
+use torchmem_core::analysis::MarkerLog as CoreLog;
+use torchmem_core::model::{Marker, MarkerKind};
+use torchmem_core::report::monitor;
+
+use crate::errors::{Error, Result};
+
+fn out<'py, T: serde::Serialize>(py: Python<'py>, v: &T) -> Result<Bound<'py, PyAny>> {
+    pythonize(py, v).map_err(|e| Error::Python(e.into()))
+}
+
+/// The Monitor's markers and aggregates.
+#[pyclass(module = "torchmem._native", name = "MarkerLog")]
+pub struct MarkerLog {
+    log: CoreLog,
+}
+
+#[pymethods]
+impl MarkerLog {
+    /// `keep_markers`: how many occurrences of each step and phase name keep their markers (None: all).
+    #[new]
+    #[pyo3(signature = (keep_markers=None))]
+    fn new(keep_markers: Option<u64>) -> MarkerLog {
+        MarkerLog { log: CoreLog::new(keep_markers) }
+    }
+
+    /// Takes one marker; True when it is kept as a marker (else it is folded into an aggregate).
+    fn push(&mut self, marker: &Bound<'_, PyAny>) -> Result<bool> {
+        let m: Marker = depythonize(marker)
+            .map_err(|e| Error::Input(format!("a marker not in model::Marker form ({e}): {marker}")))?;
+        Ok(self.log.push(m))
+    }
+
+    /// Steps started so far (finished or not, kept or folded).
+    #[getter]
+    fn steps_started(&self) -> u64 {
+        self.log.steps_started()
+    }
+
+    /// How many markers are kept.
+    fn __len__(&self) -> usize {
+        self.log.markers().len()
+    }
+
+    /// `analysis::Summary` as a dict (epochs, steps, phases, breakdown, growth, journey) over every marker
+    /// pushed.
+    #[pyo3(signature = (capacity_bytes=None))]
+    fn summary<'py>(&self, py: Python<'py>, capacity_bytes: Option<u64>) -> Result<Bound<'py, PyAny>> {
+        let s = py.detach(|| self.log.summary(capacity_bytes));
+        out(py, &s)
+    }
+
+    /// The per-epoch and per-phase tables, the breakdown and growth warnings, as text.
+    #[pyo3(signature = (capacity_bytes=None))]
+    fn summary_text(&self, py: Python<'_>, capacity_bytes: Option<u64>) -> String {
+        py.detach(|| monitor::summary_text(&self.log, capacity_bytes))
+    }
+
+    /// The memory journey as "text" or "mermaid" (InputError for another format).
+    #[pyo3(signature = (capacity_bytes=None, format="text", title="torchmem memory journey"))]
+    fn journey(&self, capacity_bytes: Option<u64>, format: &str, title: &str) -> Result<String> {
+        let mermaid = match format {
+            "text" => false,
+            "mermaid" => true,
+            other => return Err(Error::Input(format!("journey format {other:?}: use \"text\" or \"mermaid\""))),
+        };
+        Ok(monitor::journey_render(&self.log, capacity_bytes, mermaid, title))
+    }
+
+    /// `{"line", "row", "growth", "growth_per_epoch_bytes"}` for the last finished epoch.
+    fn epoch_report<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyAny>> {
+        let epochs: Vec<Marker> = self.log.markers().iter().filter(|m| m.kind == MarkerKind::Epoch).cloned().collect();
+        out(py, &monitor::epoch_report(&epochs))
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<MarkerLog>()?;
+    Ok(())
+}
