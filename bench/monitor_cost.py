@@ -32,7 +32,7 @@ def main() -> None:
         "--profile", action="store_true", help="also: cProfile of monitored steps, and what each read costs"
     )
     args = ap.parse_args()
-    fd = _events._fd  # None outside `torchmem run`: then only `bare` and `monitor` run (no recorder at all)
+    recording = _events.enabled()  # False outside `torchmem run`: then only `bare` and `monitor` run
     device = torch.device(args.device)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -67,13 +67,13 @@ def main() -> None:
 
     bare_model_hooks = None
     mon = torchmem.Monitor(model, optimizer, verbose=False, warn=False)
-    modes = ["bare", "monitor", "monitor+events", "monitor+events+sampler"] if fd is not None else ["bare", "monitor"]
+    modes = ["bare", "monitor", "monitor+events", "monitor+events+sampler"] if recording else ["bare", "monitor"]
     per_step: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(3):  # warm-up: allocator, cuBLAS handles, lazy imports
         block(None)
     for _ in range(args.blocks):
         for m in modes:
-            _events._fd = fd if "events" in m else None
+            _events._on = recording and "events" in m
             if "sampler" in m:
                 _native.start_allocator_sampler(interval_ms)
             else:
@@ -86,7 +86,7 @@ def main() -> None:
                 bare_model_hooks = None
             with mon.epoch() if m != "bare" else _Null():
                 per_step[m].append(block(None if m == "bare" else mon))
-    _events._fd = fd
+    _events._on = recording
     _native.start_allocator_sampler(interval_ms)
     smaps_ms = []
     for _ in range(5):  # what one PSS/USS read of this process costs the recorder (it holds our mmap lock)
@@ -98,7 +98,7 @@ def main() -> None:
         _profile(mon, block, args.device)
     base = min(per_step["bare"])
     mon_base = min(per_step["monitor"])
-    where = "under torchmem run" if fd is not None else "without torchmem run"
+    where = "under torchmem run" if recording else "without torchmem run"
     print(f"device {args.device}, {where}, {args.blocks} blocks x {args.steps} steps per mode, python {_pyver()}")
     print(f"{'mode':<24} {'min us/step':>12} {'median':>9} {'vs bare':>8} {'vs monitor':>10}")
     for m in modes:

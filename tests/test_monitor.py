@@ -377,3 +377,32 @@ def test_repr_and_in_process_dict_say_only_what_was_measured():
         assert key not in data, key
     assert data["steps"] == 1 and len(data["epochs"]) == 1 and data["phases"] and data["journey"]
     assert repr(torchmem.Monitor(verbose=False)).startswith("<torchmem.Monitor CPU, no hooks: 0 epochs")
+
+
+@pytest.mark.parametrize("extra", [{"origin": {}}, {"device": None}])
+def test_marker_log_reads_plain_markers_as_serde_does(extra):
+    """The log's fast path (a dict of the six plain keys) and serde (any other dict) give the same records."""
+    from torchmem import _native
+
+    plain, full = _native.MarkerLog(2), _native.MarkerLog(2)
+    for i in range(5):
+        for edge, t, mem in (
+            ("start", 10 * i, {"rss_bytes": 100, "allocated_bytes": 5}),
+            (
+                "end",
+                10 * i + 4,
+                {
+                    "rss_bytes": 130 + i,
+                    "allocated_bytes": 7,
+                    "reserved_bytes": None,
+                    "peak_allocated_bytes": 9 + i,
+                },
+            ),
+        ):
+            m = {"t_ns": t, "kind": "phase", "edge": edge, "name": "forward", "index": None, "memory": mem}
+            plain.push(m)
+            full.push({**m, **extra})
+    assert plain.summary() == full.summary()
+    assert plain.summary()["phases"][0]["max_peak_allocated_bytes"] == 13
+    with pytest.raises(torchmem.InputError, match="model::Marker"):
+        plain.push({"t_ns": -1, "kind": "phase", "edge": "start", "name": "x", "index": None, "memory": {}})
