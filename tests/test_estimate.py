@@ -25,8 +25,12 @@ if torch.cuda.is_available():  # pragma: no cover - these tests are about machin
     pytest.skip("the estimator tests run on a machine without a GPU", allow_module_level=True)
 
 
-def _torchmem(*args: str, cwd: Path | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
+def _torchmem(
+    *args: str, cwd: Path | None = None, timeout: int = 240, path: str | None = None
+) -> subprocess.CompletedProcess:
     env = dict(os.environ, TORCHMEM_PYTHON=sys.executable)
+    if path is not None:
+        env["PATH"] = path
     return subprocess.run(
         [sys.executable, "-m", "torchmem", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout
     )
@@ -312,3 +316,33 @@ def test_dataloader_workers_load_in_the_main_process():
     est = torchmem.estimate(step, gpu="L4", steps=2)
     assert est.steps == 2
     assert any("DataLoader workers" in n for n in est.notes)
+
+
+@pytest.mark.parametrize("how", ["module", "console script"])
+def test_cli_estimates_a_module_and_a_console_script(tmp_path, how):
+    """`torchmem estimate -m MODULE …` and an installed console script (an executable with a Python shebang,
+    found on PATH) are traced like `python train.py`: the same program, the same peaks."""
+    pkg = tmp_path / "trainpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "__main__.py").write_text(MLP_SCRIPT)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    cli = bin_dir / "train-mlp"
+    cli.write_text(f"#!{sys.executable}\n" + MLP_SCRIPT)
+    cli.chmod(0o755)
+    script = tmp_path / "train.py"
+    script.write_text(MLP_SCRIPT)
+    env_path = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+    common = ("estimate", "--gpu", "A100-40GB", "--steps", "2", "--json")
+    as_script = _torchmem(*common, "--", sys.executable, str(script), "128", cwd=tmp_path)
+    assert as_script.returncode == 0, as_script.stderr
+    if how == "module":
+        p = _torchmem(*common, "-m", "trainpkg", "128", cwd=tmp_path)
+    else:
+        p = _torchmem(*common, "--", "train-mlp", "128", cwd=tmp_path, path=env_path)
+    assert p.returncode == 0, p.stderr
+    r, want = json.loads(p.stdout), json.loads(as_script.stdout)
+    assert r["steps_traced"] == 2 and "step 1" not in p.stderr
+    for key in ("peak_allocated_bytes", "peak_reserved_bytes", "nvml_bytes", "fits"):
+        assert r[key] == want[key], key
