@@ -163,7 +163,7 @@ def on_oom_report_matches_allocator(work: Path) -> None:
     # PyTorch's message prints each number with 2 decimals in its unit: allow half a unit step.
     from torchmem import _native
 
-    msg = json.loads(_native.explain_oom_json(info["message"]))["numbers"]
+    msg = _native.explain_oom(info["message"])["numbers"]
 
     def close(a: int, b: int) -> bool:
         unit = 1 << (10 * max(0, (max(a, b).bit_length() - 1) // 10))

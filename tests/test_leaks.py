@@ -140,8 +140,8 @@ def test_bad_settings_say_what_to_use() -> None:
         torchmem._leaks.LeakDetector(probe_steps=2)
     with pytest.raises(ValueError, match="window_steps=1"):
         torchmem._native.StepGrowthDetector(5, 1)
-    with pytest.raises(ValueError, match="JSON"):
-        torchmem._native.leak_findings_json("{not json")
+    with pytest.raises(ValueError, match="leaks::ProbeData"):
+        torchmem._native.leak_findings({"not": "a probe"})
 
 
 def torchmem_cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -385,8 +385,8 @@ def test_rust_renderers_agree_with_payload(tmp_path: Path) -> None:
         """,
         "calibrated",
     )
-    payload = json.dumps([d["data"]])
-    section = json.loads(_native.line_to_json(payload))
+    payload = [d["data"]]
+    section = _native.line_report(payload)
     row = line(section["functions"][0], "a = torch.ones")
     assert row["cpu_delta_bytes"] == line(func(d, "work"), "a = torch.ones")["cpu_delta_bytes"]
     html = _native.line_render_html(payload)

@@ -87,7 +87,7 @@ def independent(snap: dict[str, Any]) -> dict[int, dict[str, int]]:
 def test_rust_totals_equal_python_pickle_byte_for_byte(path: Path) -> None:
     assert len(PICKLES) == 5
     ref = independent(load_py(path))
-    got = json.loads(_native.snapshot_summary_json(str(path)))["summary"]
+    got = _native.snapshot_summary(str(path))["summary"]
     assert [d["device"] for d in got["devices"]] == sorted(ref)
     for d in got["devices"]:
         r = ref[d["device"]]
@@ -125,7 +125,7 @@ def live_at_peak_python(snap: dict[str, Any]) -> int:
 @pytest.mark.parametrize("path", PICKLES, ids=[p.name for p in PICKLES])
 def test_top_sites_cover_the_blocks_alive_at_the_peak(path: Path) -> None:
     snap = load_py(path)
-    got = json.loads(_native.snapshot_summary_json(str(path), top=100000))
+    got = _native.snapshot_summary(str(path), top=100000)
     top = got["top"][0]
     assert top["moment"] == "peak"
     dev = got["summary"]["devices"][0]
@@ -137,7 +137,7 @@ def test_top_sites_cover_the_blocks_alive_at_the_peak(path: Path) -> None:
 
 
 def test_python_stack_sites_name_user_code() -> None:
-    got = json.loads(_native.snapshot_summary_json(str(FIX / "snapshot_mlp_adam_pystacks.pickle"), top=3))
+    got = _native.snapshot_summary(str(FIX / "snapshot_mlp_adam_pystacks.pickle"), top=3)
     sites = [r["site"] for r in got["top"][0]["rows"]]
     assert sites[0].startswith("/home/user/train/probe.py:"), sites
 
@@ -146,10 +146,10 @@ def test_at_time_moves_the_moment() -> None:
     path = str(FIX / "snapshot_mlp_adam_pystacks.pickle")
     snap = load_py(FIX / "snapshot_mlp_adam_pystacks.pickle")
     first = snap["device_traces"][0][0]
-    got = json.loads(_native.snapshot_summary_json(path, top=5, at_time_us=first["time_us"]))
+    got = _native.snapshot_summary(path, top=5, at_time_us=first["time_us"])
     top = got["top"][0]
     assert top["moment"] == "time"
-    peak = json.loads(_native.snapshot_summary_json(path, top=5))["top"][0]
+    peak = _native.snapshot_summary(path, top=5)["top"][0]
     assert top["total_bytes"] < peak["total_bytes"]
 
 
@@ -157,15 +157,15 @@ def test_at_time_moves_the_moment() -> None:
 def test_other_protocols_and_json_give_the_same_summary(tmp_path: Path, protocol: int) -> None:
     src = FIX / "snapshot_mlp_adam_cppstacks.pickle"
     snap = load_py(src)
-    want = json.loads(_native.snapshot_summary_json(str(src)))["summary"]
+    want = _native.snapshot_summary(str(src))["summary"]
     p = tmp_path / f"p{protocol}.pickle"
     p.write_bytes(pickle.dumps(snap, protocol=protocol))
-    got = json.loads(_native.snapshot_summary_json(str(p)))["summary"]
+    got = _native.snapshot_summary(str(p))["summary"]
     assert got == want
     j = tmp_path / "s.json"
     j.write_text(json.dumps(snap))
-    assert json.loads(_native.snapshot_summary_json(str(j)))["summary"] == want
-    assert json.loads(_native.snapshot_summary_bytes_json(pickle.dumps(snap, protocol=protocol)))["summary"] == want
+    assert _native.snapshot_summary(str(j))["summary"] == want
+    assert _native.snapshot_summary_bytes(pickle.dumps(snap, protocol=protocol))["summary"] == want
 
 
 class Evil:
@@ -181,7 +181,7 @@ def test_malicious_pickle_is_refused_and_never_executed(tmp_path: Path) -> None:
     evil = tmp_path / "evil.pickle"
     evil.write_bytes(pickle.dumps({"segments": [], "device_traces": [[Evil(str(marker))]]}, protocol=4))
     with pytest.raises(torchmem.SnapshotError, match=r"STACK_GLOBAL \(0x93\) at byte offset \d+"):
-        _native.snapshot_summary_json(str(evil))
+        _native.snapshot_summary(str(evil))
     r = torchmem_cli("snapshot", str(evil))
     assert r.returncode == 1
     assert "refusing opcode STACK_GLOBAL" in r.stderr and "byte offset" in r.stderr
@@ -193,7 +193,7 @@ def test_malicious_pickle_is_refused_and_never_executed(tmp_path: Path) -> None:
     # REDUCE / BUILD reached directly (no global first) are refused too
     for raw, name in [(b"\x80\x04N)R.", "REDUCE"), (b"\x80\x04}}b.", "BUILD"), (b"\x80\x04N)\x81.", "NEWOBJ")]:
         with pytest.raises(torchmem.SnapshotError, match=f"refusing opcode {name} "):
-            _native.snapshot_summary_bytes_json(raw)
+            _native.snapshot_summary_bytes(raw)
     assert not marker.exists()
 
 
@@ -205,7 +205,7 @@ def test_truncated_and_garbage_files_give_clear_errors(tmp_path: Path) -> None:
     assert r.returncode == 1
     assert "truncated" in r.stderr and "byte offset" in r.stderr
     with pytest.raises(torchmem.SnapshotError, match="truncated"):
-        _native.snapshot_summary_json(str(cut))
+        _native.snapshot_summary(str(cut))
     junk = tmp_path / "junk.pickle"
     junk.write_bytes(b"\x80\x04\xff\xff")
     r = torchmem_cli("snapshot", str(junk))
@@ -268,10 +268,10 @@ def test_explain_oom_parses_the_real_message() -> None:
 
 def test_oom_diagnosis_from_numbers_calls_fragmentation() -> None:
     mib = 1 << 20
-    d = json.loads(_native.oom_diagnosis_json(512 * mib, 6000 * mib, 7000 * mib, 8192 * mib, 100 * mib))
+    d = _native.oom_diagnosis(512 * mib, 6000 * mib, 7000 * mib, 8192 * mib, 100 * mib)
     assert d["verdict"] == "fragmentation"
     assert any("expandable_segments:True" in s for s in d["next_steps"])
-    d = json.loads(_native.oom_diagnosis_json(4096 * mib, 6000 * mib, 6100 * mib, 8192 * mib, 100 * mib))
+    d = _native.oom_diagnosis(4096 * mib, 6000 * mib, 6100 * mib, 8192 * mib, 100 * mib)
     assert d["verdict"] == "capacity" and d["batch_factor"] is not None
 
 
@@ -348,17 +348,17 @@ def test_oom_report_logic_with_a_fake_cuda(tmp_path: Path) -> None:
     text = h.reports[0].read_text()
     assert "Next steps" in text and "Top holders" in text and "Reduce the batch size" in text
     # the holders are the blocks alive at the end of the snapshot (the moment of the failure)
-    summary = json.loads(_native.snapshot_summary_json(str(h.snapshots[0])))["summary"]["devices"][0]
+    summary = _native.snapshot_summary(str(h.snapshots[0]))["summary"]["devices"][0]
     assert sum(r["bytes"] for r in rep["top_holders"]) <= summary["end_requested_bytes"]
 
 
 def test_ring_buffer_wrap_is_reported(tmp_path: Path) -> None:
     snap = load_py(FIX / "snapshot_mlp_adam_pystacks.pickle")
-    full = json.loads(_native.snapshot_summary_bytes_json(pickle.dumps(snap)))["summary"]["devices"][0]
+    full = _native.snapshot_summary_bytes(pickle.dumps(snap))["summary"]["devices"][0]
     assert full["history"]["wrapped"] is None  # one block predates recording: cannot tell
     # What a wrapped ring buffer of max_entries=100 leaves: the last 100 entries only.
     snap["device_traces"][0] = snap["device_traces"][0][-100:]
-    d = json.loads(_native.snapshot_summary_bytes_json(pickle.dumps(snap)))["summary"]["devices"][0]
+    d = _native.snapshot_summary_bytes(pickle.dumps(snap))["summary"]["devices"][0]
     assert d["trace_entries"] == 100
     assert d["history"]["wrapped"] is True
     assert d["history"]["frees_without_alloc"] > 0
@@ -367,7 +367,7 @@ def test_ring_buffer_wrap_is_reported(tmp_path: Path) -> None:
     snap["device_traces"][0] = snap["device_traces"][0][-97:]
     snap["allocator_settings"]["trace_alloc_overflowed"] = True
     snap["allocator_settings"]["trace_alloc_max_entries"] = 97
-    d = json.loads(_native.snapshot_summary_bytes_json(pickle.dumps(snap)))["summary"]["devices"][0]
+    d = _native.snapshot_summary_bytes(pickle.dumps(snap))["summary"]["devices"][0]
     assert d["history"]["wrapped"] is True and d["history"]["max_entries"] == 97
     assert "max_entries=97" in d["history"]["note"]
     # The totals of the segments do not depend on the trace.
@@ -415,7 +415,7 @@ def test_oom_entries_and_big_addresses() -> None:
         "external_annotations": [],
     }
     for proto in (2, 4, 5):
-        d = json.loads(_native.snapshot_summary_bytes_json(pickle.dumps(snap, protocol=proto)))["summary"]
+        d = _native.snapshot_summary_bytes(pickle.dumps(snap, protocol=proto))["summary"]
         dev = d["devices"][0]
         assert dev["ooms"] == [
             {"size_bytes": 64424509440, "device_free_bytes": 41870819328, "time_us": 1796056088782781}

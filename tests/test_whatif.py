@@ -242,7 +242,7 @@ def test_panel_says_why_when_the_trace_cannot_be_simulated(tmp_path: Path) -> No
     line2 = html.unescape(re.search(r'<p class="whatif-none">([^<]*)</p>', dom2).group(1))
     assert "belongs to private pool (1, 3)" in line2 and "\n" not in line2
     # The same line in on_oom's text (the binding).
-    w = json.loads(_native.whatif_json(str(p)))
+    w = _native.whatif(str(p))
     assert w["devices"][0]["unavailable"] in w["text"] and "no what-if:" in w["text"]
 
 
@@ -266,7 +266,7 @@ def test_a_trace_that_starts_with_expandable_pages_mapped_replays_exactly(tmp_pa
     assert sim["matches_recording"] is True and sim["oom"] is None, sim
     full = json.loads(cli("simulate", str(gunzip(name, tmp_path)), "--json").stdout)
     assert sim["peak_reserved_bytes"] == full["peak_reserved_bytes"]
-    w = json.loads(_native.whatif_json(str(p)))
+    w = _native.whatif(str(p))
     panel = w["devices"][0]
     assert panel["unavailable"] is None and panel["rows"], panel
     exp = next(r for r in panel["rows"] if r["settings"] == EXP)

@@ -23,7 +23,6 @@ import dataclasses
 import gc
 import html
 import io
-import json
 import sys
 import time
 from typing import Any
@@ -244,8 +243,8 @@ class LineProfile:
         from . import _native
 
         self.data = data
-        self.text = _native.line_render_text(json.dumps([data])) if data["functions"] else ""
-        self._html = _native.line_render_html(json.dumps([data])) if data["functions"] else ""
+        self.text = _native.line_render_text([data]) if data["functions"] else ""
+        self._html = _native.line_render_html([data]) if data["functions"] else ""
 
     def __str__(self) -> str:
         return self.text or "(the profiled functions did not run)"

@@ -12,7 +12,7 @@ grows step after step. Only then does a **probe** run for a few steps (`probe_st
   and the `_saved_*` tensors, storage-unique, within a node budget), and `tracemalloc` takes a snapshot
   compared by line (Python objects: a dict or list that grows).
 
-After the probe the per-line facts go to Rust (`_native.leak_findings_json`), which names the lines that keep
+After the probe the per-line facts go to Rust (`_native.leak_findings`), which names the lines that keep
 memory alive; they are warned about (`MemoryGrowthWarning`, pointing at the line), kept for `Monitor.leaks()`,
 and sent to the recorder under `torchmem run` (the `leaks` blob, read by `torchmem report`). A healthy run
 pays one call into Rust per step and nothing else. Allocator history with stacks is never recorded (it breaks
@@ -21,7 +21,6 @@ the backward pass of checkpointed models on torch 2.11).
 
 from __future__ import annotations
 
-import json
 import linecache
 import os
 import sys
@@ -100,7 +99,7 @@ class LeakDetector:
                 return
             found = self._growth.push(memory.get("allocated_bytes"), memory.get("rss_bytes"))
             if found is not None:
-                self._start(json.loads(found), index)
+                self._start(found, index)
             return
         probe.step_end()
         if probe.step >= probe.steps:
@@ -122,7 +121,7 @@ class LeakDetector:
     def _finish(self, probe: _Probe) -> None:
         self._probe = None
         data = probe.close()
-        report = json.loads(_native.leak_findings_json(json.dumps(data)))
+        report = _native.leak_findings(data)
         self.reports.append(report)
         self._growth.rearm()
         # A line that holds a growing autograd graph comes first: the tensors other lines made (the batch, the

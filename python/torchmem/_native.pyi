@@ -111,8 +111,8 @@ def nvml_read(index: int, pid: int) -> tuple[int, int, int, int | None, int]:
     """NVML device `index`: (total_bytes, used_bytes, free_bytes, bytes charged to `pid` or None,
     bytes of all other processes). Raises TorchmemError without NVML."""
 
-def device_info_json() -> str:
-    """JSON of the host (total/available RAM) and every NVML device (name, uuid, total/used/free, this
+def device_info() -> dict[str, Any]:
+    """The host (total/available RAM) and every NVML device (name, uuid, total/used/free, this
     process's and other processes' bytes, driver and CUDA driver versions, or `nvml_error`). No CUDA context."""
 
 def allocator_counters(nested: dict[str, Any]) -> tuple[int, int, int, int, int, int, int, int]:
@@ -187,15 +187,16 @@ def line_snapshot() -> dict[str, Any]:
     """{"functions": [{"code", "calls", "threads", "lines": [(line, hits, rss_after_bytes, cpu_delta_bytes,
     cpu_delta_max_bytes, gpu_alloc_delta_bytes | None, gpu_peak_bytes | None, gpu_reserved_delta_bytes |
     None)]}], "warnings", "reads", "events", "gate_ns", "hook", "gpu_device"}."""
-def line_render_text(json: str) -> str:
-    """memory_profiler-style tables for a JSON list of line-profile payloads (torchmem_core::lines)."""
-def line_render_html(json: str) -> str:
+def line_render_text(payloads: dict[str, Any] | list[dict[str, Any]]) -> str:
+    """memory_profiler-style tables for line-profile payloads (`line_snapshot()` dicts; torchmem_core::lines).
+    InputError (a ValueError) for anything that is not such a dict or a list of them."""
+def line_render_html(payloads: dict[str, Any] | list[dict[str, Any]]) -> str:
     """Self-contained HTML fragment (annotated source, heaviest lines highlighted)."""
-def line_to_json(json: str) -> str:
-    """The `lines` section of `torchmem report --format json`, as a JSON string."""
+def line_report(payloads: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any]:
+    """The `lines` section of `torchmem report --format json`, as a dict."""
 
 # --- allocator simulator (crates/torchmem-py/src/simulate.rs) ---
-def simulate_json(
+def simulate(
     path: str | None = None,
     data: bytes | None = None,
     alloc_conf: str | None = None,
@@ -203,24 +204,27 @@ def simulate_json(
     device_memory_bytes: int | None = None,
     min_memory: bool = False,
     device_memory_recorded: bool = False,
-) -> str:
-    """Replays a snapshot (a path or its bytes) through the caching-allocator model: the JSON of
+) -> dict[str, Any]:
+    """Replays a snapshot (a path or its bytes) through the caching-allocator model: the dict of
     `torchmem simulate --json` plus `text` (and `min_memory` when asked). Raises SnapshotError, InputError
     (bad settings)."""
 
-def whatif_json(path: str, memory_limit_bytes: int | None = None, device_total_bytes: int | None = None) -> str:
+def whatif(
+    path: str, memory_limit_bytes: int | None = None, device_total_bytes: int | None = None
+) -> dict[str, Any]:
     """The what-if panel of a snapshot file (pickle, JSON, gzipped): `devices` (per device `headline`,
     `rows` of the common settings with peaks, `avoids_recorded_oom`, `min_memory_bytes`, or `unavailable`:
     one line on why the trace cannot be simulated) and `text`. `memory_limit_bytes`: the per-process cap
     the run had. Raises SnapshotError."""
 
 # --- allocator snapshots (crates/torchmem-py/src/snapshot.rs) ---
-def snapshot_summary_json(path: str, top: int = 10, at_time_us: int | None = None) -> str:
+def snapshot_summary(path: str, top: int = 10, at_time_us: int | None = None) -> dict[str, Any]:
     """Summary (per-device reserved/allocated/active/requested bytes now and at the traced peak,
     fragmentation per segment, trace action counts, ring-buffer history) and the `top` allocation sites
-    at the peak (or at `at_time_us`) of a snapshot file (pickle or JSON), as JSON. Raises SnapshotError."""
+    at the peak (or at `at_time_us`) of a snapshot file (pickle or JSON): {"file", "summary", "top"}. Raises
+    SnapshotError."""
 
-def snapshot_summary_bytes_json(data: bytes, top: int = 10, at_time_us: int | None = None) -> str:
+def snapshot_summary_bytes(data: bytes, top: int = 10, at_time_us: int | None = None) -> dict[str, Any]:
     """The same for snapshot bytes. Raises SnapshotError."""
 
 def snapshot_text(path: str, top: int = 10) -> str:
@@ -231,7 +235,7 @@ def snapshot_html(path: str, out_path: str, memory_limit_bytes: int | None = Non
     under other allocator settings; `memory_limit_bytes`: the cap the run had). Raises SnapshotError, or the
     OSError subclass of a failed write (PermissionError, FileNotFoundError, IsADirectoryError)."""
 
-def oom_diagnosis_json(
+def oom_diagnosis(
     requested_bytes: int,
     allocated_bytes: int,
     reserved_bytes: int,
@@ -239,14 +243,14 @@ def oom_diagnosis_json(
     free_bytes: int | None = None,
     process_bytes: int | None = None,
     device: int | None = None,
-) -> str:
-    """Diagnosis of an out-of-memory failure from the allocator's numbers (bytes), as JSON: verdict
+) -> dict[str, Any]:
+    """Diagnosis of an out-of-memory failure from the allocator's numbers (bytes), as a dict: verdict
     ("fragmentation" | "capacity" | "other_processes" | "request_too_large"), explanation, next_steps,
     batch_factor, shortfall_bytes, and `text`."""
 
-def explain_oom_json(message: str) -> str:
-    """Parses a PyTorch CUDA OOM message (torch <= 2.0, 2.1, >= 2.2 wordings) and diagnoses it, as JSON
-    (like `oom_diagnosis_json`, with the parsed numbers). Raises OomParseError (a ValueError) for text
+def explain_oom(message: str) -> dict[str, Any]:
+    """Parses a PyTorch CUDA OOM message (torch <= 2.0, 2.1, >= 2.2 wordings) and diagnoses it, as a dict
+    (like `oom_diagnosis`, with the parsed numbers). Raises OomParseError (a ValueError) for text
     that is not one."""
 
 # --- event buffer (crates/torchmem-py/src/events.rs) ---
@@ -279,8 +283,8 @@ class StepGrowthDetector:
     def __init__(self, warmup_steps: int = 5, window_steps: int = 8) -> None:
         """`warmup_steps` step ends are ignored (allocator warm-up, lazy optimizer state); growth is judged over
         the last `window_steps` steps. InputError when window_steps < 2."""
-    def push(self, allocated_bytes: int | None, rss_bytes: int | None) -> str | None:
-        """One step end (allocated bytes: None without CUDA). None, or the growth as JSON ({"what",
+    def push(self, allocated_bytes: int | None, rss_bytes: int | None) -> dict[str, Any] | None:
+        """One step end (allocated bytes: None without CUDA). None, or the growth as a dict ({"what",
         "per_step_bytes", "window_steps", "rising_steps", "steps_seen"}) when at least 3/4 of the window's
         steps rose and the net rise per step is at least 512 B (allocated, over `window_steps`) or 512 KiB
         (RSS, over twice `window_steps`: RSS is noisy)."""
@@ -290,11 +294,11 @@ class StepGrowthDetector:
     def steps_seen(self) -> int:
         """Step ends pushed so far."""
 
-def leak_findings_json(probe_json: str) -> str:
-    """The findings of one probe: analysis::leaks::ProbeData JSON ({"probe_steps", "first_step", "growth",
-    "tensors": [TensorSite], "python": [PythonLine]}) in, LeakReport JSON ({"growth", "probe_steps",
-    "first_step", "findings": [Leak], "unexplained"}) out. InputError for malformed JSON."""
+def leak_findings(probe: dict[str, Any]) -> dict[str, Any]:
+    """The findings of one probe: an analysis::leaks::ProbeData dict ({"probe_steps", "first_step", "growth",
+    "tensors": [TensorSite], "python": [PythonLine]}) in, a LeakReport dict ({"growth", "probe_steps",
+    "first_step", "findings": [Leak], "unexplained"}) out. InputError for a dict not in that form."""
 
-def leaks_text(findings_json: str) -> str:
-    """The "Leaks" table (line, kind, per step, live, holds, source, and each finding's message) of a JSON
-    list of findings, as aligned text; "" for an empty list."""
+def leaks_text(findings: list[dict[str, Any]]) -> str:
+    """The "Leaks" table (line, kind, per step, live, holds, source, and each finding's message) of a list of
+    findings (Leak dicts), as aligned text; "" for an empty list."""

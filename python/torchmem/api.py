@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import json
 import os
 import sys
 import time
@@ -129,7 +128,7 @@ def device_info(device: Any = None) -> dict[str, Any]:
     host's total and available RAM. Works without torch and without a GPU (then `devices` is empty and
     `nvml_error` says why). Never creates a CUDA context. `device` (int or 'cuda:N') keeps only that device.
     Also records a "Device checked" mark for the journey."""
-    info: dict[str, Any] = json.loads(_native.device_info_json())
+    info: dict[str, Any] = _native.device_info()
     torch = sys.modules.get("torch")
     try:
         from importlib.metadata import version

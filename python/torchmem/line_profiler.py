@@ -16,7 +16,6 @@ from __future__ import annotations
 import atexit
 import builtins
 import inspect
-import json
 import linecache
 import os
 import sys
@@ -452,7 +451,7 @@ def print_profile(stream: Optional[TextIO] = None) -> None:
     _events_at_print = data["events"]
     if not data["functions"]:
         return
-    text = _native.line_render_text(json.dumps([data]))
+    text = _native.line_render_text([data])
     out = stream if stream is not None else sys.stdout
     out.write(text)
     out.flush()

@@ -12,7 +12,6 @@ goes to the recorder when the program runs under `torchmem run`.
 
 from __future__ import annotations
 
-import json
 import sys
 import warnings
 import weakref
@@ -387,7 +386,7 @@ class Monitor:
     def summary(self) -> str:
         """The per-epoch and per-phase tables and any growth warning, as text (and the leaks found)."""
         text = self._log.summary_text(self._capacity_bytes())
-        return _native.leaks_text(json.dumps(self.leaks())) + text
+        return _native.leaks_text(self.leaks()) + text
 
     def leaks(self) -> list[dict[str, Any]]:
         """The lines found keeping memory alive step after step (`analysis::leaks::Leak` as dicts: file, line,

@@ -11,7 +11,6 @@ for the Rust reader).
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 from dataclasses import dataclass, field
@@ -114,16 +113,14 @@ def simulate(
             "simulate() takes a snapshot path, its bytes, or the dict torch.cuda.memory._snapshot() returns; "
             f"got {type(snapshot_or_path).__name__}"
         )
-    raw = json.loads(
-        _native.simulate_json(
-            path=path,
-            data=data,
-            alloc_conf=alloc_conf,
-            memory_limit_bytes=_size(memory_limit, "memory_limit"),
-            device_memory_bytes=None if device_memory == "recorded" else _size(device_memory, "device_memory"),
-            min_memory=min_memory,
-            device_memory_recorded=device_memory == "recorded",
-        )
+    raw = _native.simulate(
+        path=path,
+        data=data,
+        alloc_conf=alloc_conf,
+        memory_limit_bytes=_size(memory_limit, "memory_limit"),
+        device_memory_bytes=None if device_memory == "recorded" else _size(device_memory, "device_memory"),
+        min_memory=min_memory,
+        device_memory_recorded=device_memory == "recorded",
     )
     return Simulation(
         peak_allocated_bytes=raw.get("peak_allocated_bytes", 0),

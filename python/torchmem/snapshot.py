@@ -132,7 +132,7 @@ def _resume_or_stop(torch: Any) -> None:
 
 def summary(path: str | os.PathLike[str], top: int = 10, at_time_us: int | None = None) -> dict[str, Any]:
     """The summary and top allocation sites of a snapshot file, read safely in Rust (raises SnapshotError)."""
-    return json.loads(_native.snapshot_summary_json(os.fspath(path), top, at_time_us))
+    return _native.snapshot_summary(os.fspath(path), top, at_time_us)
 
 
 class capture:  # noqa: N801 - used as `with torchmem.capture(path):`, like a function
@@ -237,7 +237,7 @@ def _whatif(
     OOM, the smallest memory that runs it), for the failing device: `{"device": panel, "text": text}`. A
     simulator failure becomes the panel's one line, never an exception."""
     try:
-        w = json.loads(_native.whatif_json(str(snap_path), memory_limit_bytes, physical_total_bytes))
+        w = _native.whatif(str(snap_path), memory_limit_bytes, physical_total_bytes)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # a Rust panic arrives as pyo3's PanicException, a BaseException
@@ -370,14 +370,12 @@ class OomHandler:
         """Writes the text and JSON report from the numbers at the failure and the snapshot written then
         (None: not written, `snapshot_error` says why). Needs no GPU: the snapshot is read in Rust."""
         txt_path, json_path = out
-        diag = json.loads(
-            _native.oom_diagnosis_json(alloc, allocated, reserved, device_total, device_free, None, device)
-        )
+        diag = _native.oom_diagnosis(alloc, allocated, reserved, device_total, device_free, None, device)
         holders: list[dict[str, Any]] = []
         whatif: dict[str, Any] | None = None
         if snap_path is not None:
             try:
-                s = json.loads(_native.snapshot_summary_json(str(snap_path), 10, 2**62))
+                s = _native.snapshot_summary(str(snap_path), 10, 2**62)
                 for t in s["top"]:
                     if t["device"] == device:
                         holders = t["rows"]
@@ -441,7 +439,7 @@ class OomHandler:
 
     def _report_from_message(self, message: str) -> None:
         _, txt_path, json_path = self._paths()
-        diag = json.loads(_native.explain_oom_json(message))
+        diag = _native.explain_oom(message)
         txt_path.write_text(diag["text"].rstrip("\n") + "\n\n" + _NO_WHATIF_FROM_MESSAGE + "\n")
         json_path.write_text(json.dumps({k: v for k, v in diag.items() if k != "text"}, indent=2) + "\n")
         self.reports.append(txt_path)

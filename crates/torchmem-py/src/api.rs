@@ -15,6 +15,7 @@ use torchmem_core::sources::allocator::AllocatorCounters;
 use torchmem_core::sources::gpu::{nvml_index_of_torch_device, NvmlLib};
 use torchmem_core::sources::{device_info, self_proc};
 
+use crate::convert::to_py;
 use crate::errors::{Error, Result};
 
 // --- this process's memory -------------------------------------------------------------------------------
@@ -106,12 +107,13 @@ fn nvml_read(py: Python<'_>, index: u32, pid: u32) -> Result<(u64, u64, u64, Opt
     })
 }
 
-/// The host and its NVIDIA devices as JSON (`sources::device_info::DeviceInfo`); never creates a CUDA context.
+/// The host and its NVIDIA devices (`sources::device_info::DeviceInfo` as a dict); never creates a CUDA context.
 #[pyfunction]
-fn device_info_json(py: Python<'_>) -> Result<String> {
+#[pyo3(name = "device_info")]
+fn device_info_dict(py: Python<'_>) -> Result<Bound<'_, PyAny>> {
     let pid = std::process::id();
     let info = py.detach(|| device_info::device_info(pid));
-    Ok(serde_json::to_string(&info)?)
+    to_py(py, &info)
 }
 
 // --- the program's peak ledger -------------------------------------------------------------------------
@@ -552,7 +554,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(nvml_error, m)?)?;
     m.add_function(wrap_pyfunction!(nvml_index_of_device, m)?)?;
     m.add_function(wrap_pyfunction!(nvml_read, m)?)?;
-    m.add_function(wrap_pyfunction!(device_info_json, m)?)?;
+    m.add_function(wrap_pyfunction!(device_info_dict, m)?)?;
     m.add_function(wrap_pyfunction!(allocator_counters, m)?)?;
     m.add_function(wrap_pyfunction!(program_peaks_fold, m)?)?;
     m.add_function(wrap_pyfunction!(program_peaks_apply, m)?)?;

@@ -6,9 +6,10 @@ use pyo3::prelude::*;
 use torchmem_core::analysis::leaks::{self, Leak, ProbeData};
 use torchmem_core::report::{cells, table};
 
+use crate::convert::{from_py, to_py};
 use crate::errors::{Error, Result};
 
-/// Step-level growth detection: `push(allocated_bytes, rss_bytes)` at each step end; the growth (JSON of
+/// Step-level growth detection: `push(allocated_bytes, rss_bytes)` at each step end; the growth (a dict of
 /// `leaks::StepGrowth`) when memory rose over most of the last `window_steps` steps after `warmup_steps`.
 #[pyclass(module = "torchmem._native")]
 pub struct StepGrowthDetector {
@@ -28,13 +29,15 @@ impl StepGrowthDetector {
         Ok(StepGrowthDetector { inner: leaks::StepGrowthDetector::new(warmup_steps, window_steps) })
     }
 
-    /// One step's end; None, or the growth as JSON.
+    /// One step's end; None, or the growth (`leaks::StepGrowth` as a dict).
     #[pyo3(signature = (allocated_bytes, rss_bytes))]
-    fn push(&mut self, allocated_bytes: Option<u64>, rss_bytes: Option<u64>) -> Result<Option<String>> {
-        match self.inner.push(allocated_bytes, rss_bytes) {
-            None => Ok(None),
-            Some(g) => Ok(Some(serde_json::to_string(&g)?)),
-        }
+    fn push<'py>(
+        &mut self,
+        py: Python<'py>,
+        allocated_bytes: Option<u64>,
+        rss_bytes: Option<u64>,
+    ) -> Result<Option<Bound<'py, PyAny>>> {
+        self.inner.push(allocated_bytes, rss_bytes).map(|g| to_py(py, &g)).transpose()
     }
 
     /// Forgets the window: growth must be seen again over fresh steps.
@@ -49,18 +52,18 @@ impl StepGrowthDetector {
     }
 }
 
-/// The findings of one probe (`leaks::ProbeData` JSON in, `leaks::LeakReport` JSON out).
+/// The findings of one probe (`leaks::ProbeData` as a dict in, `leaks::LeakReport` as a dict out).
 #[pyfunction]
-fn leak_findings_json(probe_json: &str) -> Result<String> {
-    let probe: ProbeData = serde_json::from_str(probe_json)?;
-    Ok(serde_json::to_string(&leaks::leak_findings(&probe))?)
+fn leak_findings<'py>(py: Python<'py>, probe: &Bound<'py, PyAny>) -> Result<Bound<'py, PyAny>> {
+    let probe: ProbeData = from_py(probe, "a leak probe in leaks::ProbeData form")?;
+    to_py(py, &leaks::leak_findings(&probe))
 }
 
-/// One `LEAK:` line per finding, then the "Leaks" table, of a JSON list of findings, as aligned text (empty
-/// for an empty list).
+/// One `LEAK:` line per finding, then the "Leaks" table, of a list of findings (`leaks::Leak` dicts), as
+/// aligned text (empty for an empty list).
 #[pyfunction]
-fn leaks_text(findings_json: &str) -> Result<String> {
-    let found: Vec<Leak> = serde_json::from_str(findings_json)?;
+fn leaks_text(findings: &Bound<'_, PyAny>) -> Result<String> {
+    let found: Vec<Leak> = from_py(findings, "a list of leak findings in leaks::Leak form")?;
     if found.is_empty() {
         return Ok(String::new());
     }
@@ -69,7 +72,7 @@ fn leaks_text(findings_json: &str) -> Result<String> {
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<StepGrowthDetector>()?;
-    m.add_function(wrap_pyfunction!(leak_findings_json, m)?)?;
+    m.add_function(wrap_pyfunction!(leak_findings, m)?)?;
     m.add_function(wrap_pyfunction!(leaks_text, m)?)?;
     Ok(())
 }

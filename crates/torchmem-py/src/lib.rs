@@ -5,6 +5,7 @@ use pyo3::prelude::*;
 
 mod api;
 mod cli;
+mod convert;
 mod errors;
 mod events;
 mod leaks;

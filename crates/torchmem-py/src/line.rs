@@ -11,7 +11,8 @@ mod state;
 
 use state::{Gpu, Profiler, PROFILER};
 
-use crate::errors::Error;
+use crate::convert::{from_py, to_py};
+use crate::errors::{Error, Result};
 
 /// Start (or restart) the profiler. `hook` is "settrace" or "monitoring"; `gate_ns` overrides the
 /// calibrated gate (0 reads memory at every event); `gpu_probe()` returns `None` until CUDA is
@@ -169,31 +170,35 @@ fn line_snapshot(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(d)
 }
 
-fn parse_profiles(json: &str) -> PyResult<Vec<serde_json::Value>> {
-    let v: serde_json::Value =
-        serde_json::from_str(json).map_err(|e| Error::Input(format!("line profile JSON is not valid: {e}")))?;
-    Ok(match v {
+/// Line-profile payloads (one dict, or a list of them) as the renderers read them.
+fn payloads(obj: &Bound<'_, PyAny>) -> Result<Vec<serde_json::Value>> {
+    const FORM: &str = "a line-profile payload (a dict) or a list of them";
+    let list = match from_py(obj, FORM)? {
         serde_json::Value::Array(a) => a,
         other => vec![other],
-    })
+    };
+    match list.iter().find(|p| !p.is_object()) {
+        Some(bad) => Err(Error::Input(format!("not {FORM}: {bad}"))),
+        None => Ok(list),
+    }
 }
 
-/// memory_profiler-style tables for a JSON list of line-profile payloads (Rust renders).
+/// memory_profiler-style tables for line-profile payloads (Rust renders).
 #[pyfunction]
-fn line_render_text(json: &str) -> PyResult<String> {
-    Ok(torchmem_core::lines::render_text(&parse_profiles(json)?))
+fn line_render_text(payloads_obj: &Bound<'_, PyAny>) -> Result<String> {
+    Ok(torchmem_core::lines::render_text(&payloads(payloads_obj)?))
 }
 
-/// The self-contained HTML fragment for a JSON list of payloads.
+/// The self-contained HTML fragment for line-profile payloads.
 #[pyfunction]
-fn line_render_html(json: &str) -> PyResult<String> {
-    Ok(torchmem_core::lines::render_html(&parse_profiles(json)?))
+fn line_render_html(payloads_obj: &Bound<'_, PyAny>) -> Result<String> {
+    Ok(torchmem_core::lines::render_html(&payloads(payloads_obj)?))
 }
 
-/// The `lines` section of `torchmem report --format json`, as a JSON string.
+/// The `lines` section of `torchmem report --format json`, as a dict.
 #[pyfunction]
-fn line_to_json(json: &str) -> PyResult<String> {
-    Ok(torchmem_core::lines::to_json(&parse_profiles(json)?).to_string())
+fn line_report<'py>(py: Python<'py>, payloads_obj: &Bound<'py, PyAny>) -> Result<Bound<'py, PyAny>> {
+    to_py(py, &torchmem_core::lines::to_json(&payloads(payloads_obj)?))
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -211,6 +216,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(line_snapshot, m)?)?;
     m.add_function(wrap_pyfunction!(line_render_text, m)?)?;
     m.add_function(wrap_pyfunction!(line_render_html, m)?)?;
-    m.add_function(wrap_pyfunction!(line_to_json, m)?)?;
+    m.add_function(wrap_pyfunction!(line_report, m)?)?;
     Ok(())
 }

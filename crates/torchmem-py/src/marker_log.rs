@@ -2,20 +2,16 @@
 //! each marker (a dict in `model::Marker` form) as it is made; the log keeps the first occurrences' markers
 //! and folds the rest into exact aggregates by the recorder's rule, and every view of the Monitor (summary
 //! as data and text, journey, the epoch line) is computed from it here. Markers cross as Python objects
-//! (pythonize, through serde), not JSON text.
+//! (`convert.rs`), not JSON text.
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use pythonize::{depythonize, pythonize};
 use torchmem_core::analysis::MarkerLog as CoreLog;
 use torchmem_core::model::{Edge, Marker, MarkerKind, MarkerMemory};
 use torchmem_core::report::monitor;
 
+use crate::convert::{from_py, to_py};
 use crate::errors::{Error, Result};
-
-fn out<'py, T: serde::Serialize>(py: Python<'py>, v: &T) -> Result<Bound<'py, PyAny>> {
-    pythonize(py, v).map_err(|e| Error::Python(e.into()))
-}
 
 /// The hot path (every phase and step boundary): a marker dict of the six plain keys read field by field,
 /// ~2× faster than going through serde. None for anything else (a breakdown, an origin, a bad value): serde
@@ -75,8 +71,7 @@ impl MarkerLog {
     fn push(&mut self, marker: &Bound<'_, PyAny>) -> Result<bool> {
         let m = match plain_marker(marker) {
             Some(m) => m,
-            None => depythonize(marker)
-                .map_err(|e| Error::Input(format!("a marker not in model::Marker form ({e}): {marker}")))?,
+            None => from_py(marker, "a marker in model::Marker form")?,
         };
         Ok(self.log.push(m))
     }
@@ -97,7 +92,7 @@ impl MarkerLog {
     #[pyo3(signature = (capacity_bytes=None))]
     fn summary<'py>(&self, py: Python<'py>, capacity_bytes: Option<u64>) -> Result<Bound<'py, PyAny>> {
         let s = py.detach(|| self.log.summary(capacity_bytes));
-        out(py, &s)
+        to_py(py, &s)
     }
 
     /// The per-epoch and per-phase tables, the breakdown and growth warnings, as text.
@@ -120,7 +115,7 @@ impl MarkerLog {
     /// `{"line", "row", "growth", "growth_per_epoch_bytes"}` for the last finished epoch.
     fn epoch_report<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyAny>> {
         let epochs: Vec<Marker> = self.log.markers().iter().filter(|m| m.kind == MarkerKind::Epoch).cloned().collect();
-        out(py, &monitor::epoch_report(&epochs))
+        to_py(py, &monitor::epoch_report(&epochs))
     }
 }
 

@@ -8,38 +8,14 @@
 use std::path::{Path, PathBuf};
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyTuple};
+use pyo3::types::{PyList, PyTuple};
 use serde_json::Value;
 use torchmem_core::analysis::Summary;
 use torchmem_core::report::json;
 use torchmem_core::store::Profile;
 
+use crate::convert::to_py;
 use crate::errors::{Error, Result};
-
-/// A JSON value as the matching Python object (None, bool, int, float, str, list, dict).
-fn to_object<'py>(py: Python<'py>, v: &Value) -> PyResult<Bound<'py, PyAny>> {
-    Ok(match v {
-        Value::Null => py.None().into_bound(py),
-        Value::Bool(b) => b.into_pyobject(py)?.to_owned().into_any(),
-        Value::Number(n) => match (n.as_u64(), n.as_i64()) {
-            (Some(u), _) => u.into_pyobject(py)?.into_any(),
-            (None, Some(i)) => i.into_pyobject(py)?.into_any(),
-            _ => n.as_f64().unwrap_or(f64::NAN).into_pyobject(py)?.into_any(),
-        },
-        Value::String(s) => s.into_pyobject(py)?.into_any(),
-        Value::Array(a) => {
-            let items = a.iter().map(|x| to_object(py, x)).collect::<PyResult<Vec<_>>>()?;
-            PyList::new(py, items)?.into_any()
-        }
-        Value::Object(m) => {
-            let d = PyDict::new(py);
-            for (k, x) in m {
-                d.set_item(k, to_object(py, x)?)?;
-            }
-            d.into_any()
-        }
-    })
-}
 
 /// One table as column names and rows of JSON values. A nested record (e.g. a sample's `origin`) becomes
 /// columns `origin_pid`, `origin_rank`, …; columns are in the order they first appear.
@@ -144,8 +120,8 @@ impl ProfileData {
     }
 
     /// The report of `torchmem report --format json` as a dict.
-    fn summary<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        to_object(py, &json::to_value(&self.profile, &self.summary))
+    fn summary<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyAny>> {
+        to_py(py, &json::to_value(&self.profile, &self.summary))
     }
 
     /// The names `table()` accepts.
@@ -160,10 +136,10 @@ impl ProfileData {
             .rows
             .iter()
             .map(|r| {
-                let cells = r.iter().map(|v| to_object(py, v)).collect::<PyResult<Vec<_>>>()?;
-                PyTuple::new(py, cells)
+                let cells = r.iter().map(|v| to_py(py, v)).collect::<Result<Vec<_>>>()?;
+                Ok(PyTuple::new(py, cells)?)
             })
-            .collect::<PyResult<Vec<_>>>()?;
+            .collect::<Result<Vec<_>>>()?;
         Ok((t.columns, PyList::new(py, rows)?))
     }
 }

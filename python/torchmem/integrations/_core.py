@@ -204,7 +204,7 @@ def write_post_mortem(
     message = str(exc)
     diagnosis: dict[str, Any] | None = None
     try:
-        diagnosis = json.loads(_native.explain_oom_json(message))
+        diagnosis = _native.explain_oom(message)
     except Exception:
         diagnosis = None
     framework = context.get("framework", "training")
