@@ -406,3 +406,16 @@ def test_marker_log_reads_plain_markers_as_serde_does(extra):
     assert plain.summary()["phases"][0]["max_peak_allocated_bytes"] == 13
     with pytest.raises(torchmem.InputError, match="model::Marker"):
         plain.push({"t_ns": -1, "kind": "phase", "edge": "start", "name": "x", "index": None, "memory": {}})
+
+
+def test_a_marker_the_log_cannot_read_warns_once_and_never_breaks_the_loop():
+    mon = torchmem.Monitor(verbose=False, warn=False)
+    bad = {"t_ns": -5, "kind": "phase", "edge": "start", "name": "x", "index": None, "memory": {}}
+    with pytest.warns(RuntimeWarning, match="could not be recorded") as seen:
+        mon._take(bad)
+        mon._take(bad)
+    assert len([w for w in seen if "could not be recorded" in str(w.message)]) == 1
+    with mon.step():
+        pass
+    assert mon.to_dict()["steps"] == 1
+    mon.close()

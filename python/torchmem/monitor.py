@@ -117,6 +117,7 @@ class Monitor:
         # into exact aggregates by the recorder's rule, so the tables stay exact while memory stays flat.
         self.keep_markers = keep_markers
         self._log = _native.MarkerLog(keep_markers)
+        self._push_failed = False
         ref = weakref.ref(self)
 
         def sink(marker: dict[str, Any]) -> None:
@@ -139,7 +140,14 @@ class Monitor:
     # --- markers ---------------------------------------------------------------------------------------
 
     def _take(self, marker: dict[str, Any]) -> None:
-        if self._log.push(marker):
+        try:
+            kept = self._log.push(marker)
+        except ValueError as e:  # torchmem's own bug, never the program's: say it once, never break the loop
+            if not self._push_failed:
+                self._push_failed = True
+                warnings.warn(f"torchmem: a marker could not be recorded ({e})", RuntimeWarning, stacklevel=2)
+            return
+        if kept:
             self.markers.append(marker)
 
     # --- device ---------------------------------------------------------------------------------------
