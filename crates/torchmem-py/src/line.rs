@@ -171,7 +171,7 @@ fn line_snapshot(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 }
 
 /// Line-profile payloads (one dict, or a list of them) as the renderers read them.
-fn payloads(obj: &Bound<'_, PyAny>) -> Result<Vec<serde_json::Value>> {
+fn read_payloads(obj: &Bound<'_, PyAny>) -> Result<Vec<serde_json::Value>> {
     const FORM: &str = "a line-profile payload (a dict) or a list of them";
     let list = match from_py(obj, FORM)? {
         serde_json::Value::Array(a) => a,
@@ -185,20 +185,20 @@ fn payloads(obj: &Bound<'_, PyAny>) -> Result<Vec<serde_json::Value>> {
 
 /// memory_profiler-style tables for line-profile payloads (Rust renders).
 #[pyfunction]
-fn line_render_text(payloads_obj: &Bound<'_, PyAny>) -> Result<String> {
-    Ok(torchmem_core::lines::render_text(&payloads(payloads_obj)?))
+fn line_render_text(payloads: &Bound<'_, PyAny>) -> Result<String> {
+    Ok(torchmem_core::lines::render_text(&read_payloads(payloads)?))
 }
 
 /// The self-contained HTML fragment for line-profile payloads.
 #[pyfunction]
-fn line_render_html(payloads_obj: &Bound<'_, PyAny>) -> Result<String> {
-    Ok(torchmem_core::lines::render_html(&payloads(payloads_obj)?))
+fn line_render_html(payloads: &Bound<'_, PyAny>) -> Result<String> {
+    Ok(torchmem_core::lines::render_html(&read_payloads(payloads)?))
 }
 
 /// The `lines` section of `torchmem report --format json`, as a dict.
 #[pyfunction]
-fn line_report<'py>(py: Python<'py>, payloads_obj: &Bound<'py, PyAny>) -> Result<Bound<'py, PyAny>> {
-    to_py(py, &torchmem_core::lines::to_json(&payloads(payloads_obj)?))
+fn line_report<'py>(py: Python<'py>, payloads: &Bound<'py, PyAny>) -> Result<Bound<'py, PyAny>> {
+    to_py(py, &torchmem_core::lines::to_json(&read_payloads(payloads)?))
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
