@@ -57,30 +57,11 @@ impl MarkerLog {
 
 #[cfg(test)]
 mod tests {
+    use super::super::tests::MIB;
     use super::*;
-    use crate::model::MarkerMemory;
-
-    const MIB: u64 = 1 << 20;
 
     fn mk(t: u64, kind: MarkerKind, edge: Edge, name: &str, alloc: u64, peak: Option<u64>) -> Marker {
-        Marker {
-            t_ns: t,
-            kind,
-            edge,
-            name: name.into(),
-            index: None,
-            memory: MarkerMemory {
-                allocated_bytes: Some(alloc),
-                reserved_bytes: Some(2 * alloc),
-                rss_bytes: Some(100 * MIB),
-                peak_allocated_bytes: peak,
-                ..Default::default()
-            },
-            origin: Default::default(),
-            device: None,
-            breakdown: None,
-            activations_by_module: None,
-        }
+        super::super::tests::mk(t, kind, edge, name, None, alloc, peak)
     }
 
     /// Two epochs of `steps` steps, each with a forward and a backward phase; step 7 of epoch 1 peaks high.

@@ -189,9 +189,18 @@ impl Summary {
 mod tests {
     use super::*;
 
-    const MIB: u64 = 1 << 20;
+    pub(super) const MIB: u64 = 1 << 20;
 
-    fn mk(t: u64, kind: MarkerKind, edge: Edge, name: &str, idx: Option<i64>, alloc: u64, peak: Option<u64>) -> Marker {
+    /// A marker with allocated `alloc`, reserved twice that and 100 MiB RSS (also `marker_log`'s tests).
+    pub(super) fn mk(
+        t: u64,
+        kind: MarkerKind,
+        edge: Edge,
+        name: &str,
+        idx: Option<i64>,
+        alloc: u64,
+        peak: Option<u64>,
+    ) -> Marker {
         Marker {
             t_ns: t,
             kind,
