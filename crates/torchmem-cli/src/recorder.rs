@@ -484,31 +484,13 @@ impl Recorder {
                 }
                 Record::Blob { t_ns, name: IDENTITY_BLOB.into(), data }
             }
-            ChildMessage::Torch {
-                t_ns,
-                device,
-                allocated,
-                reserved,
-                peak_allocated,
-                peak_reserved,
-                active,
-                inactive_split,
-            } => {
-                self.latest.allocated_bytes = Some(allocated);
-                self.latest.reserved_bytes = Some(reserved);
-                self.latest.peak_allocated_bytes =
-                    Some(self.latest.peak_allocated_bytes.unwrap_or(0).max(peak_allocated).max(allocated));
-                let sample = TorchSample {
-                    t_ns: self.rel(t_ns),
-                    device,
-                    allocated_bytes: allocated,
-                    reserved_bytes: reserved,
-                    peak_allocated_bytes: peak_allocated,
-                    peak_reserved_bytes: peak_reserved,
-                    active_bytes: active,
-                    inactive_split_bytes: inactive_split,
-                    origin,
-                };
+            ChildMessage::Torch { t_ns, device, counters: c } => {
+                self.latest.allocated_bytes = Some(c.allocated_bytes);
+                self.latest.reserved_bytes = Some(c.reserved_bytes);
+                self.latest.peak_allocated_bytes = Some(
+                    self.latest.peak_allocated_bytes.unwrap_or(0).max(c.peak_allocated_bytes).max(c.allocated_bytes),
+                );
+                let sample = c.torch_sample(self.rel(t_ns), device, origin);
                 // An unchanged reading adds nothing to a step-function timeline: keep one a second.
                 if let Some(prev) = self.last_torch.get(&(origin.pid, device)) {
                     let same = TorchSample { t_ns: prev.t_ns, ..sample.clone() } == *prev;

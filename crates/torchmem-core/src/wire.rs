@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::model::{DeviceBreakdown, Edge, Launch, MarkerKind, MarkerMemory, Origin};
+use crate::sources::allocator::AllocatorCounters;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -22,19 +23,14 @@ pub enum ChildMessage {
         #[serde(flatten)]
         launch: Launch,
     },
-    /// The allocator's counters for one CUDA device.
+    /// The allocator's counters for one CUDA device (flattened: `allocated`, `reserved`, `peak_allocated`,
+    /// `peak_reserved`, and `active`, `inactive_split` which may be absent; see `AllocatorCounters`).
     Torch {
         t_ns: u64,
         /// The device's NVML index (see `model::TorchSample::device`).
         device: u32,
-        allocated: u64,
-        reserved: u64,
-        peak_allocated: u64,
-        peak_reserved: u64,
-        #[serde(default)]
-        active: u64,
-        #[serde(default)]
-        inactive_split: u64,
+        #[serde(flatten)]
+        counters: AllocatorCounters,
     },
     Marker {
         t_ns: u64,
@@ -77,7 +73,15 @@ mod tests {
             r#"{"type":"torch","t_ns":5,"device":0,"allocated":1,"reserved":2,"peak_allocated":3,"peak_reserved":4}"#,
         )
         .unwrap();
-        assert!(matches!(m, ChildMessage::Torch { reserved: 2, .. }));
+        let ChildMessage::Torch { t_ns: 5, device: 0, counters } = m else { panic!("{m:?}") };
+        let want = AllocatorCounters {
+            allocated_bytes: 1,
+            reserved_bytes: 2,
+            peak_allocated_bytes: 3,
+            peak_reserved_bytes: 4,
+            ..Default::default()
+        };
+        assert_eq!(counters, want, "active and inactive_split may be absent (older senders): 0");
         let m = ChildMessage::parse_line(
             r#"{"type":"marker","t_ns":9,"kind":"phase","edge":"end","name":"forward","memory":{"allocated_bytes":7}}"#,
         )

@@ -4,18 +4,30 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::model::{Origin, TorchSample};
 use crate::wire::ChildMessage;
 
 /// PyTorch's caching-allocator counters for one device, as read from `torch._C._cuda_memoryStats(dev)`.
+/// Its serde form is the wire's (`wire::ChildMessage::Torch` flattens it): the allocator's names without
+/// `_bytes` (`allocated`, `reserved`, `peak_allocated`, `peak_reserved`, `active`, `inactive_split`); the
+/// retry and OOM counts are not sent (the Python API reads them, the recorder does not).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AllocatorCounters {
+    #[serde(rename = "allocated")]
     pub allocated_bytes: u64,
+    #[serde(rename = "reserved")]
     pub reserved_bytes: u64,
+    #[serde(rename = "peak_allocated")]
     pub peak_allocated_bytes: u64,
+    #[serde(rename = "peak_reserved")]
     pub peak_reserved_bytes: u64,
+    #[serde(default, rename = "active")]
     pub active_bytes: u64,
+    #[serde(default, rename = "inactive_split")]
     pub inactive_split_bytes: u64,
+    #[serde(skip)]
     pub num_alloc_retries: u64,
+    #[serde(skip)]
     pub num_ooms: u64,
 }
 
@@ -27,19 +39,26 @@ impl AllocatorCounters {
 
     /// The wire line (`{"type":"torch",...}` and a newline) for the recorder, in `wire::ChildMessage` form.
     pub fn wire_line(&self, t_ns: u64, device: u32) -> String {
-        let msg = ChildMessage::Torch {
-            t_ns,
-            device,
-            allocated: self.allocated_bytes,
-            reserved: self.reserved_bytes,
-            peak_allocated: self.peak_allocated_bytes,
-            peak_reserved: self.peak_reserved_bytes,
-            active: self.active_bytes,
-            inactive_split: self.inactive_split_bytes,
-        };
+        let msg = ChildMessage::Torch { t_ns, device, counters: *self };
         let mut line = serde_json::to_string(&msg).expect("a wire message always serialises");
         line.push('\n');
         line
+    }
+
+    /// The record the recorder stores of these counters: `t_ns` relative to the run's start, `device` the
+    /// NVML index, `origin` the process that sent them.
+    pub fn torch_sample(&self, t_ns: u64, device: u32, origin: Origin) -> TorchSample {
+        TorchSample {
+            t_ns,
+            device,
+            allocated_bytes: self.allocated_bytes,
+            reserved_bytes: self.reserved_bytes,
+            peak_allocated_bytes: self.peak_allocated_bytes,
+            peak_reserved_bytes: self.peak_reserved_bytes,
+            active_bytes: self.active_bytes,
+            inactive_split_bytes: self.inactive_split_bytes,
+            origin,
+        }
     }
 }
 
@@ -60,25 +79,40 @@ mod tests {
         };
         let line = c.wire_line(77, 1);
         assert!(line.ends_with('\n'));
-        match ChildMessage::parse_line(line.trim_end()).unwrap() {
-            ChildMessage::Torch {
-                t_ns,
-                device,
-                allocated,
-                reserved,
-                peak_allocated,
-                peak_reserved,
-                active,
-                inactive_split,
-            } => {
-                assert_eq!(
-                    (t_ns, device, allocated, reserved, peak_allocated, peak_reserved, active, inactive_split),
-                    (77, 1, 1, 2, 3, 4, 5, 6)
-                );
-            }
-            other => panic!("{other:?}"),
-        }
+        assert_eq!(
+            line,
+            concat!(
+                r#"{"type":"torch","t_ns":77,"device":1,"allocated":1,"reserved":2,"peak_allocated":3,"#,
+                r#""peak_reserved":4,"active":5,"inactive_split":6}"#,
+                "\n"
+            ),
+            "the wire names stay the allocator's, without _bytes"
+        );
+        let ChildMessage::Torch { t_ns, device, counters } = ChildMessage::parse_line(line.trim_end()).unwrap() else {
+            panic!("{line}")
+        };
+        assert_eq!((t_ns, device, counters), (77, 1, c));
         assert!(!c.never_used());
         assert!(AllocatorCounters::default().never_used());
+    }
+
+    #[test]
+    fn the_recorder_stores_each_counter_under_its_own_name() {
+        let c = AllocatorCounters {
+            allocated_bytes: 10,
+            reserved_bytes: 20,
+            peak_allocated_bytes: 30,
+            peak_reserved_bytes: 40,
+            active_bytes: 50,
+            inactive_split_bytes: 60,
+            num_alloc_retries: 7,
+            num_ooms: 8,
+        };
+        let origin = Origin { pid: Some(12), ..Default::default() };
+        let s = c.torch_sample(5, 3, origin);
+        assert_eq!((s.t_ns, s.device, s.origin), (5, 3, origin));
+        let got = [s.allocated_bytes, s.reserved_bytes, s.peak_allocated_bytes, s.peak_reserved_bytes];
+        assert_eq!(got, [10, 20, 30, 40]);
+        assert_eq!((s.active_bytes, s.inactive_split_bytes), (50, 60));
     }
 }
