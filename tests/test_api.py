@@ -3,6 +3,7 @@ allocator sampler) against real torch on the CPU, real /proc and real child proc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import mmap
 import os
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torchmem
-from torchmem import _native
+from torchmem import _ledger, _native, api
 
 MIB = 1 << 20
 CUDA = torch.cuda.is_available()
@@ -100,20 +101,10 @@ def run_with_recorder_pipe(code: str, timeout: float = 120) -> tuple[subprocess.
 @pytest.mark.parametrize("device", [None, "cpu", "cuda", "cuda:0", 0, torch.device("cpu")])
 def test_stats_on_a_cpu_only_machine_has_no_gpu_numbers(device):
     s = torchmem.stats(device, uss=True)
-    gpu_fields = [
-        "allocated_bytes",
-        "reserved_bytes",
-        "peak_allocated_bytes",
-        "peak_reserved_bytes",
-        "active_bytes",
-        "inactive_split_bytes",
-        "num_alloc_retries",
-        "num_ooms",
-        "nvml_process_bytes",
-        "non_torch_bytes",
-    ]
-    for f in gpu_fields:
-        assert getattr(s, f) is None, f
+    assert {"allocated_bytes", "peak_reserved_bytes", "num_ooms", "nvml_process_bytes"} <= set(api.GPU_FIELDS)
+    # Exactly the GPU fields (and the device) are None: every CPU field is measured (uss=True).
+    unset = {f.name for f in dataclasses.fields(s) if getattr(s, f.name) is None} - set(s._RANK_FIELDS)
+    assert unset == {"device", *api.GPU_FIELDS}
     assert s.device is None
     assert s.allocated is None and s.reserved is None
     assert s.rss_bytes > 10 * MIB
@@ -426,6 +417,88 @@ def test_sampler_streams_counters_of_used_devices(stop):
 
 def test_read_allocator_once_is_empty_without_cuda():
     assert _native.read_allocator_once() == [] or torch.cuda.is_initialized()
+
+
+# --- the typed records of the extension (issue 9: no positional tuples across PyO3) ----------------------
+
+# A hand-built dict in the shape of `torch._C._cuda_memoryStats(dev)` (not torch's): each counter the sampler
+# reads has its own value, and the pools and keys beside them must not be read.
+NESTED_STATS = {
+    "allocated_bytes": {"all": {"current": 11, "peak": 33, "allocated": 901}, "large_pool": {"current": 1}},
+    "reserved_bytes": {"all": {"current": 22, "peak": 44, "freed": 902}, "small_pool": {"peak": 2}},
+    "active_bytes": {"all": {"current": 55, "peak": 903}},
+    "inactive_split_bytes": {"all": {"current": 66, "peak": 904}},
+    "requested_bytes": {"all": {"current": 905}},
+    "num_alloc_retries": 7,
+    "num_ooms": 8,
+    "num_device_alloc": 906,
+}
+
+
+def test_allocator_counters_name_each_counter_of_the_nested_dict():
+    c = _native.allocator_counters(NESTED_STATS)
+    want = {
+        "allocated_bytes": 11,
+        "reserved_bytes": 22,
+        "peak_allocated_bytes": 33,
+        "peak_reserved_bytes": 44,
+        "active_bytes": 55,
+        "inactive_split_bytes": 66,
+        "num_alloc_retries": 7,
+        "num_ooms": 8,
+    }
+    assert {k for k in dir(c) if not k.startswith("_")} == set(want)
+    assert {k: getattr(c, k) for k in want} == want
+    assert repr(c) == (
+        "AllocatorCounters(allocated_bytes=11, reserved_bytes=22, peak_allocated_bytes=33, peak_reserved_bytes=44, "
+        "active_bytes=55, inactive_split_bytes=66, num_alloc_retries=7, num_ooms=8)"
+    )
+    assert type(c) is _native.AllocatorCounters and type(c).__module__ == "torchmem._native"
+    assert c == _native.allocator_counters(NESTED_STATS) and c != _ledger.NO_COUNTERS
+    # Missing keys, negative or non-integer values read as 0: the record of an allocator that holds nothing.
+    broken = {"allocated_bytes": {"all": {"current": -5}}, "reserved_bytes": {"all": "?"}, "num_ooms": None}
+    assert _native.allocator_counters({}) == _native.allocator_counters(broken) == _ledger.NO_COUNTERS
+    assert {getattr(_ledger.NO_COUNTERS, k) for k in want} == {0}
+
+
+def test_the_records_are_immutable():
+    c = _native.allocator_counters(NESTED_STATS)
+    r = _native.NvmlReading(total_bytes=1, used_bytes=2, free_bytes=3, process_bytes=None, other_processes_bytes=4)
+    for record, field in [(c, "allocated_bytes"), (c, "num_ooms"), (r, "process_bytes"), (r, "total_bytes")]:
+        with pytest.raises(AttributeError):
+            setattr(record, field, 0)
+        with pytest.raises(AttributeError):
+            delattr(record, field)
+    with pytest.raises(AttributeError):
+        c.extra = 1  # no __dict__: nothing can be added either
+    with pytest.raises(TypeError):
+        _native.AllocatorCounters()  # made only from the allocator's dict
+    with pytest.raises(TypeError):
+        _native.NvmlReading(1, 2, 3, None, 4)  # keyword-only: the fields cannot be given out of order
+
+
+def test_nvml_reading_names_its_fields():
+    r = _native.NvmlReading(total_bytes=80, used_bytes=30, free_bytes=50, process_bytes=None, other_processes_bytes=9)
+    assert {k for k in dir(r) if not k.startswith("_")} == {
+        "total_bytes",
+        "used_bytes",
+        "free_bytes",
+        "process_bytes",
+        "other_processes_bytes",
+    }
+    got = (r.total_bytes, r.used_bytes, r.free_bytes, r.process_bytes, r.other_processes_bytes)
+    assert got == (80, 30, 50, None, 9)
+    assert repr(r) == (
+        "NvmlReading(total_bytes=80, used_bytes=30, free_bytes=50, process_bytes=None, other_processes_bytes=9)"
+    )
+    mine = _native.NvmlReading(total_bytes=80, used_bytes=30, free_bytes=50, process_bytes=21, other_processes_bytes=9)
+    assert "process_bytes=21," in repr(mine) and mine != r
+    if _native.nvml_error() is not None:
+        with pytest.raises(_native.TorchmemError, match="NVML"):
+            _native.nvml_read(0, os.getpid())
+    else:
+        real = _native.nvml_read(0, os.getpid())
+        assert type(real) is _native.NvmlReading and 0 < real.used_bytes <= real.total_bytes
 
 
 def test_track_repr_names_the_phase_and_its_runs():

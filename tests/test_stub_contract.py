@@ -36,3 +36,35 @@ def test_parameters_match(name: str) -> None:
     stub_args = STUB_FUNCS[name].args
     stub_names = [a.arg for a in stub_args.posonlyargs + stub_args.args + stub_args.kwonlyargs]
     assert list(real.parameters) == stub_names, f"{name}: extension {list(real.parameters)} vs stub {stub_names}"
+
+
+STUB_CLASS_DEFS = {n.name: n for n in TREE.body if isinstance(n, ast.ClassDef)}
+
+
+def _stub_members(cls: ast.ClassDef) -> set[str]:
+    """The public names a stub class declares: annotated attributes, methods and properties."""
+    names = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    names |= {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    return {n for n in names if not n.startswith("_")}
+
+
+def _stub_init(cls: ast.ClassDef) -> ast.FunctionDef | None:
+    return next((f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
+
+
+@pytest.mark.parametrize("name", sorted(STUB_CLASS_DEFS))
+def test_class_members_match(name: str) -> None:
+    # The class's own members (an exception's are Exception's, which the stub leaves out).
+    own = {k for k in vars(getattr(native, name)) if not k.startswith("_")}
+    assert own == _stub_members(STUB_CLASS_DEFS[name]), f"{name}: extension {sorted(own)} vs stub"
+
+
+@pytest.mark.parametrize("name", sorted(n for n, c in STUB_CLASS_DEFS.items() if _stub_init(c)))
+def test_constructor_parameters_match(name: str) -> None:
+    try:
+        real = inspect.signature(getattr(native, name))
+    except (TypeError, ValueError):
+        pytest.skip(f"{name} has no introspectable signature")
+    args = _stub_init(STUB_CLASS_DEFS[name]).args  # type: ignore[union-attr]
+    stub_names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs][1:]  # without self
+    assert list(real.parameters) == stub_names, f"{name}: extension {list(real.parameters)} vs stub {stub_names}"

@@ -580,7 +580,7 @@ def _cuda_totals(torch: Any, dev: int, entry: dict[str, Any], counted_bytes: int
     c = _ledger.counters(torch, dev)
     if c is None:
         return
-    allocated, reserved = c[0], c[1]
+    allocated, reserved = c.allocated_bytes, c.reserved_bytes
     entry["allocated_bytes"], entry["reserved_bytes"] = allocated, reserved
     entry["other_bytes"] = allocated - counted_bytes
     entry["cache_bytes"] = reserved - allocated
@@ -588,7 +588,7 @@ def _cuda_totals(torch: Any, dev: int, entry: dict[str, Any], counted_bytes: int
 
     nv = api._nvml(torch, dev)
     if nv is not None:
-        mine = nv[3] if nv[3] is not None else nv[1]
+        mine = nv.process_bytes if nv.process_bytes is not None else nv.used_bytes
         entry["non_torch_bytes"] = mine - reserved
 
 

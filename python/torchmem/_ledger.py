@@ -79,9 +79,13 @@ def cuda_initialized(torch: Any) -> bool:
         return False
 
 
-def counters(torch: Any, dev: int) -> tuple[int, int, int, int, int, int, int, int] | None:
-    """(allocated, reserved, peak_allocated, peak_reserved, active, inactive_split, retries, ooms) as the
-    allocator holds them now, or None before CUDA is initialised (the allocator then holds nothing)."""
+#: The counters of an allocator that holds nothing (every field 0: a dict without keys reads as 0).
+NO_COUNTERS: _native.AllocatorCounters = _native.allocator_counters({})
+
+
+def counters(torch: Any, dev: int) -> _native.AllocatorCounters | None:
+    """Device `dev`'s allocator counters as the allocator holds them now, or None before CUDA is initialised
+    (the allocator then holds nothing: `NO_COUNTERS`)."""
     if not cuda_initialized(torch):
         return None
     return _native.allocator_counters(raw_stats(torch)(dev))
@@ -90,19 +94,20 @@ def counters(torch: Any, dev: int) -> tuple[int, int, int, int, int, int, int, i
 # --- folding and resetting --------------------------------------------------------------------------------
 
 
-def _fold_gpu_into_torchmem(dev: int, c: tuple, *, line_profiler: bool = True) -> None:
+def _fold_gpu_into_torchmem(dev: int, c: _native.AllocatorCounters, *, line_profiler: bool = True) -> None:
+    peak_alloc, peak_reserved = c.peak_allocated_bytes, c.peak_reserved_bytes
     for w in windows:
         if w.dev == dev:
-            w.alloc = max(w.alloc, c[2])
-            w.reserved = max(w.reserved, c[3])
+            w.alloc = max(w.alloc, peak_alloc)
+            w.reserved = max(w.reserved, peak_reserved)
     a, r = gpu_acc.get(dev, (0, 0))
-    gpu_acc[dev] = (max(a, c[2]), max(r, c[3]))
-    _native.sampler_fold_peak(dev, c[2], c[3])  # `torchmem run`'s allocator timeline keeps the spike
+    gpu_acc[dev] = (max(a, peak_alloc), max(r, peak_reserved))
+    _native.sampler_fold_peak(dev, peak_alloc, peak_reserved)  # `torchmem run`'s allocator timeline keeps the spike
     if line_profiler:
-        _native.line_fold_gpu_peak(dev, c[2])
+        _native.line_fold_gpu_peak(dev, peak_alloc)
 
 
-def _fold_and_reset_gpu(torch: Any, dev: int, *, line_profiler: bool = True) -> tuple | None:
+def _fold_and_reset_gpu(torch: Any, dev: int, *, line_profiler: bool = True) -> _native.AllocatorCounters | None:
     """Folds device `dev`'s peaks into every reader, then resets the allocator's peak counters. Returns the
     counters read before the reset (None before CUDA is initialised: nothing to reset)."""
     # Wrapped from the first window on a CUDA device, even before CUDA starts: a program reset inside it
@@ -133,7 +138,7 @@ def _reset_rss(rss: int | None, rss_peak: int) -> None:
     rss_reset_works = _native.reset_peak_rss()
 
 
-def fold_and_reset(torch: Any, dev: int | None) -> tuple[int | None, tuple | None]:
+def fold_and_reset(torch: Any, dev: int | None) -> tuple[int | None, _native.AllocatorCounters | None]:
     """Folds the current peaks (device `dev` and the peak RSS) into every reader, then resets the counters.
     Returns the (rss, counters) read before the reset."""
     global rss_acc
@@ -157,19 +162,22 @@ def line_profiler_reset(dev: int) -> None:
             _fold_and_reset_gpu(torch, dev, line_profiler=False)
 
 
-def open_window(torch: Any, dev: int | None) -> tuple[Window, int | None, tuple | None]:
+def open_window(torch: Any, dev: int | None) -> tuple[Window, int | None, _native.AllocatorCounters | None]:
+    """Opens a window on device `dev` (None: the CPU only): (the window, rss now, counters now or None)."""
     with lock:
         rss, c = fold_and_reset(torch, dev)
         w = Window(dev)
         if rss is not None:
             w.rss = rss
         if c is not None:
-            w.alloc, w.reserved = c[0], c[1]
+            w.alloc, w.reserved = c.allocated_bytes, c.reserved_bytes
         windows.append(w)
         return w, rss, c
 
 
-def close_window(torch: Any, w: Window) -> tuple[int | None, int | None, int | None, int | None, tuple | None]:
+def close_window(
+    torch: Any, w: Window
+) -> tuple[int | None, int | None, int | None, int | None, _native.AllocatorCounters | None]:
     """Ends a window: (peak_rss, peak_allocated, peak_reserved, rss now, counters now)."""
     with lock:
         mem = _native.self_memory()
@@ -181,8 +189,12 @@ def close_window(torch: Any, w: Window) -> tuple[int | None, int | None, int | N
         if mem:
             # Without a working peak-RSS reset, VmHWM is the peak since start: use only what we saw.
             peak_rss = max(w.rss, mem[1] if rss_reset_works else mem[0])
-        peak_alloc = max(w.alloc, c[2]) if c else (None if w.dev is None else w.alloc)
-        peak_reserved = max(w.reserved, c[3]) if c else (None if w.dev is None else w.reserved)
+        if c is not None:
+            peak_alloc, peak_reserved = max(w.alloc, c.peak_allocated_bytes), max(w.reserved, c.peak_reserved_bytes)
+        elif w.dev is None:
+            peak_alloc = peak_reserved = None
+        else:
+            peak_alloc, peak_reserved = w.alloc, w.reserved
         return peak_rss, peak_alloc, peak_reserved, rss, c
 
 

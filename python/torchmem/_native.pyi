@@ -1,7 +1,7 @@
 """Type stubs for `torchmem._native`, the Rust extension. This file is the contract: every function the Rust
 side exports is listed here with its meaning and units. Sections belong to one concern each."""
 
-from typing import Any
+from typing import Any, Final, final
 
 __version__: str
 #: The categories a breakdown entry carries as `<name>_bytes`, in core's order (`breakdown::Category::ALL`).
@@ -107,17 +107,62 @@ def nvml_index_of_device(torch_index: int, uuid: str | None = None) -> int | Non
     a UUID), else (no CUDA_VISIBLE_DEVICES) `torch_index`. None without NVML or when the entry maps to no
     device."""
 
-def nvml_read(index: int, pid: int) -> tuple[int, int, int, int | None, int]:
-    """NVML device `index`: (total_bytes, used_bytes, free_bytes, bytes charged to `pid` or None,
-    bytes of all other processes). Raises TorchmemError without NVML."""
+@final
+class NvmlReading:
+    """One NVML read of a device, in bytes (`nvml_read`). Frozen: read-only attributes, equal when every field
+    is; the repr names every field."""
+
+    total_bytes: Final[int]
+    #: Device-wide used memory (what nvidia-smi shows), all processes.
+    used_bytes: Final[int]
+    free_bytes: Final[int]
+    #: What NVML charges to the pid asked about (CUDA context included); None when NVML lists no such process.
+    process_bytes: Final[int | None]
+    #: What NVML charges to every other process on the device.
+    other_processes_bytes: Final[int]
+    def __init__(
+        self,
+        *,
+        total_bytes: int,
+        used_bytes: int,
+        free_bytes: int,
+        process_bytes: int | None,
+        other_processes_bytes: int,
+    ) -> None:
+        """A reading built by hand (tests, fakes of NVML); `nvml_read` makes the real ones."""
+
+def nvml_read(index: int, pid: int) -> NvmlReading:
+    """NVML device `index` now, with the bytes NVML charges to process `pid` and to all the others. Raises
+    TorchmemError without NVML."""
 
 def device_info() -> dict[str, Any]:
     """The host (total/available RAM) and every NVML device (name, uuid, total/used/free, this
     process's and other processes' bytes, driver and CUDA driver versions, or `nvml_error`). No CUDA context."""
 
-def allocator_counters(nested: dict[str, Any]) -> tuple[int, int, int, int, int, int, int, int]:
-    """(allocated, reserved, peak_allocated, peak_reserved, active, inactive_split, num_alloc_retries, num_ooms)
-    in bytes/counts from `torch._C._cuda_memoryStats(dev)`'s nested dict (missing keys read as 0)."""
+@final
+class AllocatorCounters:
+    """PyTorch's caching-allocator counters of one CUDA device (core's `sources::allocator::AllocatorCounters`),
+    made only by `allocator_counters`. Frozen: read-only attributes, equal when every counter is; the repr names
+    every field."""
+
+    #: `["allocated_bytes"]["all"]["current"]`: bytes in live tensors.
+    allocated_bytes: Final[int]
+    #: `["reserved_bytes"]["all"]["current"]`: bytes the allocator holds from CUDA (allocated + its cache).
+    reserved_bytes: Final[int]
+    #: `[...]["all"]["peak"]` of the two: torch's own peaks (since start or the last reset).
+    peak_allocated_bytes: Final[int]
+    peak_reserved_bytes: Final[int]
+    #: `["active_bytes"]["all"]["current"]`.
+    active_bytes: Final[int]
+    #: `["inactive_split_bytes"]["all"]["current"]`: free blocks inside split segments (fragmentation).
+    inactive_split_bytes: Final[int]
+    #: `["num_alloc_retries"]`, `["num_ooms"]`: counts.
+    num_alloc_retries: Final[int]
+    num_ooms: Final[int]
+
+def allocator_counters(nested: dict[str, Any]) -> AllocatorCounters:
+    """The counters of `torch._C._cuda_memoryStats(dev)`'s nested dict, as the allocator sampler reads them
+    (missing keys, and negative values, read as 0)."""
 
 def program_peaks_fold(device: int, nested: dict[str, Any]) -> None:
     """The peak ledger (python/torchmem/_ledger.py): folds every `peak` stat of `nested` (a

@@ -80,8 +80,8 @@ def _cuda_index(device: Any, torch: Any) -> int | None:
     return int(index)
 
 
-#: (allocated, reserved, peak_allocated, peak_reserved, active, inactive_split, retries, ooms) as the allocator
-#: holds them (its own binding, never the program's view), or None before CUDA is initialised.
+#: Device `dev`'s `_native.AllocatorCounters` as the allocator holds them (its own binding, never the program's
+#: view), or None before CUDA is initialised.
 _counters = _ledger.counters
 
 
@@ -108,8 +108,8 @@ def _nvml_index(torch: Any, dev: int) -> int | None:
     return index
 
 
-def _nvml(torch: Any, dev: int) -> tuple[int, int, int, int | None, int] | None:
-    """NVML (total, used, free, this process's bytes or None, other processes' bytes) of CUDA device `dev`."""
+def _nvml(torch: Any, dev: int) -> _native.NvmlReading | None:
+    """NVML's reading of CUDA device `dev` (`process_bytes`: this process's), or None without NVML."""
     index = _nvml_index(torch, dev)
     if index is None:
         return None
@@ -266,6 +266,23 @@ class Stats:
         return "\n".join(lines)
 
 
+#: The `Stats` fields read from the GPU (the allocator's counters and NVML): all None without CUDA.
+GPU_FIELDS: tuple[str, ...] = (
+    "allocated_bytes",
+    "reserved_bytes",
+    "peak_allocated_bytes",
+    "peak_reserved_bytes",
+    "active_bytes",
+    "inactive_split_bytes",
+    "num_alloc_retries",
+    "num_ooms",
+    "nvml_process_bytes",
+    "non_torch_bytes",
+    "device_total_bytes",
+    "device_free_bytes",
+)
+
+
 def stats(device: Any = None, *, uss: bool = False) -> Stats:
     """This process's memory now: PyTorch's allocator counters for `device` (default: the current CUDA
     device), NVML's view of the process, and the CPU's RSS (and USS/PSS with `uss=True`). Cheap by default
@@ -274,41 +291,26 @@ def stats(device: Any = None, *, uss: bool = False) -> Stats:
     torch = _torch()
     dev = _cuda_index(device, torch)
     t_ns = time.monotonic_ns()
-    gpu: dict[str, int | None] = dict.fromkeys(
-        (
-            "allocated_bytes",
-            "reserved_bytes",
-            "peak_allocated_bytes",
-            "peak_reserved_bytes",
-            "active_bytes",
-            "inactive_split_bytes",
-            "num_alloc_retries",
-            "num_ooms",
-            "nvml_process_bytes",
-            "non_torch_bytes",
-            "device_total_bytes",
-            "device_free_bytes",
-        )
-    )
+    gpu: dict[str, int | None] = dict.fromkeys(GPU_FIELDS)
     if dev is not None:
-        c = _counters(torch, dev) or (0, 0, 0, 0, 0, 0, 0, 0)
+        c = _counters(torch, dev) or _ledger.NO_COUNTERS
         acc_alloc, acc_reserved = _ledger.gpu_acc.get(dev, (0, 0))
         gpu.update(
-            allocated_bytes=c[0],
-            reserved_bytes=c[1],
-            peak_allocated_bytes=max(c[2], acc_alloc),
-            peak_reserved_bytes=max(c[3], acc_reserved),
-            active_bytes=c[4],
-            inactive_split_bytes=c[5],
-            num_alloc_retries=c[6],
-            num_ooms=c[7],
+            allocated_bytes=c.allocated_bytes,
+            reserved_bytes=c.reserved_bytes,
+            peak_allocated_bytes=max(c.peak_allocated_bytes, acc_alloc),
+            peak_reserved_bytes=max(c.peak_reserved_bytes, acc_reserved),
+            active_bytes=c.active_bytes,
+            inactive_split_bytes=c.inactive_split_bytes,
+            num_alloc_retries=c.num_alloc_retries,
+            num_ooms=c.num_ooms,
         )
         nv = _nvml(torch, dev)
         if nv is not None:
-            total, _used, free, mine, _others = nv
-            gpu.update(device_total_bytes=total, device_free_bytes=free, nvml_process_bytes=mine)
+            mine = nv.process_bytes
+            gpu.update(device_total_bytes=nv.total_bytes, device_free_bytes=nv.free_bytes, nvml_process_bytes=mine)
             if mine is not None:
-                gpu["non_torch_bytes"] = mine - c[1]
+                gpu["non_torch_bytes"] = mine - c.reserved_bytes
     rss = _native.self_rss_bytes()
     rollup = _native.self_rollup() if uss else None
     rank, local_rank, world_size = _rank.identity()
@@ -389,9 +391,9 @@ def peak(device: Any = None) -> Peak:
         rss = max(_ledger.rss_acc, mem[1] if _ledger.rss_reset_works else 0) if mem else None
         alloc = reserved = None
         if dev is not None:
-            c = _counters(torch, dev) or (0, 0, 0, 0, 0, 0, 0, 0)
+            c = _counters(torch, dev) or _ledger.NO_COUNTERS
             a, r = _ledger.gpu_acc.get(dev, (0, 0))
-            alloc, reserved = max(a, c[2]), max(r, c[3])
+            alloc, reserved = max(a, c.peak_allocated_bytes), max(r, c.peak_reserved_bytes)
     return Peak(dev, alloc, reserved, rss)
 
 
@@ -457,9 +459,9 @@ def empty_cache(device: Any = None) -> CacheRelease:
     reserved_before = reserved_after = nvml_before = nvml_after = None
     if dev is not None:
         c = _counters(torch, dev)
-        reserved_before = c[1] if c else 0
+        reserved_before = c.reserved_bytes if c is not None else 0
         nv = _nvml(torch, dev)
-        nvml_before = nv[3] if nv else None
+        nvml_before = nv.process_bytes if nv is not None else None
     rss_before = _native.self_rss_bytes()
     if dev is not None and _cuda_initialized(torch):
         with torch.cuda.device(dev):
@@ -467,9 +469,9 @@ def empty_cache(device: Any = None) -> CacheRelease:
     _native.malloc_trim()
     if dev is not None:
         c = _counters(torch, dev)
-        reserved_after = c[1] if c else 0
+        reserved_after = c.reserved_bytes if c is not None else 0
         nv = _nvml(torch, dev)
-        nvml_after = nv[3] if nv else None
+        nvml_after = nv.process_bytes if nv is not None else None
     rss_after = _native.self_rss_bytes()
     _mark("Cache emptied", dev)
     return CacheRelease(dev, reserved_before, reserved_after, nvml_before, nvml_after, rss_before, rss_after)
@@ -489,8 +491,8 @@ def _memory_now(dev: int | None) -> dict[str, Any]:
     mem: dict[str, Any] = {"rss_bytes": _native.self_rss_bytes()}
     torch = _torch() if dev is not None else None
     if torch is not None:
-        c = _counters(torch, dev)  # type: ignore[arg-type]
-        mem["allocated_bytes"], mem["reserved_bytes"] = (c[0], c[1]) if c else (0, 0)
+        c = _counters(torch, dev) or _ledger.NO_COUNTERS  # type: ignore[arg-type]
+        mem["allocated_bytes"], mem["reserved_bytes"] = c.allocated_bytes, c.reserved_bytes
     return mem
 
 
@@ -555,9 +557,8 @@ class _Span:
         self.window, rss, counters = _ledger.open_window(_torch(), dev)
         self.entry: dict[str, Any] = {"rss_bytes": rss}
         if dev is not None:
-            self.entry["allocated_bytes"], self.entry["reserved_bytes"] = (
-                (counters[0], counters[1]) if counters else (0, 0)
-            )
+            c = counters or _ledger.NO_COUNTERS
+            self.entry["allocated_bytes"], self.entry["reserved_bytes"] = c.allocated_bytes, c.reserved_bytes
         self.start = _record(kind, "start", name, index, self.entry, dev, extra)
         self.t0_ns: int = self.start["t_ns"]
 
@@ -565,7 +566,8 @@ class _Span:
         peak_rss, peak_alloc, peak_reserved, rss, counters = _ledger.close_window(_torch(), self.window)
         exit_mem: dict[str, Any] = {"rss_bytes": rss, "peak_rss_bytes": peak_rss}
         if self.dev is not None:
-            exit_mem["allocated_bytes"], exit_mem["reserved_bytes"] = (counters[0], counters[1]) if counters else (0, 0)
+            c = counters or _ledger.NO_COUNTERS
+            exit_mem["allocated_bytes"], exit_mem["reserved_bytes"] = c.allocated_bytes, c.reserved_bytes
             exit_mem["peak_allocated_bytes"], exit_mem["peak_reserved_bytes"] = peak_alloc, peak_reserved
         return _record(self.kind, "end", self.name, self.index, exit_mem, self.dev, extra)
 

@@ -179,7 +179,7 @@ class Monitor:
         if dev is not None:
             nv = _api._nvml(_api._torch(), dev)
             if nv is not None:
-                return nv[0]
+                return nv.total_bytes
             torch = _api._torch()
             try:
                 return int(torch.cuda.get_device_properties(dev).total_memory)

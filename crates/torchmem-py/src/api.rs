@@ -97,13 +97,56 @@ fn nvml_index_of_torch(torch_index: u32, uuid: Option<&str>) -> Option<u32> {
     nvml_index_of_torch_device(|u| nvml.index_of_uuid(u), torch_index, uuid, visible.as_deref())
 }
 
-/// `(total_bytes, used_bytes, free_bytes, process_bytes or None, other_processes_bytes)` of NVML device
-/// `index`, where process_bytes is what NVML charges to `pid`.
+/// One NVML read of a device, in bytes: what `nvml_read` returns (`torchmem.stats()`'s device numbers).
+#[pyclass(frozen, get_all, eq, module = "torchmem._native")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NvmlReading {
+    total_bytes: u64,
+    used_bytes: u64,
+    free_bytes: u64,
+    /// What NVML charges to the pid asked about; None when NVML lists no such process on the device.
+    process_bytes: Option<u64>,
+    /// What NVML charges to every other process on the device.
+    other_processes_bytes: u64,
+}
+
+#[pymethods]
+impl NvmlReading {
+    /// A reading built by hand (tests, fakes of NVML); `nvml_read` makes the real ones.
+    #[new]
+    #[pyo3(signature = (*, total_bytes, used_bytes, free_bytes, process_bytes, other_processes_bytes))]
+    fn new(
+        total_bytes: u64,
+        used_bytes: u64,
+        free_bytes: u64,
+        process_bytes: Option<u64>,
+        other_processes_bytes: u64,
+    ) -> Self {
+        NvmlReading { total_bytes, used_bytes, free_bytes, process_bytes, other_processes_bytes }
+    }
+
+    fn __repr__(&self) -> String {
+        let process = self.process_bytes.map_or_else(|| "None".to_owned(), |b| b.to_string());
+        format!(
+            "NvmlReading(total_bytes={}, used_bytes={}, free_bytes={}, process_bytes={process}, \
+             other_processes_bytes={})",
+            self.total_bytes, self.used_bytes, self.free_bytes, self.other_processes_bytes
+        )
+    }
+}
+
+/// NVML device `index` now, with what NVML charges to `pid` and to the other processes.
 #[pyfunction]
-fn nvml_read(py: Python<'_>, index: u32, pid: u32) -> Result<(u64, u64, u64, Option<u64>, u64)> {
+fn nvml_read(py: Python<'_>, index: u32, pid: u32) -> Result<NvmlReading> {
     py.detach(|| {
         let r = nvml()?.lock().expect("NVML lock").read(index)?;
-        Ok((r.total_bytes, r.used_bytes, r.free_bytes, r.this_process_bytes(pid), r.other_processes_bytes(pid)))
+        Ok(NvmlReading {
+            total_bytes: r.total_bytes,
+            used_bytes: r.used_bytes,
+            free_bytes: r.free_bytes,
+            process_bytes: r.this_process_bytes(pid),
+            other_processes_bytes: r.other_processes_bytes(pid),
+        })
     })
 }
 
@@ -363,21 +406,47 @@ impl DeviceMap {
     }
 }
 
-/// The counters of one device as the sampler reads them: `(allocated, reserved, peak_allocated,
-/// peak_reserved, active, inactive_split, num_alloc_retries, num_ooms)` from a `_cuda_memoryStats` dict.
+/// The counters of one device as the sampler reads them, for Python: core's `AllocatorCounters` (one field per
+/// counter, read-only) behind `allocator_counters`.
+#[pyclass(frozen, eq, module = "torchmem._native", name = "AllocatorCounters")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PyAllocatorCounters(AllocatorCounters);
+
+/// One read-only attribute per counter, named as core's field, and a repr that names each (one list).
+macro_rules! counter_attributes {
+    ($($field:ident),+ $(,)?) => {
+        #[pymethods]
+        impl PyAllocatorCounters {
+            $(
+                #[getter]
+                fn $field(&self) -> u64 {
+                    self.0.$field
+                }
+            )+
+
+            fn __repr__(&self) -> String {
+                let fields = [$(format!(concat!(stringify!($field), "={}"), self.0.$field)),+];
+                format!("AllocatorCounters({})", fields.join(", "))
+            }
+        }
+    };
+}
+
+counter_attributes!(
+    allocated_bytes,
+    reserved_bytes,
+    peak_allocated_bytes,
+    peak_reserved_bytes,
+    active_bytes,
+    inactive_split_bytes,
+    num_alloc_retries,
+    num_ooms,
+);
+
+/// The counters of one device from a `_cuda_memoryStats` dict (missing keys read as 0), as the sampler reads them.
 #[pyfunction]
-fn allocator_counters(nested: &Bound<'_, PyAny>) -> (u64, u64, u64, u64, u64, u64, u64, u64) {
-    let c = counters_from_nested(nested);
-    (
-        c.allocated_bytes,
-        c.reserved_bytes,
-        c.peak_allocated_bytes,
-        c.peak_reserved_bytes,
-        c.active_bytes,
-        c.inactive_split_bytes,
-        c.num_alloc_retries,
-        c.num_ooms,
-    )
+fn allocator_counters(nested: &Bound<'_, PyAny>) -> PyAllocatorCounters {
+    PyAllocatorCounters(counters_from_nested(nested))
 }
 
 /// One sampler read, returned instead of sent (to time it and to test it): wire lines keyed by NVML index.
@@ -544,6 +613,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // The names a breakdown entry carries as `<name>_bytes` (core's `breakdown::Category`, one list).
     let categories: Vec<&str> = torchmem_core::breakdown::Category::ALL.iter().map(|c| c.as_str()).collect();
     m.add("BREAKDOWN_CATEGORIES", pyo3::types::PyTuple::new(m.py(), categories)?)?;
+    m.add_class::<NvmlReading>()?;
+    m.add_class::<PyAllocatorCounters>()?;
     m.add_function(wrap_pyfunction!(self_memory, m)?)?;
     m.add_function(wrap_pyfunction!(self_rss_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(self_rollup, m)?)?;
