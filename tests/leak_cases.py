@@ -1,7 +1,7 @@
 """Training scripts that leak memory in one way each (the leaking line ends with `# LEAK`), and healthy ones
 whose memory rises then plateaus. `tests/test_leaks.py` runs them on the CPU, `scripts/gpu_check_leaks.py` on
 CUDA (the device is the script's first argument). Each prints `LEAKS <json of mon.leaks()>` and
-`PROBES <number of probes run>` at its end."""
+`PROBES <number of probes run>` at its end, and `READS <json of (RSS, malloc's free bytes) at each step end>`."""
 
 from __future__ import annotations
 
@@ -21,12 +21,20 @@ model = torch.nn.Sequential(
 ).to(DEVICE)
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 mon = torchmem.Monitor(model, opt, verbose=False)
+# What the leak detector is fed at each step end: (RSS, what malloc keeps freed), read right after it.
+READS = []
+_step_end = mon._leaks.step_end
+def _read_step_end(memory, index):
+    _step_end(memory, index)
+    READS.append((torchmem._native.self_rss_bytes(), torchmem._native.malloc_free_bytes()))
+mon._leaks.step_end = _read_step_end
 """
 
 _TAIL = """
 print("LEAKS " + json.dumps(mon.leaks()))
 print("PROBES " + str(len(mon._leaks.reports) + mon._leaks.probing))
 print("GROWTH " + json.dumps([r.get("growth") for r in mon._leaks.reports]))
+print("READS " + json.dumps(READS))
 """
 
 # One training step of the cases that train; each case adds its own lines around it (the `# LEAK` line is the
@@ -114,3 +122,13 @@ def parse(stdout: str) -> tuple[list[dict], int]:
     if leaks is None or probes is None:
         raise AssertionError(f"the script printed no LEAKS/PROBES line:\n{stdout}")
     return leaks, probes
+
+
+def reads_of(stdout: str) -> list[tuple[int, int]]:
+    """The (RSS, malloc's free bytes) a case read at each step end."""
+    import json
+
+    for line in stdout.splitlines():
+        if line.startswith("READS "):
+            return [tuple(r) for r in json.loads(line[6:])]
+    raise AssertionError(f"the script printed no READS line:\n{stdout}")

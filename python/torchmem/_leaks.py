@@ -97,7 +97,9 @@ class LeakDetector:
         if probe is None:
             if self._probes >= self.max_probes:
                 return
-            found = self._growth.push(memory.get("allocated_bytes"), memory.get("rss_bytes"))
+            found = self._growth.push(
+                memory.get("allocated_bytes"), memory.get("rss_bytes"), _native.malloc_free_bytes()
+            )
             if found is not None:
                 self._start(found, index)
             return

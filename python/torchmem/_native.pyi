@@ -83,6 +83,10 @@ def self_memory() -> tuple[int, int] | None:
 def self_rss_bytes() -> int | None:
     """RSS of this process in bytes from /proc/self/statm (~2 µs)."""
 
+def malloc_free_bytes() -> int | None:
+    """Bytes glibc's malloc keeps freed for reuse (`mallinfo2().fordblks`, all arenas): resident memory nothing
+    holds, which RSS counts; None where the C library has no `mallinfo2` (not glibc >= 2.33)."""
+
 def self_rollup() -> tuple[int, int, int, int] | None:
     """(rss_bytes, pss_bytes, uss_bytes, swap_bytes) from /proc/self/smaps_rollup (milliseconds on big processes)."""
 
@@ -198,45 +202,57 @@ def stop_allocator_sampler() -> bool:
 def allocator_sampler_running() -> bool:
     """True while the sampler thread runs in this process."""
 
-
 # --- line profiler (crates/torchmem-py/src/line.rs) ---
 def line_start(hook: str, gate_ns: float | None = None, gpu_probe: Any = None) -> dict[str, Any]:
     """Start the line profiler. `hook`: "settrace" (Python <= 3.11) or "monitoring" (>= 3.12). `gate_ns`
     overrides the calibrated gate (0 = read memory at every event). `gpu_probe()` returns None until CUDA is
     initialised, then `(device, stats, reset)`: the allocator's own `_cuda_memoryStats` and the peak ledger's
     reset for the line profiler. Returns {"hook", "gate_ns", "min_page_fault_ns"}."""
+
 def line_fold_gpu_peak(device: int, peak_bytes: int) -> None:
     """The peak ledger's fold: another reader saw `peak_bytes` as device `device`'s allocated peak just before
     resetting the counters; the line profiler's next read of that device counts it."""
+
 def line_stop() -> None:
     """Stop accounting (hooks still installed return at once)."""
+
 def line_clear() -> None:
     """Forget all measured numbers; registered code objects stay."""
+
 def line_add_code(code: Any, first_line: int, offsets: list[tuple[int, int, int | None]]) -> int:
     """Profile this code object; `offsets` is `list(code.co_lines())`."""
+
 def line_set_matcher(matcher: Any = None) -> None:
     """`matcher(code) -> bool` is asked once per unknown code object at its first call (`--line=SPEC`)."""
+
 def line_set_disable(obj: Any) -> None:
     """Give the profiler `sys.monitoring.DISABLE`."""
+
 def line_monitoring_callbacks() -> dict[str, Any]:
     """Raw METH_FASTCALL builtins for sys.monitoring: keys "line", "start", "resume", "exit"."""
+
 def line_trace_install(on: bool) -> bool:
     """Install/remove the C trace function (PyEval_SetTrace via dlsym) on this thread; False if unavailable."""
+
 def line_trace_install_all() -> int | None:
     """Python <= 3.11: install the C trace function on every existing thread (the calling one included), as
     3.12's PyEval_SetTraceAllThreads does. How many threads got it; None where _PyEval_SetTrace is missing."""
 
 def line_thread_installer(_frame: Any, _event: Any, _arg: Any) -> None:
     """For `threading.settrace`: installs the C trace function in each new thread."""
+
 def line_snapshot() -> dict[str, Any]:
     """{"functions": [{"code", "calls", "threads", "lines": [(line, hits, rss_after_bytes, cpu_delta_bytes,
     cpu_delta_max_bytes, gpu_alloc_delta_bytes | None, gpu_peak_bytes | None, gpu_reserved_delta_bytes |
     None)]}], "warnings", "reads", "events", "gate_ns", "hook", "gpu_device"}."""
+
 def line_render_text(payloads: dict[str, Any] | list[dict[str, Any]]) -> str:
     """memory_profiler-style tables for line-profile payloads (`line_snapshot()` dicts; torchmem_core::lines).
     InputError (a ValueError) for anything that is not such a dict or a list of them."""
+
 def line_render_html(payloads: dict[str, Any] | list[dict[str, Any]]) -> str:
     """Self-contained HTML fragment (annotated source, heaviest lines highlighted)."""
+
 def line_report(payloads: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any]:
     """The `lines` section of `torchmem report --format json`, as a dict."""
 
@@ -254,9 +270,7 @@ def simulate(
     `torchmem simulate --json` plus `text` (and `min_memory` when asked). Raises SnapshotError, InputError
     (bad settings)."""
 
-def whatif(
-    path: str, memory_limit_bytes: int | None = None, device_total_bytes: int | None = None
-) -> dict[str, Any]:
+def whatif(path: str, memory_limit_bytes: int | None = None, device_total_bytes: int | None = None) -> dict[str, Any]:
     """The what-if panel of a snapshot file (pickle, JSON, gzipped): `devices` (per device `headline`,
     `rows` of the common settings with peaks, `avoids_recorded_oom`, `min_memory_bytes`, or `unavailable`:
     one line on why the trace cannot be simulated) and `text`. `memory_limit_bytes`: the per-process cap
@@ -328,11 +342,14 @@ class StepGrowthDetector:
     def __init__(self, warmup_steps: int = 5, window_steps: int = 8) -> None:
         """`warmup_steps` step ends are ignored (allocator warm-up, lazy optimizer state); growth is judged over
         the last `window_steps` steps. InputError when window_steps < 2."""
-    def push(self, allocated_bytes: int | None, rss_bytes: int | None) -> dict[str, Any] | None:
-        """One step end (allocated bytes: None without CUDA). None, or the growth as a dict ({"what",
-        "per_step_bytes", "window_steps", "rising_steps", "steps_seen"}) when at least 3/4 of the window's
-        steps rose and the net rise per step is at least 512 B (allocated, over `window_steps`) or 512 KiB
-        (RSS, over twice `window_steps`: RSS is noisy)."""
+    def push(
+        self, allocated_bytes: int | None, rss_bytes: int | None, malloc_free_bytes: int | None = None
+    ) -> dict[str, Any] | None:
+        """One step end (allocated bytes: None without CUDA; `malloc_free_bytes()`: None where it cannot be
+        read). None, or the growth as a dict ({"what", "per_step_bytes", "window_steps", "rising_steps",
+        "steps_seen"}) when at least 3/4 of the window's steps rose and the net rise per step is at least 512 B
+        (allocated, over `window_steps`) or 512 KiB (RSS less what malloc keeps freed, over twice
+        `window_steps`: RSS is noisy, and creeps in healthy loops by exactly what `free` keeps)."""
     def rearm(self) -> None:
         """Forgets the window: growth must be seen again over fresh steps (after a probe)."""
     @property

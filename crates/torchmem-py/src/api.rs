@@ -40,6 +40,12 @@ fn self_rollup(py: Python<'_>) -> Option<(u64, u64, u64, u64)> {
         .map(|r| (r.rss_bytes, r.pss_bytes, r.uss_bytes, r.swap_bytes))
 }
 
+/// What glibc's malloc keeps freed, for reuse (`mallinfo2().fordblks`); None where not glibc >= 2.33.
+#[pyfunction]
+fn malloc_free_bytes() -> Option<u64> {
+    self_proc::malloc_free_bytes()
+}
+
 /// Resets the peak RSS (VmHWM) to the current RSS; False where the kernel forbids it.
 #[pyfunction]
 fn reset_peak_rss() -> bool {
@@ -617,6 +623,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyAllocatorCounters>()?;
     m.add_function(wrap_pyfunction!(self_memory, m)?)?;
     m.add_function(wrap_pyfunction!(self_rss_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(malloc_free_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(self_rollup, m)?)?;
     m.add_function(wrap_pyfunction!(reset_peak_rss, m)?)?;
     m.add_function(wrap_pyfunction!(malloc_trim, m)?)?;

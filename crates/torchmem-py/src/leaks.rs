@@ -9,8 +9,9 @@ use torchmem_core::report::{cells, table};
 use crate::convert::{from_py, to_py};
 use crate::errors::{Error, Result};
 
-/// Step-level growth detection: `push(allocated_bytes, rss_bytes)` at each step end; the growth (a dict of
-/// `leaks::StepGrowth`) when memory rose over most of the last `window_steps` steps after `warmup_steps`.
+/// Step-level growth detection: `push(allocated_bytes, rss_bytes, malloc_free_bytes)` at each step end; the
+/// growth (a dict of `leaks::StepGrowth`) when memory rose over most of the last `window_steps` steps after
+/// `warmup_steps` (RSS less what malloc keeps freed).
 #[pyclass(module = "torchmem._native")]
 pub struct StepGrowthDetector {
     inner: leaks::StepGrowthDetector,
@@ -30,14 +31,16 @@ impl StepGrowthDetector {
     }
 
     /// One step's end; None, or the growth (`leaks::StepGrowth` as a dict).
-    #[pyo3(signature = (allocated_bytes, rss_bytes))]
+    #[pyo3(signature = (allocated_bytes, rss_bytes, malloc_free_bytes=None))]
     fn push<'py>(
         &mut self,
         py: Python<'py>,
         allocated_bytes: Option<u64>,
         rss_bytes: Option<u64>,
+        malloc_free_bytes: Option<u64>,
     ) -> Result<Option<Bound<'py, PyAny>>> {
-        self.inner.push(allocated_bytes, rss_bytes).map(|g| to_py(py, &g)).transpose()
+        let end = leaks::StepEnd { allocated_bytes, rss_bytes, malloc_free_bytes };
+        self.inner.push(end).map(|g| to_py(py, &g)).transpose()
     }
 
     /// Forgets the window: growth must be seen again over fresh steps.

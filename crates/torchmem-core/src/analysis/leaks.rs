@@ -10,7 +10,12 @@
 //!    also stalls for a step or two at a time (glibc hands out freed chunks before it grows the heap: the CPU
 //!    cache case measured 10 of 39 steps flat or falling while it grew 4 MiB per step), so RSS is growth too
 //!    when every 4-step stretch of the window rose and the net rise is 4x the minimum
-//!    per step (`chunk_growth`; measured: leaks 3-5.6 MiB per step, a healthy loop up to 1 MiB). O(window) per step.
+//!    per step (`chunk_growth`; measured: leaks 3-5.6 MiB per step, a healthy loop up to 1 MiB). RSS is judged
+//!    less what glibc's malloc keeps freed (`mallinfo2().fordblks`) where that can be read: a healthy loop's
+//!    RSS creeps without bound by exactly that (measured: `tests/leak_cases.py`'s healthy cache, RssAnon +69 MiB
+//!    over 60 steps, fordblks +69 MiB, their difference flat to 1 MiB; once on a CI machine +2.6 MiB per step
+//!    over 16 steps), while memory that something holds, from malloc or not (pinned buffers, mmap), shows in
+//!    full. O(window) per step.
 //! 2. **Findings** (`leak_findings`): after growth is seen, the Python side probes a few steps (every tensor
 //!    created, by the first line outside torch; `tracemalloc` by line for Python objects; the autograd graph
 //!    that live tensors hold) and hands the per-line facts here. A line is a finding when its tensors from
@@ -39,6 +44,17 @@ pub struct StepGrowth {
     pub rising_steps: usize,
     /// Steps seen so far (the index of the last step end, counting from 1).
     pub steps_seen: u64,
+}
+
+/// What the Monitor reads at one step end.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepEnd {
+    /// `torch.cuda.memory_allocated()` (None without CUDA).
+    pub allocated_bytes: Option<u64>,
+    pub rss_bytes: Option<u64>,
+    /// What glibc's malloc keeps freed (`sources::self_proc::malloc_free_bytes`; None elsewhere): RSS that
+    /// nothing holds, taken off RSS before it is judged.
+    pub malloc_free_bytes: Option<u64>,
 }
 
 /// The growth rule on one window of end-of-step values: at least 3/4 of the step-to-step differences rise,
@@ -91,6 +107,19 @@ pub struct StepGrowthDetector {
     rss: VecDeque<u64>,
 }
 
+/// Pushes `v` into a window of `keep` values; a missing value empties it (the window restarts).
+fn push_window(q: &mut VecDeque<u64>, v: Option<u64>, keep: usize) {
+    match v {
+        Some(v) => {
+            q.push_back(v);
+            if q.len() > keep {
+                q.pop_front();
+            }
+        }
+        None => q.clear(),
+    }
+}
+
 impl StepGrowthDetector {
     pub fn new(warmup_steps: u64, window_steps: usize) -> StepGrowthDetector {
         StepGrowthDetector {
@@ -115,51 +144,39 @@ impl StepGrowthDetector {
         self.rss.clear();
     }
 
-    /// One step's end: allocated bytes (None without CUDA) and RSS. Returns the growth when the window rises.
-    pub fn push(&mut self, allocated_bytes: Option<u64>, rss_bytes: Option<u64>) -> Option<StepGrowth> {
+    /// One step's end. Returns the growth when the window rises (allocated bytes, or RSS less what malloc
+    /// keeps freed).
+    pub fn push(&mut self, end: StepEnd) -> Option<StepGrowth> {
         self.steps_seen += 1;
         if self.steps_seen <= self.warmup_steps {
             return None;
         }
-        let windows = [self.window_steps, self.rss_window_steps];
-        for ((q, v), window) in
-            [(&mut self.allocated, allocated_bytes), (&mut self.rss, rss_bytes)].into_iter().zip(windows)
-        {
-            let keep = window + 1;
-            match v {
-                Some(v) => {
-                    q.push_back(v);
-                    if q.len() > keep {
-                        q.pop_front();
-                    }
-                }
-                None => q.clear(),
+        let (keep, rss_keep) = (self.window_steps + 1, self.rss_window_steps + 1);
+        let held_rss = end.rss_bytes.map(|rss| rss.saturating_sub(end.malloc_free_bytes.unwrap_or(0)));
+        push_window(&mut self.allocated, end.allocated_bytes, keep);
+        push_window(&mut self.rss, held_rss, rss_keep);
+        let growth = |what: &str, (per_step_bytes, rising_steps), window_steps| StepGrowth {
+            what: what.into(),
+            per_step_bytes,
+            window_steps,
+            rising_steps,
+            steps_seen: self.steps_seen,
+        };
+        if self.allocated.len() == keep {
+            let values: Vec<u64> = self.allocated.iter().copied().collect();
+            if let Some(found) = step_growth(&values, self.min_allocated_per_step_bytes) {
+                return Some(growth("GPU allocated", found, self.window_steps));
             }
         }
-        let series: [(&str, &VecDeque<u64>, i64, usize); 2] = [
-            ("GPU allocated", &self.allocated, self.min_allocated_per_step_bytes, self.window_steps),
-            ("CPU RSS", &self.rss, self.min_rss_per_step_bytes, self.rss_window_steps),
-        ];
-        for (what, q, min, window) in series {
-            if q.len() < window + 1 {
-                continue;
-            }
-            let values: Vec<u64> = q.iter().copied().collect();
-            let rss = what == "CPU RSS";
-            // The stalling-leak rule asks 4x the rise per step: a healthy loop's RSS was measured climbing 1 MiB per
-            // step over 16 steps with 7 of them rising (`tests/leak_cases.py`'s healthy cache, 1 run in 10).
-            let found = step_growth(&values, min).or_else(|| rss.then(|| chunk_growth(&values, 4, 4 * min)).flatten());
-            if let Some((per, rising)) = found {
-                return Some(StepGrowth {
-                    what: what.into(),
-                    per_step_bytes: per,
-                    window_steps: window,
-                    rising_steps: rising,
-                    steps_seen: self.steps_seen,
-                });
-            }
+        if self.rss.len() < rss_keep {
+            return None;
         }
-        None
+        let values: Vec<u64> = self.rss.iter().copied().collect();
+        let min = self.min_rss_per_step_bytes;
+        // The stalling-leak rule asks 4x the rise per step: a healthy loop's RSS was measured climbing 1 MiB per
+        // step over 16 steps with 7 of them rising (`tests/leak_cases.py`'s healthy cache, 1 run in 10).
+        let found = step_growth(&values, min).or_else(|| chunk_growth(&values, 4, 4 * min))?;
+        Some(growth("CPU RSS", found, self.rss_window_steps))
     }
 }
 
@@ -439,6 +456,39 @@ mod tests {
 
     const MIB: u64 = 1 << 20;
 
+    /// A step end with allocated bytes and RSS only (malloc's free bytes not read: RSS is judged whole).
+    fn end(allocated_bytes: Option<u64>, rss_bytes: Option<u64>) -> StepEnd {
+        StepEnd { allocated_bytes, rss_bytes, ..Default::default() }
+    }
+
+    #[test]
+    fn rss_is_judged_less_what_malloc_keeps_freed() {
+        // RSS +2.5 MiB per step for 24 steps (the CI machine's healthy cache rose 2.6 MiB per step over 16).
+        let rss = |i: u64| Some(700 * MIB + i * 5 * MIB / 2);
+        let run = |free: &dyn Fn(u64) -> Option<u64>| {
+            let mut d = StepGrowthDetector::new(5, 8);
+            (0..24u64)
+                .find_map(|i| d.push(StepEnd { allocated_bytes: None, rss_bytes: rss(i), malloc_free_bytes: free(i) }))
+        };
+        // Healthy, as measured: what malloc keeps freed rose with RSS (give or take a few KiB).
+        assert_eq!(run(&|i| Some(40 * MIB + i * 5 * MIB / 2 - (i % 3) * 4096)), None);
+        // A leak, from malloc (its free bytes flat) or not (pinned buffers, mmap): RSS counts in full.
+        let g = run(&|_| Some(40 * MIB)).expect("held: growth");
+        assert_eq!((g.what.as_str(), g.per_step_bytes, g.window_steps), ("CPU RSS", 5 * MIB as i64 / 2, 16));
+        // A leak that reuses what malloc kept: RSS flat, free bytes falling.
+        let mut d = StepGrowthDetector::new(5, 8);
+        let reuse = (0..24u64).find_map(|i| {
+            d.push(StepEnd {
+                allocated_bytes: None,
+                rss_bytes: Some(700 * MIB),
+                malloc_free_bytes: Some(100 * MIB - i * MIB),
+            })
+        });
+        assert_eq!(reuse.map(|g| g.per_step_bytes), Some(MIB as i64));
+        // Not read (not glibc): RSS whole, as before.
+        assert!(run(&|_| None).is_some());
+    }
+
     #[test]
     fn steady_rise_is_growth_and_plateaus_are_not() {
         let leak: Vec<u64> = (0..9).map(|i| 100 * MIB + i * MIB).collect();
@@ -465,13 +515,13 @@ mod tests {
             if step == 1 {
                 alloc += 50 * MIB;
             }
-            assert_eq!(d.push(Some(alloc), Some(300 * MIB)), None, "step {step}");
+            assert_eq!(d.push(end(Some(alloc), Some(300 * MIB))), None, "step {step}");
         }
         // Now a leak of 2 MiB per step on the GPU: seen after a full window.
         let mut hit = None;
         for step in 0..20 {
             alloc += 2 * MIB;
-            if let Some(g) = d.push(Some(alloc), Some(300 * MIB)) {
+            if let Some(g) = d.push(end(Some(alloc), Some(300 * MIB))) {
                 hit = Some((step, g));
                 break;
             }
@@ -481,7 +531,7 @@ mod tests {
         // The net rise over the whole window: 6 x 2 MiB over 8 steps.
         assert_eq!((g.what.as_str(), g.per_step_bytes), ("GPU allocated", 3 * MIB as i64 / 2));
         d.rearm();
-        assert_eq!(d.push(Some(alloc + 2 * MIB), None), None, "a fresh window is needed");
+        assert_eq!(d.push(end(Some(alloc + 2 * MIB), None)), None, "a fresh window is needed");
     }
 
     #[test]
@@ -489,7 +539,7 @@ mod tests {
         let mut d = StepGrowthDetector::new(0, 8);
         let mut got = None;
         for i in 0..17u64 {
-            got = d.push(None, Some(300 * MIB + i * 100 * 1024));
+            got = d.push(end(None, Some(300 * MIB + i * 100 * 1024)));
         }
         assert_eq!(got, None, "100 KiB per step of RSS is noise");
         // A healthy loop's RSS as measured (KiB at step ends): a burst of +21 MiB over 4 steps, then back.
@@ -498,11 +548,11 @@ mod tests {
             749420, 752492, 758636, 753416, 744200, 744200,
         ];
         let mut d = StepGrowthDetector::new(0, 8);
-        assert!(healthy.iter().all(|kib| d.push(None, Some(kib << 10)).is_none()));
+        assert!(healthy.iter().all(|kib| d.push(end(None, Some(kib << 10))).is_none()));
         let mut d = StepGrowthDetector::new(0, 8);
         let mut at = None;
         for i in 0..40u64 {
-            if d.push(None, Some(300 * MIB + i * MIB)).is_some() {
+            if d.push(end(None, Some(300 * MIB + i * MIB))).is_some() {
                 at = Some(i);
                 break;
             }
@@ -524,7 +574,7 @@ mod tests {
         let mut at = None;
         for (i, step) in std::iter::once(0).chain(diffs).enumerate() {
             kib += step;
-            if let Some(g) = d.push(None, Some((kib as u64) << 10)) {
+            if let Some(g) = d.push(end(None, Some((kib as u64) << 10))) {
                 at = Some((i, g));
                 break;
             }
