@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -501,10 +502,43 @@ def test_nvml_reading_names_its_fields():
         assert type(real) is _native.NvmlReading and 0 < real.used_bytes <= real.total_bytes
 
 
+def _status_kib(field: str) -> int:
+    """One `VmRSS:`-style line of /proc/self/status, in KiB."""
+    line = next(ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith(field + ":"))
+    return int(line.split()[1])
+
+
+def test_this_process_memory_comes_as_named_records_that_follow_proc():
+    """`self_memory` and `self_rollup` return frozen records named by field (no positional tuples), and their
+    numbers are /proc's for the same moment: 64 MiB touched shows in RSS, peak RSS, USS and PSS."""
+    before = _native.self_memory()
+    assert type(before) is _native.SelfMemory and type(before).__module__ == "torchmem._native"
+    assert {k for k in dir(before) if not k.startswith("_")} == {"rss_bytes", "peak_rss_bytes"}
+    assert repr(before) == f"SelfMemory(rss_bytes={before.rss_bytes}, peak_rss_bytes={before.peak_rss_bytes})"
+    held = bytearray(64 * MIB)
+    held[::4096] = b"x" * (len(held) // 4096)  # touch every page
+    mem, rss_kib, hwm_kib = _native.self_memory(), _status_kib("VmRSS"), _status_kib("VmHWM")
+    assert abs(mem.rss_bytes - rss_kib * 1024) < 4 * MIB and abs(mem.peak_rss_bytes - hwm_kib * 1024) < 4 * MIB
+    assert mem.rss_bytes >= before.rss_bytes + 60 * MIB and mem.peak_rss_bytes >= mem.rss_bytes
+    roll = _native.self_rollup()
+    assert type(roll) is _native.SmapsRollup
+    assert {k for k in dir(roll) if not k.startswith("_")} == {"rss_bytes", "pss_bytes", "uss_bytes", "swap_bytes"}
+    assert repr(roll).startswith(f"SmapsRollup(rss_bytes={roll.rss_bytes}, pss_bytes={roll.pss_bytes}, uss_bytes=")
+    # The 64 MiB are private: in USS and PSS alike; shared libraries make RSS >= PSS >= USS.
+    assert roll.rss_bytes >= roll.pss_bytes >= roll.uss_bytes >= 60 * MIB and roll.swap_bytes >= 0
+    assert abs(roll.rss_bytes - mem.rss_bytes) < 8 * MIB
+    for record, field in [(mem, "rss_bytes"), (roll, "uss_bytes")]:
+        with pytest.raises(AttributeError):
+            setattr(record, field, 0)
+    with pytest.raises(TypeError):
+        _native.SelfMemory()  # made only by self_memory
+    assert mem == mem and mem != before
+    del held
+
+
 def test_track_repr_names_the_phase_and_its_runs():
     t = torchmem.track("load")
     assert repr(t) == "<torchmem.track 'load': 0 runs>"
     with t:
         pass
     assert repr(t).startswith("<torchmem.track 'load': 1 run, last load (")
-

@@ -144,7 +144,7 @@ def fold_and_reset(torch: Any, dev: int | None) -> tuple[int | None, _native.All
     global rss_acc
     with lock:
         mem = _native.self_memory()
-        rss, rss_peak = (mem[0], mem[1]) if mem else (None, 0)
+        rss, rss_peak = (mem.rss_bytes, mem.peak_rss_bytes) if mem else (None, 0)
         for w in windows:
             w.rss = max(w.rss, rss_peak)
         rss_acc = max(rss_acc, rss_peak)
@@ -184,11 +184,11 @@ def close_window(
         c = counters(torch, w.dev) if (torch is not None and w.dev is not None) else None
         if w in windows:
             windows.remove(w)
-        rss = mem[0] if mem else None
+        rss = mem.rss_bytes if mem else None
         peak_rss = None
         if mem:
             # Without a working peak-RSS reset, VmHWM is the peak since start: use only what we saw.
-            peak_rss = max(w.rss, mem[1] if rss_reset_works else mem[0])
+            peak_rss = max(w.rss, mem.peak_rss_bytes if rss_reset_works else mem.rss_bytes)
         if c is not None:
             peak_alloc, peak_reserved = max(w.alloc, c.peak_allocated_bytes), max(w.reserved, c.peak_reserved_bytes)
         elif w.dev is None:
@@ -206,7 +206,7 @@ def reset_torchmem_peak(torch: Any, dev: int | None) -> None:
         if dev is not None:
             gpu_acc.pop(dev, None)
         mem = _native.self_memory()
-        rss_acc = mem[0] if mem else 0
+        rss_acc = mem.rss_bytes if mem else 0
 
 
 # --- the program's view: wrapped allocator bindings -------------------------------------------------------

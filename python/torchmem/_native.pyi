@@ -77,8 +77,18 @@ def cli_main() -> int:
     """Run the `torchmem` command line with `sys.argv`; returns the exit code."""
 
 # --- memory readers and reports (crates/torchmem-py/src/api.rs) ---
-def self_memory() -> tuple[int, int] | None:
-    """(rss_bytes, peak_rss_bytes) of this process from one read of /proc/self/status (VmRSS, VmHWM)."""
+@final
+class SelfMemory:
+    """This process's RSS and peak RSS in bytes, from one read of /proc/self/status (`self_memory`). Frozen:
+    read-only attributes, equal when every field is; the repr names every field."""
+
+    #: VmRSS.
+    rss_bytes: Final[int]
+    #: VmHWM: the highest RSS since the process started or since the last `reset_peak_rss()`.
+    peak_rss_bytes: Final[int]
+
+def self_memory() -> SelfMemory | None:
+    """This process's RSS and peak RSS from one read of /proc/self/status (VmRSS, VmHWM); None without /proc."""
 
 def self_rss_bytes() -> int | None:
     """RSS of this process in bytes from /proc/self/statm (~2 µs)."""
@@ -87,8 +97,20 @@ def malloc_free_bytes() -> int | None:
     """Bytes glibc's malloc keeps freed for reuse (`mallinfo2().fordblks`, all arenas): resident memory nothing
     holds, which RSS counts; None where the C library has no `mallinfo2` (not glibc >= 2.33)."""
 
-def self_rollup() -> tuple[int, int, int, int] | None:
-    """(rss_bytes, pss_bytes, uss_bytes, swap_bytes) from /proc/self/smaps_rollup (milliseconds on big processes)."""
+@final
+class SmapsRollup:
+    """This process's /proc/self/smaps_rollup in bytes (`self_rollup`). Frozen: read-only attributes, equal when
+    every field is; the repr names every field."""
+
+    rss_bytes: Final[int]
+    #: Proportional set size: each shared page divided among the processes that map it.
+    pss_bytes: Final[int]
+    #: Private_Clean + Private_Dirty: pages no other process maps.
+    uss_bytes: Final[int]
+    swap_bytes: Final[int]
+
+def self_rollup() -> SmapsRollup | None:
+    """RSS, PSS, USS and swap from /proc/self/smaps_rollup (milliseconds on big processes); None where missing."""
 
 def reset_peak_rss() -> bool:
     """Resets VmHWM to the current RSS (/proc/self/clear_refs "5"); False where the kernel forbids it."""

@@ -318,8 +318,8 @@ def stats(device: Any = None, *, uss: bool = False) -> Stats:
     return Stats(
         device=dev,
         rss_bytes=rss,
-        uss_bytes=rollup[2] if rollup else None,
-        pss_bytes=rollup[1] if rollup else None,
+        uss_bytes=rollup.uss_bytes if rollup else None,
+        pss_bytes=rollup.pss_bytes if rollup else None,
         t_ns=t_ns,
         rank=rank,
         local_rank=local_rank,
@@ -388,7 +388,7 @@ def peak(device: Any = None) -> Peak:
     dev = _cuda_index(device, torch)
     with _ledger.lock:
         mem = _native.self_memory()
-        rss = max(_ledger.rss_acc, mem[1] if _ledger.rss_reset_works else 0) if mem else None
+        rss = max(_ledger.rss_acc, mem.peak_rss_bytes if _ledger.rss_reset_works else 0) if mem else None
         alloc = reserved = None
         if dev is not None:
             c = _counters(torch, dev) or _ledger.NO_COUNTERS

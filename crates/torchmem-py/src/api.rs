@@ -20,10 +20,27 @@ use crate::errors::{Error, Result};
 
 // --- this process's memory -------------------------------------------------------------------------------
 
-/// `(rss_bytes, peak_rss_bytes)` from one read of /proc/self/status; None where /proc is missing.
+/// This process's RSS and peak RSS, in bytes, from one read of /proc/self/status: what `self_memory` returns.
+#[pyclass(frozen, get_all, eq, module = "torchmem._native")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SelfMemory {
+    /// `VmRSS`.
+    rss_bytes: u64,
+    /// `VmHWM`: the highest RSS since the process started or since the last `reset_peak_rss()`.
+    peak_rss_bytes: u64,
+}
+
+#[pymethods]
+impl SelfMemory {
+    fn __repr__(&self) -> String {
+        format!("SelfMemory(rss_bytes={}, peak_rss_bytes={})", self.rss_bytes, self.peak_rss_bytes)
+    }
+}
+
+/// RSS and peak RSS from one read of /proc/self/status; None where /proc is missing.
 #[pyfunction]
-fn self_memory() -> Option<(u64, u64)> {
-    self_proc::self_memory().map(|m| (m.rss_bytes, m.peak_rss_bytes))
+fn self_memory() -> Option<SelfMemory> {
+    self_proc::self_memory().map(|m| SelfMemory { rss_bytes: m.rss_bytes, peak_rss_bytes: m.peak_rss_bytes })
 }
 
 /// RSS in bytes from /proc/self/statm (the cheapest read).
@@ -32,12 +49,38 @@ fn self_rss_bytes() -> Option<u64> {
     self_proc::self_rss_bytes()
 }
 
-/// `(rss_bytes, pss_bytes, uss_bytes, swap_bytes)` from /proc/self/smaps_rollup (ms on big processes).
+/// This process's /proc/self/smaps_rollup, in bytes: what `self_rollup` returns.
+#[pyclass(frozen, get_all, eq, module = "torchmem._native")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SmapsRollup {
+    rss_bytes: u64,
+    /// Proportional set size: each shared page divided among the processes that map it.
+    pss_bytes: u64,
+    /// Private_Clean + Private_Dirty: pages no other process maps.
+    uss_bytes: u64,
+    swap_bytes: u64,
+}
+
+#[pymethods]
+impl SmapsRollup {
+    fn __repr__(&self) -> String {
+        format!(
+            "SmapsRollup(rss_bytes={}, pss_bytes={}, uss_bytes={}, swap_bytes={})",
+            self.rss_bytes, self.pss_bytes, self.uss_bytes, self.swap_bytes
+        )
+    }
+}
+
+/// RSS, PSS, USS and swap from /proc/self/smaps_rollup (milliseconds on big processes); None where missing.
 #[pyfunction]
-fn self_rollup(py: Python<'_>) -> Option<(u64, u64, u64, u64)> {
+fn self_rollup(py: Python<'_>) -> Option<SmapsRollup> {
     let pid = std::process::id();
-    py.detach(|| torchmem_core::sources::procfs::smaps_rollup(pid))
-        .map(|r| (r.rss_bytes, r.pss_bytes, r.uss_bytes, r.swap_bytes))
+    py.detach(|| torchmem_core::sources::procfs::smaps_rollup(pid)).map(|r| SmapsRollup {
+        rss_bytes: r.rss_bytes,
+        pss_bytes: r.pss_bytes,
+        uss_bytes: r.uss_bytes,
+        swap_bytes: r.swap_bytes,
+    })
 }
 
 /// What glibc's malloc keeps freed, for reuse (`mallinfo2().fordblks`); None where not glibc >= 2.33.
@@ -620,6 +663,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let categories: Vec<&str> = torchmem_core::breakdown::Category::ALL.iter().map(|c| c.as_str()).collect();
     m.add("BREAKDOWN_CATEGORIES", pyo3::types::PyTuple::new(m.py(), categories)?)?;
     m.add_class::<NvmlReading>()?;
+    m.add_class::<SelfMemory>()?;
+    m.add_class::<SmapsRollup>()?;
     m.add_class::<PyAllocatorCounters>()?;
     m.add_function(wrap_pyfunction!(self_memory, m)?)?;
     m.add_function(wrap_pyfunction!(self_rss_bytes, m)?)?;
