@@ -6,8 +6,10 @@ check never stops the others; the exit code is non-zero when any check failed. C
   - a line with a temporary shows the GPU peak torch.cuda reports for the same line;
   - CUDA initialised inside a profiled function;
   - HF GPT-2 (built from GPT2Config, no network) with gradient checkpointing trains under the profiler;
-  - the CPU correctness cases (64 MiB line, alloc/free loop, sum rule, threads, recursion, generators,
-    exceptions, FILE:FUNCTION spec) on this interpreter: on Python >= 3.12 that is the sys.monitoring path;
+  - the CPU tests themselves (`tests/test_line_profiler.py`: 64 MiB line, alloc/free loop, sum rule, threads,
+    recursion, generators, exceptions, both gates; `tests/test_line_bootstrap.py`: FILE:FUNCTION specs, an
+    unmodified memory_profiler script, `torchmem run --line`), by pytest on this interpreter: on Python >= 3.12
+    that is the sys.monitoring path (needs pytest, and the `torchmem` command on PATH);
   - `torchmem run --line` of a GPU script records an allocator timeline whose peak equals torch's (and plain
     `torchmem run` of the same script, side by side), also when the GPU work is short and ends with
     `empty_cache()` (the case that recorded no timeline at all);
@@ -286,124 +288,39 @@ def gpu_gpt2_checkpointing() -> None:
 
 
 # ---------------------------------------------------------------- CPU cases (3.12: sys.monitoring)
+# The line profiler's CPU tests themselves, not copies of them: on the H200's Python 3.12 they run the
+# sys.monitoring path that CI's 3.11 (the settrace path) cannot.
+CPU_TESTS = ("tests/test_line_profiler.py", "tests/test_line_bootstrap.py")
+
+
 def cpu_cases() -> None:
-    for gate in ("calibrated", "0"):
-        env = {} if gate == "calibrated" else {"TORCHMEM_LINE_GATE_NS": "0"}
-        tag = f"[{sys.version.split()[0]}, gate {gate}]"
-
-        def one(name, body, test, env=env, tag=tag):
-            def run():
-                r = child(body, env)
-                ok, detail = test(r)
-                check(f"cpu {name} {tag}", ok, detail)
-            guarded(f"cpu {name} {tag}", run)
-
-        one("64 MiB line", """
-            @torchmem.profile
-            def work():
-                big = torch.ones(64 * MIB, dtype=torch.uint8)
-                return big
-            keep = work()
-            RESULT["r"] = row(fn("work"), "big = torch.ones")
-            RESULT["hook"] = profile_data()["hook"]
-            """, lambda r: (near(r["r"]["cpu_delta_bytes"], 64 * MIB),
-                            f"CPU Δ {r['r']['cpu_delta_bytes']} B, expected {64 * MIB} B ±5%, hook {r['hook']}"))
-        one("alloc/free loop", """
-            @torchmem.profile
-            def loop():
-                for i in range(5):
-                    x = torch.ones(64 * MIB, dtype=torch.uint8)
-                    del x
-            loop()
-            f = fn("loop")
-            RESULT["a"], RESULT["d"] = row(f, "x = torch.ones"), row(f, "del x")
-            """, lambda r: (r["a"]["hits"] == 5 and near(r["a"]["cpu_delta_bytes"], 5 * 64 * MIB)
-                            and near(r["a"]["cpu_delta_max_bytes"], 64 * MIB)
-                            and near(r["d"]["cpu_delta_bytes"], -5 * 64 * MIB),
-                            f"alloc {r['a']['hits']} hits Σ {r['a']['cpu_delta_bytes']} max "
-                            f"{r['a']['cpu_delta_max_bytes']}, free Σ {r['d']['cpu_delta_bytes']}; expected "
-                            f"5 hits, Σ {5 * 64 * MIB}, max {64 * MIB}, free {-5 * 64 * MIB}"))
-        one("sum rule", """
-            @torchmem.profile
-            def work():
-                a = torch.ones(64 * MIB, dtype=torch.uint8)
-                b = torch.ones(32 * MIB, dtype=torch.uint8)
-                del a
-                return b
-            before = rss(); keep = work(); RESULT["change"] = rss() - before
-            RESULT["sum"] = sum(x.get("cpu_delta_bytes") or 0 for x in fn("work")["lines"])
-            """, lambda r: (abs(r["sum"] - r["change"]) < MIB,
-                            f"Σ lines {r['sum']} B, function's change {r['change']} B"))
-        one("threads", """
-            @torchmem.profile
-            def worker():
-                x = torch.ones(64 * MIB, dtype=torch.uint8)
-                del x
-            for _ in range(2):
-                t = threading.Thread(target=worker); t.start(); t.join()
-            f = fn("worker"); RESULT["t"] = f["threads"]; RESULT["a"] = row(f, "x = torch.ones")
-            """, lambda r: (r["t"] == 2 and r["a"]["hits"] == 2 and near(r["a"]["cpu_delta_bytes"], 128 * MIB),
-                            f"threads {r['t']}, hits {r['a']['hits']}, Σ {r['a']['cpu_delta_bytes']} B"))
-        one("recursion", """
-            @torchmem.profile
-            def rec(n):
-                x = torch.ones(64 * MIB, dtype=torch.uint8)
-                if n > 0:
-                    rec(n - 1)
-                del x
-            rec(2)
-            f = fn("rec"); RESULT["a"] = row(f, "x = torch.ones"); RESULT["c"] = row(f, "rec(n - 1)")
-            RESULT["calls"] = f["calls"]
-            """, lambda r: (r["calls"] == 3 and r["a"]["hits"] == 3 and near(r["a"]["cpu_delta_bytes"], 192 * MIB)
-                            and abs(r["c"]["cpu_delta_bytes"]) < 2 * MIB,
-                            f"calls {r['calls']}, alloc Σ {r['a']['cpu_delta_bytes']}, recursive line "
-                            f"{r['c']['cpu_delta_bytes']}"))
-        one("generator", """
-            @torchmem.profile
-            def batches():
-                for i in range(3):
-                    b = torch.ones(64 * MIB, dtype=torch.uint8)
-                    yield b
-                    del b
-            held = []
-            for b in batches():
-                held.append(torch.ones(64 * MIB, dtype=torch.uint8))
-                del b
-            f = fn("batches"); RESULT["m"] = row(f, "b = torch.ones"); RESULT["y"] = row(f, "yield b")
-            """, lambda r: (r["m"]["hits"] == 3 and near(r["m"]["cpu_delta_bytes"], 192 * MIB)
-                            and abs(r["y"]["cpu_delta_bytes"]) < 2 * MIB,
-                            f"make Σ {r['m']['cpu_delta_bytes']}, yield line {r['y']['cpu_delta_bytes']}"))
-        one("exceptions", """
-            def fail():
-                raise ValueError("boom")
-            @torchmem.profile
-            def thrower():
-                x = torch.ones(64 * MIB, dtype=torch.uint8)
-                fail()
-            @torchmem.profile
-            def catcher():
-                try:
-                    thrower()
-                except ValueError:
-                    y = 1
-                return y
-            for _ in range(2):
-                catcher()
-            t, c = fn("thrower"), fn("catcher")
-            RESULT["calls"] = [t["calls"], c["calls"]]; RESULT["ret"] = row(c, "return y")["hits"]
-            RESULT["x"] = row(t, "x = torch.ones")["cpu_delta_bytes"]
-            """, lambda r: (r["calls"] == [2, 2] and r["ret"] == 2 and near(r["x"], 128 * MIB),
-                            f"calls {r['calls']}, return hits {r['ret']}, x Σ {r['x']}"))
-        one("FILE:FUNCTION spec", """
-            import textwrap, runpy, tempfile
-            from torchmem.line_profiler import _bootstrap_line
-            d = tempfile.mkdtemp(); p = os.path.join(d, "user.py")
-            open(p, "w").write("import torch\\ndef plain():\\n    t = torch.ones(64 << 20, dtype=torch.uint8)\\n"
-                               "    return t\\nkeep = plain()\\n")
-            _bootstrap_line([p + ":plain"], p)
-            runpy.run_path(p, run_name="__main__")
-            RESULT["r"] = row(fn("plain"), "t = torch.ones")
-            """, lambda r: (near(r["r"]["cpu_delta_bytes"], 64 * MIB), f"CPU Δ {r['r']['cpu_delta_bytes']} B"))
+    tag = f"[{sys.version.split()[0]}]"
+    try:
+        import pytest  # noqa: F401
+    except ImportError:
+        check(f"cpu {' '.join(CPU_TESTS)} {tag}", False, "pytest is not installed here: pip install pytest")
+        return
+    p = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *CPU_TESTS],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=ROOT,
+    )
+    # `-rA`'s summary: "PASSED tests/x.py::test[id with spaces]", "FAILED tests/x.py::test - message".
+    summary = [ln.split(" ", 1) for ln in p.stdout.splitlines() if ln.startswith(("PASSED ", "FAILED ", "ERROR "))]
+    outcomes = [(outcome, rest.split(" - ", 1)[0]) for outcome, rest in summary]
+    for outcome, nodeid in outcomes:
+        check(f"cpu {nodeid} {tag}", outcome == "PASSED", outcome)
+    for ln in p.stdout.splitlines():
+        if ln.startswith("SKIPPED "):
+            print(f"INFO cpu {ln} {tag}", flush=True)
+    check(
+        f"cpu pytest {' '.join(CPU_TESTS)} {tag}",
+        p.returncode == 0 and bool(outcomes),
+        f"rc {p.returncode}, {len(outcomes)} tests: {p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ''}"
+        + ("" if p.returncode == 0 else f"\n{p.stdout[-3000:]}\n{p.stderr[-1500:]}"),
+    )
 
 
 def bench() -> None:
