@@ -40,7 +40,7 @@ _HAZARD_NOTE = (
 )
 
 
-def _torch() -> Any:
+def _import_torch() -> Any:
     import torch  # capture/on_oom are only useful in a torch program; importing it here is expected
 
     return torch
@@ -168,7 +168,7 @@ class capture:  # noqa: N801 - used as `with torchmem.capture(path):`, like a fu
         self._torch: Any = None
 
     def __enter__(self) -> capture:
-        torch = _torch()
+        torch = _import_torch()
         if not _cuda_ready(torch):
             warnings.warn(
                 "torchmem.capture: no CUDA device, so there is no allocator history to record; the block runs "
@@ -465,7 +465,7 @@ def on_oom(
     if stacks not in _VALID_STACKS:
         raise ValueError(f"stacks must be 'python', 'all' or None, not {stacks!r}")
     directory = Path(directory)
-    torch = _torch()
+    torch = _import_torch()
     if not _cuda_ready(torch):
         warnings.warn(
             "torchmem.on_oom: no CUDA device, so there is nothing to watch; no report will be written",
