@@ -18,29 +18,41 @@ use torchmem_core::sources::{device_info, self_proc};
 use crate::convert::to_py;
 use crate::errors::{Error, Result};
 
+/// A read-only record for Python around one of core's `u64` records (`$ty` is a newtype of it): one getter per
+/// field, named as core's field, and a repr `Name(field=value, ...)` that names each (one list).
+macro_rules! read_only_record {
+    ($ty:ident, $name:literal, $($field:ident),+ $(,)?) => {
+        #[pymethods]
+        impl $ty {
+            $(
+                #[getter]
+                fn $field(&self) -> u64 {
+                    self.0.$field
+                }
+            )+
+
+            fn __repr__(&self) -> String {
+                let fields = [$(format!(concat!(stringify!($field), "={}"), self.0.$field)),+];
+                format!(concat!($name, "({})"), fields.join(", "))
+            }
+        }
+    };
+}
+
 // --- this process's memory -------------------------------------------------------------------------------
 
-/// This process's RSS and peak RSS, in bytes, from one read of /proc/self/status: what `self_memory` returns.
-#[pyclass(frozen, get_all, eq, module = "torchmem._native")]
+/// This process's RSS and peak RSS, in bytes, from one read of /proc/self/status: core's `SelfMemory`
+/// (read-only attributes) behind `self_memory`.
+#[pyclass(frozen, eq, module = "torchmem._native", name = "SelfMemory")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SelfMemory {
-    /// `VmRSS`.
-    rss_bytes: u64,
-    /// `VmHWM`: the highest RSS since the process started or since the last `reset_peak_rss()`.
-    peak_rss_bytes: u64,
-}
+pub struct PySelfMemory(self_proc::SelfMemory);
 
-#[pymethods]
-impl SelfMemory {
-    fn __repr__(&self) -> String {
-        format!("SelfMemory(rss_bytes={}, peak_rss_bytes={})", self.rss_bytes, self.peak_rss_bytes)
-    }
-}
+read_only_record!(PySelfMemory, "SelfMemory", rss_bytes, peak_rss_bytes);
 
 /// RSS and peak RSS from one read of /proc/self/status; None where /proc is missing.
 #[pyfunction]
-fn self_memory() -> Option<SelfMemory> {
-    self_proc::self_memory().map(|m| SelfMemory { rss_bytes: m.rss_bytes, peak_rss_bytes: m.peak_rss_bytes })
+fn self_memory() -> Option<PySelfMemory> {
+    self_proc::self_memory().map(PySelfMemory)
 }
 
 /// RSS in bytes from /proc/self/statm (the cheapest read).
@@ -49,38 +61,19 @@ fn self_rss_bytes() -> Option<u64> {
     self_proc::self_rss_bytes()
 }
 
-/// This process's /proc/self/smaps_rollup, in bytes: what `self_rollup` returns.
-#[pyclass(frozen, get_all, eq, module = "torchmem._native")]
+/// This process's /proc/self/smaps_rollup, in bytes: core's `procfs::Rollup` (read-only attributes) behind
+/// `self_rollup`.
+#[pyclass(frozen, eq, module = "torchmem._native", name = "SmapsRollup")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SmapsRollup {
-    rss_bytes: u64,
-    /// Proportional set size: each shared page divided among the processes that map it.
-    pss_bytes: u64,
-    /// Private_Clean + Private_Dirty: pages no other process maps.
-    uss_bytes: u64,
-    swap_bytes: u64,
-}
+pub struct PySmapsRollup(torchmem_core::sources::procfs::Rollup);
 
-#[pymethods]
-impl SmapsRollup {
-    fn __repr__(&self) -> String {
-        format!(
-            "SmapsRollup(rss_bytes={}, pss_bytes={}, uss_bytes={}, swap_bytes={})",
-            self.rss_bytes, self.pss_bytes, self.uss_bytes, self.swap_bytes
-        )
-    }
-}
+read_only_record!(PySmapsRollup, "SmapsRollup", rss_bytes, pss_bytes, uss_bytes, swap_bytes);
 
 /// RSS, PSS, USS and swap from /proc/self/smaps_rollup (milliseconds on big processes); None where missing.
 #[pyfunction]
-fn self_rollup(py: Python<'_>) -> Option<SmapsRollup> {
+fn self_rollup(py: Python<'_>) -> Option<PySmapsRollup> {
     let pid = std::process::id();
-    py.detach(|| torchmem_core::sources::procfs::smaps_rollup(pid)).map(|r| SmapsRollup {
-        rss_bytes: r.rss_bytes,
-        pss_bytes: r.pss_bytes,
-        uss_bytes: r.uss_bytes,
-        swap_bytes: r.swap_bytes,
-    })
+    py.detach(|| torchmem_core::sources::procfs::smaps_rollup(pid)).map(PySmapsRollup)
 }
 
 /// What glibc's malloc keeps freed, for reuse (`mallinfo2().fordblks`); None where not glibc >= 2.33.
@@ -461,27 +454,9 @@ impl DeviceMap {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PyAllocatorCounters(AllocatorCounters);
 
-/// One read-only attribute per counter, named as core's field, and a repr that names each (one list).
-macro_rules! counter_attributes {
-    ($($field:ident),+ $(,)?) => {
-        #[pymethods]
-        impl PyAllocatorCounters {
-            $(
-                #[getter]
-                fn $field(&self) -> u64 {
-                    self.0.$field
-                }
-            )+
-
-            fn __repr__(&self) -> String {
-                let fields = [$(format!(concat!(stringify!($field), "={}"), self.0.$field)),+];
-                format!("AllocatorCounters({})", fields.join(", "))
-            }
-        }
-    };
-}
-
-counter_attributes!(
+read_only_record!(
+    PyAllocatorCounters,
+    "AllocatorCounters",
     allocated_bytes,
     reserved_bytes,
     peak_allocated_bytes,
@@ -663,8 +638,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let categories: Vec<&str> = torchmem_core::breakdown::Category::ALL.iter().map(|c| c.as_str()).collect();
     m.add("BREAKDOWN_CATEGORIES", pyo3::types::PyTuple::new(m.py(), categories)?)?;
     m.add_class::<NvmlReading>()?;
-    m.add_class::<SelfMemory>()?;
-    m.add_class::<SmapsRollup>()?;
+    m.add_class::<PySelfMemory>()?;
+    m.add_class::<PySmapsRollup>()?;
     m.add_class::<PyAllocatorCounters>()?;
     m.add_function(wrap_pyfunction!(self_memory, m)?)?;
     m.add_function(wrap_pyfunction!(self_rss_bytes, m)?)?;

@@ -155,27 +155,29 @@ impl StepGrowthDetector {
         let held_rss = end.rss_bytes.map(|rss| rss.saturating_sub(end.malloc_free_bytes.unwrap_or(0)));
         push_window(&mut self.allocated, end.allocated_bytes, keep);
         push_window(&mut self.rss, held_rss, rss_keep);
+        let steps_seen = self.steps_seen;
         let growth = |what: &str, (per_step_bytes, rising_steps), window_steps| StepGrowth {
             what: what.into(),
             per_step_bytes,
             window_steps,
             rising_steps,
-            steps_seen: self.steps_seen,
+            steps_seen,
         };
         if self.allocated.len() == keep {
-            let values: Vec<u64> = self.allocated.iter().copied().collect();
-            if let Some(found) = step_growth(&values, self.min_allocated_per_step_bytes) {
+            // The window as one slice, in place (no copy per step).
+            let values = self.allocated.make_contiguous();
+            if let Some(found) = step_growth(values, self.min_allocated_per_step_bytes) {
                 return Some(growth("GPU allocated", found, self.window_steps));
             }
         }
         if self.rss.len() < rss_keep {
             return None;
         }
-        let values: Vec<u64> = self.rss.iter().copied().collect();
+        let values = self.rss.make_contiguous();
         let min = self.min_rss_per_step_bytes;
         // The stalling-leak rule asks 4x the rise per step: a healthy loop's RSS was measured climbing 1 MiB per
         // step over 16 steps with 7 of them rising (`tests/leak_cases.py`'s healthy cache, 1 run in 10).
-        let found = step_growth(&values, min).or_else(|| chunk_growth(&values, 4, 4 * min))?;
+        let found = step_growth(values, min).or_else(|| chunk_growth(values, 4, 4 * min))?;
         Some(growth("CPU RSS", found, self.rss_window_steps))
     }
 }
