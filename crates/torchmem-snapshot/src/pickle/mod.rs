@@ -157,6 +157,56 @@ mod tests {
     }
 
     #[test]
+    fn a_self_containing_container_is_freed_when_its_opcode_fails() {
+        // The fuzzer's leak of 2026-12-03 (fuzz/seeds/leak_append_without_list): a list appended to itself
+        // (EMPTY_LIST, DUP, DUP, APPEND, APPEND), then an APPEND with the list alone on the stack; before, it
+        // popped the list, failed and dropped it outside the teardown, so the cycle leaked. The same for
+        // SETITEM with only the dict left (d[d] = d first) and DICT over an odd count (the list in it).
+        for (data, what) in [
+            (&b"\x80\x04]22aaa."[..], "without a list"),
+            (&b"\x80\x04}22ss."[..], "on an empty stack"),
+            (&b"\x80\x04}222ss."[..], "without a dict"),
+            (&b"\x80\x04(]2ad."[..], "odd number"),
+        ] {
+            let (e, weak) = {
+                let mut u = Unpickler::new(input::Input::new(data));
+                let e = u.run(&mut KeepAll).map(|_| ()).expect_err("the opcode fails");
+                let kept: Vec<Value> = u
+                    .stack
+                    .iter()
+                    .chain(u.memo.iter().flatten())
+                    .chain(u.discarded.iter())
+                    .filter(|v| matches!(v, Value::List(_) | Value::Dict(_)))
+                    .cloned()
+                    .collect();
+                assert!(!kept.is_empty(), "{data:?}: the container is still reached after the error");
+                let weak: Vec<Box<dyn Fn() -> bool>> = kept
+                    .iter()
+                    .map(|v| -> Box<dyn Fn() -> bool> {
+                        match v {
+                            Value::List(l) => {
+                                let w = Rc::downgrade(l);
+                                Box::new(move || w.upgrade().is_none())
+                            }
+                            Value::Dict(d) => {
+                                let w = Rc::downgrade(d);
+                                Box::new(move || w.upgrade().is_none())
+                            }
+                            _ => unreachable!("only lists and dicts here"),
+                        }
+                    })
+                    .collect();
+                (e, weak)
+            };
+            assert!(e.to_string().contains(what), "{data:?}: {e}");
+            for freed in weak {
+                assert!(freed(), "{data:?}: the self-containing container was freed");
+            }
+            assert!(unpickle_bytes(data).is_err());
+        }
+    }
+
+    #[test]
     fn ints_of_every_width() {
         let doc = unpickle_bytes(b"\x80\x04(K\xffM\xff\xffJ\xff\xff\xff\xff\x8a\x09\x00\x00\x00\x00\x00\x00\x00\x00\x01\x8a\x08\xff\xff\xff\xff\xff\xff\xff\xffl.").unwrap();
         let Value::List(l) = &doc.root else { panic!() };

@@ -65,6 +65,11 @@ impl<R: Read> Unpickler<R> {
         Ok(self.stack.pop().expect("checked"))
     }
 
+    /// How many values are on the stack above the innermost MARK.
+    fn above_floor(&self) -> usize {
+        self.stack.len() - self.marks.last().copied().unwrap_or(0)
+    }
+
     fn top(&self, op: &'static str, offset: u64) -> Result<&Value, PickleError> {
         let floor = self.marks.last().copied().unwrap_or(0);
         if self.stack.len() <= floor {
@@ -306,6 +311,7 @@ impl<R: Read> Unpickler<R> {
                 op::DICT => {
                     let items = self.pop_mark(op::name(code), offset)?;
                     if items.len() % 2 != 0 {
+                        self.discard(items);
                         return Err(self.malformed(offset, format!("{} with an odd number of items", op::name(code))));
                     }
                     let mut pairs = Vec::with_capacity(items.len() / 2);
@@ -329,10 +335,15 @@ impl<R: Read> Unpickler<R> {
                     self.marks.pop();
                 }
                 op::APPEND => {
-                    let item = self.pop(op::name(code), offset)?;
-                    let target = self
-                        .top(op::name(code), offset)
-                        .map_err(|_| self.malformed(offset, format!("{} without a list", op::name(code))))?;
+                    // Checked before anything is popped: a value held here when an error returns would be
+                    // dropped outside the teardown, leaking a cycle it is part of (a list holding itself).
+                    match self.above_floor() {
+                        0 => return Err(self.malformed(offset, format!("{} on an empty stack", op::name(code)))),
+                        1 => return Err(self.malformed(offset, format!("{} without a list", op::name(code)))),
+                        _ => {}
+                    }
+                    let item = self.stack.pop().expect("checked");
+                    let target = self.stack.last().expect("checked");
                     match target {
                         Value::List(l) => l.items.borrow_mut().push(item),
                         other => {
@@ -363,25 +374,21 @@ impl<R: Read> Unpickler<R> {
                     self.compact_dict(m - 1, compactor, offset)?;
                 }
                 op::SETITEM => {
-                    let items = {
-                        let v = self.pop(op::name(code), offset)?;
-                        let k = self.pop(op::name(code), offset)?;
-                        vec![k, v]
-                    };
-                    if items.len() % 2 != 0 {
-                        self.discard(items);
-                        return Err(self.malformed(offset, format!("{} with an odd number of items", op::name(code))));
+                    // As APPEND: nothing is popped before the stack is known to hold a key, a value and
+                    // something below them.
+                    match self.above_floor() {
+                        0 | 1 => return Err(self.malformed(offset, format!("{} on an empty stack", op::name(code)))),
+                        2 => return Err(self.malformed(offset, format!("{} without a dict", op::name(code)))),
+                        _ => {}
                     }
-                    let target = self
-                        .top(op::name(code), offset)
-                        .map_err(|_| self.malformed(offset, format!("{} without a dict", op::name(code))))?;
+                    let items = self.stack.split_off(self.stack.len() - 2);
+                    let target = self.stack.last().expect("checked");
                     match target {
                         Value::Dict(d) => {
-                            if let Ok(mut v) = d.items.try_borrow_mut() {
-                                let mut it = items.into_iter();
-                                while let (Some(k), Some(val)) = (it.next(), it.next()) {
-                                    v.push((k, val));
-                                }
+                            let mut it = items.into_iter();
+                            let mut v = d.items.borrow_mut();
+                            while let (Some(k), Some(val)) = (it.next(), it.next()) {
+                                v.push((k, val));
                             }
                         }
                         other => {
