@@ -52,7 +52,10 @@ GIB = 1 << 30
 STEPS = 3  # the Monitor measures the breakdown at every boundary of the first 3 steps
 SPIKE_STEP = 1
 FAILURES: list[str] = []
+# The `torchmem` of this interpreter's environment, else the one on PATH (a wheel installed with --target).
 TM = str(Path(sys.executable).parent / "torchmem")
+if not Path(TM).exists():
+    TM = shutil.which("torchmem") or TM
 T0 = time.monotonic()
 HOLD_DEADLINE = T0 + 85  # every check while the program holds ends by then
 END_DEADLINE = T0 + 112  # the run's exit and the TensorBoard checks by then
@@ -565,7 +568,7 @@ def main() -> int:
 
 def checked() -> None:
     if not Path(TM).exists():
-        report(False, "torchmem_on_path", f"{TM} does not exist (install torchmem into this interpreter's environment)")
+        report(False, "torchmem_on_path", f"{TM} does not exist and no torchmem is on PATH (install the wheel)")
         return
     import pynvml
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,7 +24,10 @@ from pathlib import Path
 MIB = 1 << 20
 GIB = 1 << 30
 FAILURES: list[str] = []
+# The `torchmem` of this interpreter's environment, else the one on PATH (a wheel installed with --target).
 TM = str(Path(sys.executable).parent / "torchmem")
+if not Path(TM).exists():
+    TM = shutil.which("torchmem") or TM
 
 PROGRAM = textwrap.dedent(
     """
