@@ -5,6 +5,7 @@
 use pyo3::prelude::*;
 use torchmem_core::analysis::leaks::{self, Leak, ProbeData};
 use torchmem_core::report::{cells, table};
+use torchmem_core::sources::self_proc;
 
 use crate::convert::{from_py, to_py};
 use crate::errors::{Error, Result};
@@ -39,7 +40,8 @@ impl StepGrowthDetector {
         rss_bytes: Option<u64>,
         malloc_free_bytes: Option<u64>,
     ) -> Result<Option<Bound<'py, PyAny>>> {
-        let end = leaks::StepEnd { allocated_bytes, rss_bytes, malloc_free_bytes };
+        let end =
+            leaks::StepEnd { allocated_bytes, rss_bytes, malloc_free_bytes, malloc_trims: self_proc::malloc_trims() };
         self.inner.push(end).map(|g| to_py(py, &g)).transpose()
     }
 
