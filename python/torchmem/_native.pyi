@@ -371,7 +371,9 @@ class StepGrowthDetector:
         read). None, or the growth as a dict ({"what", "per_step_bytes", "window_steps", "rising_steps",
         "steps_seen"}) when at least 3/4 of the window's steps rose and the net rise per step is at least 512 B
         (allocated, over `window_steps`) or 512 KiB (RSS less what malloc keeps freed, over twice
-        `window_steps`: RSS is noisy, and creeps in healthy loops by exactly what `free` keeps)."""
+        `window_steps`: RSS is noisy, and creeps in healthy loops by exactly what `free` keeps). A step in which
+        torchmem called `malloc_trim` (`empty_cache()`) does not count as a fall: the trimmed pages stay counted
+        free, so RSS less free bytes would drop by memory nothing held."""
     def rearm(self) -> None:
         """Forgets the window: growth must be seen again over fresh steps (after a probe)."""
     @property
