@@ -160,19 +160,19 @@ impl StepGrowthDetector {
             return None;
         }
         let (keep, rss_keep) = (self.window_steps + 1, self.rss_window_steps + 1);
-        let held_rss = end.rss_bytes.map(|rss| rss.saturating_sub(end.malloc_free_bytes.unwrap_or(0)));
+        let free = end.malloc_free_bytes.unwrap_or(0);
+        let mut held_rss = end.rss_bytes.map(|rss| (rss.saturating_sub(free) as i64 + self.rss_offset).max(0) as u64);
         if end.malloc_trims != self.last_trims {
             self.last_trims = end.malloc_trims;
             // A trim of ours gave back pages malloc still counts free: the series carries on from the last
             // value where it fell (a rise in this step still counts).
-            if let (Some(held), Some(&last)) = (held_rss, self.rss.back()) {
-                let here = (held as i64 + self.rss_offset).max(0) as u64;
-                if here < last {
-                    self.rss_offset += last as i64 - here as i64;
+            if let (Some(held), Some(&last)) = (held_rss.as_mut(), self.rss.back()) {
+                if *held < last {
+                    self.rss_offset += (last - *held) as i64;
+                    *held = last;
                 }
             }
         }
-        let held_rss = held_rss.map(|held| (held as i64 + self.rss_offset).max(0) as u64);
         push_window(&mut self.allocated, end.allocated_bytes, keep);
         push_window(&mut self.rss, held_rss, rss_keep);
         let steps_seen = self.steps_seen;

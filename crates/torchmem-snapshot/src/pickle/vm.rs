@@ -58,8 +58,7 @@ impl<R: Read> Unpickler<R> {
     }
 
     fn pop(&mut self, op: &'static str, offset: u64) -> Result<Value, PickleError> {
-        let floor = self.marks.last().copied().unwrap_or(0);
-        if self.stack.len() <= floor {
+        if self.above_floor() == 0 {
             return Err(self.malformed(offset, format!("{op} on an empty stack")));
         }
         Ok(self.stack.pop().expect("checked"))
@@ -71,8 +70,7 @@ impl<R: Read> Unpickler<R> {
     }
 
     fn top(&self, op: &'static str, offset: u64) -> Result<&Value, PickleError> {
-        let floor = self.marks.last().copied().unwrap_or(0);
-        if self.stack.len() <= floor {
+        if self.above_floor() == 0 {
             return Err(self.malformed(offset, format!("{op} on an empty stack")));
         }
         Ok(self.stack.last().expect("checked"))
