@@ -37,12 +37,12 @@ _EXPORTS = {
     "profile": "line_profiler",
     "capture": "snapshot",
     "on_oom": "snapshot",
-    "Simulation": "simulate",
-    "simulate": "simulate",
+    "Simulation": "simulation",
+    "simulate": "simulation",
     "Estimate": "estimate",
     "estimate": "estimate",
-    "Profile": "profile",
-    "load_profile": "profile",
+    "Profile": "recorded_profile",
+    "load_profile": "recorded_profile",
 }
 
 __all__ = [
@@ -80,8 +80,8 @@ if TYPE_CHECKING:
     from .estimate import Estimate, estimate
     from .line_profiler import print_profile, profile
     from .monitor import MemoryGrowthWarning, Monitor, watch
-    from .profile import Profile, load_profile
-    from .simulate import Simulation, simulate
+    from .recorded_profile import Profile, load_profile
+    from .simulation import Simulation, simulate
     from .snapshot import capture, on_oom
 
 
