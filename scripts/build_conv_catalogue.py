@@ -1,4 +1,4 @@
-"""Builds the estimator's cuDNN convolution catalogue (`python/torchmem/estimate/data/cudnn-conv-h200.json.gz`)
+"""Builds the estimator's cuDNN convolution catalogue (`python/torchmem/estimator/data/cudnn-conv-h200.json.gz`)
 from the H200 recording of `scripts/gpu_op_workspaces.py` (`tests/fixtures/op-workspaces-h200/`). Runs on any
 machine (no GPU, no torch).
 
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("_workspaces", ROOT / "python/torchmem/estimate/_workspaces.py")
+_spec = importlib.util.spec_from_file_location("_workspaces", ROOT / "python/torchmem/estimator/_workspaces.py")
 _ws = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_ws)
 

@@ -2,7 +2,7 @@
 that no fake kernel shows: cuDNN's convolution workspaces above all (cuDNN's heuristics pick an algorithm and a
 workspace per shape), and any other operator whose kernel allocates and frees a temporary (reduction staging
 buffers, sort buffers). The result is the catalogue `torchmem estimate` looks convolutions up in
-(`python/torchmem/estimate/_workspaces.py`), and a table of the other operators for study.
+(`python/torchmem/estimator/_workspaces.py`), and a table of the other operators for study.
 
 How: a TorchDispatchMode on real CUDA tensors wraps every operator of a real training step. Before the call it
 makes a 1-byte marker allocation and frees it; after the call it compares torch's allocation counters and, for
@@ -36,7 +36,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import gpu_estimator_truth  # noqa: E402  (model recipes, optimizer, train_step)
 
-_spec = importlib.util.spec_from_file_location("_opsig", HERE.parent.parent / "python/torchmem/estimate/_opsig.py")
+_spec = importlib.util.spec_from_file_location("_opsig", HERE.parent.parent / "python/torchmem/estimator/_opsig.py")
 _opsig = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_opsig)
 

@@ -22,8 +22,8 @@ torch = pytest.importorskip("torch")
 if torch.cuda.is_available():  # pragma: no cover - these tests are about machines without a GPU
     pytest.skip("the estimator tests run on a machine without a GPU", allow_module_level=True)
 
-from torchmem.estimate import _workspaces as ws  # noqa: E402
-from torchmem.estimate._opsig import signature  # noqa: E402
+from torchmem.estimator import _workspaces as ws  # noqa: E402
+from torchmem.estimator._opsig import signature  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +223,7 @@ def test_reduction_staging_rule_equals_every_recorded_reduction():
     outer dimensions across blocks; the rule computes both sizes from the shape and the SM count. The H200
     recording has 71 such sums (bias gradients of Linear and channels-last convolutions, fp32 and bf16)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torchmem.estimate._rules import reduction_staging_bytes
+    from torchmem.estimator._rules import reduction_staging_bytes
 
     cases = _recorded_reductions()
     assert len(cases) >= 60
@@ -270,7 +270,7 @@ def test_request_identical_traces_simulate_to_the_h200_reserved_peak(name, tmp_p
     if name.startswith("resnet"):
         pytest.importorskip("torchvision")
     import test_estimate
-    from torchmem.estimate import _snapshot
+    from torchmem.estimator import _snapshot
 
     s, snap = test_estimate._trace_workload(name)
     trace = tmp_path / "trace.pickle"

@@ -53,8 +53,8 @@ def _requests(trace: list[dict], alloc: str, free: str) -> list[tuple[str, int, 
 
 def _trace_workload(name: str, steps: int = 3):
     import gpu_estimator_truth as truth
-    from torchmem.estimate import _snapshot, gpu_spec
-    from torchmem.estimate._session import Session
+    from torchmem.estimator import _snapshot, gpu_spec
+    from torchmem.estimator._session import Session
 
     spec = truth.WORKLOADS[name]
     with Session(gpu_spec("H200")) as s:
@@ -83,8 +83,8 @@ def test_backward_fails_on_plain_fake_cuda_and_runs_under_the_estimator():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "BACKWARD-FAILED" in p.stdout and "hasPrimaryContext" in p.stdout, p.stdout + p.stderr
     # ... and runs in the estimator's session, with CUDA gradients of the right shape and autocast on CUDA.
-    from torchmem.estimate import gpu_spec
-    from torchmem.estimate._session import Session
+    from torchmem.estimator import gpu_spec
+    from torchmem.estimator._session import Session
 
     with Session(gpu_spec("H200")):
         lin = torch.nn.Linear(64, 32).to("cuda")

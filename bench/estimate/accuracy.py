@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "python"))
 def estimate_config(name: str, steps: int, catalogue: str = "full"):
     import gpu_estimator_truth as truth
     import torch
-    import torchmem.estimate as te
+    import torchmem.estimator as te
 
     spec = truth.WORKLOADS[name]
     state: dict = {}

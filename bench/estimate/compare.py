@@ -6,7 +6,7 @@ It traces the workload of `scripts/gpu_estimator_truth.py` (same model, same ste
 `tests/fixtures/<fixture>/NAME__*.pickle.gz`, and prints: the number of allocations, the 512-rounded live-bytes
 peak of each (the allocated peak the allocator would report, less its block rounding), the sizes only one side
 has (with the Python line that requested them), and an alignment of the two request sequences around the first
-differences. That is how the CUDA rules in `python/torchmem/estimate/_rules.py` were found.
+differences. That is how the CUDA rules in `python/torchmem/estimator/_rules.py` were found.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ def live_peak(reqs) -> tuple[int, int]:
 def trace_workload(name: str, steps: int):
     import gpu_estimator_truth as truth
     import torch
-    from torchmem.estimate import gpu_spec
-    from torchmem.estimate._session import Session
+    from torchmem.estimator import gpu_spec
+    from torchmem.estimator._session import Session
 
     spec = truth.WORKLOADS[name]
     t0 = time.time()
@@ -88,7 +88,7 @@ def simulate(tracer, name: str) -> dict | None:
     import subprocess
     import tempfile
 
-    from torchmem.estimate import _snapshot
+    from torchmem.estimator import _snapshot
 
     conf = __import__("gpu_estimator_truth").WORKLOADS[name].get("alloc_conf", "")
     with tempfile.TemporaryDirectory() as d:

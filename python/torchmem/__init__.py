@@ -39,8 +39,8 @@ _EXPORTS = {
     "on_oom": "snapshot",
     "Simulation": "simulation",
     "simulate": "simulation",
-    "Estimate": "estimate",
-    "estimate": "estimate",
+    "Estimate": "estimator",
+    "estimate": "estimator",
     "Profile": "recorded_profile",
     "load_profile": "recorded_profile",
 }
@@ -77,7 +77,7 @@ __all__ = [
 if TYPE_CHECKING:
     from ._native import InputError, OomParseError, ProfileError, SnapshotError, TorchmemError
     from .api import Stats, device_info, empty_cache, peak, reset_peak, stats, track
-    from .estimate import Estimate, estimate
+    from .estimator import Estimate, estimate
     from .line_profiler import print_profile, profile
     from .monitor import MemoryGrowthWarning, Monitor, watch
     from .recorded_profile import Profile, load_profile

@@ -54,7 +54,7 @@ class MarkerLog:
         """{"line", "row", "growth", "growth_per_epoch_bytes"} for the last finished epoch."""
 
 class ProfileData:
-    """A profile file loaded once in Rust (python/torchmem/profile.py wraps it as torchmem.Profile)."""
+    """A profile file loaded once in Rust (python/torchmem/recorded_profile.py wraps it as torchmem.Profile)."""
 
     @property
     def path(self) -> str:

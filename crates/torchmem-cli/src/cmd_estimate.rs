@@ -1,5 +1,5 @@
 //! `torchmem estimate`: predicts a training program's GPU peak on a machine without that GPU. The unchanged
-//! program runs under the Python tracer (`torchmem.estimate._runner`, injected by a `sitecustomize.py` first
+//! program runs under the Python tracer (`torchmem.estimator._runner`, injected by a `sitecustomize.py` first
 //! on PYTHONPATH, as `torchmem run` injects its part) on an emulated CUDA device for N optimizer steps; its
 //! storage trace (an allocator snapshot) is replayed by the allocator simulator (`torchmem_sim`) for the peak
 //! allocated and reserved; the GPU catalogue (`torchmem_core::gpus`) adds the CUDA context NVML counts and
@@ -63,13 +63,13 @@ pub struct EstimateArgs {
 
 /// Loads the tracer into the program, then hands over to any sitecustomize the environment already had.
 const SITECUSTOMIZE: &str = r#"# Placed first on PYTHONPATH by `torchmem estimate`: runs the program on an emulated CUDA device and
-# traces it (torchmem.estimate._runner), then chains to the next sitecustomize on sys.path.
+# traces it (torchmem.estimator._runner), then chains to the next sitecustomize on sys.path.
 import importlib.util as _tm_util
 import os as _tm_os
 import sys as _tm_sys
 
 try:
-    import torchmem.estimate._runner as _tm_runner
+    import torchmem.estimator._runner as _tm_runner
 except ImportError as _tm_err:
     _tm_sys.stderr.write(
         f"torchmem estimate: this Python ({_tm_sys.executable}) cannot import torchmem.estimate ({_tm_err}). "

@@ -24,7 +24,7 @@ _ADDR_STEP = 1 << 12
 _ROUND_BYTES = 512
 _FRAMES_MAX = 24
 _SKIP_FILES = (
-    "torchmem/estimate/",
+    "torchmem/estimator/",
     "torch/utils/_python_dispatch.py",
     "torch/_subclasses/",
     "torch/_dynamo/",

@@ -150,14 +150,3 @@ def estimate(
         trace_seconds=seconds,
         report=report,
     )
-
-
-class _CallableModule(type(sys)):
-    """`torchmem.estimate` is both this package and the function: importing a submodule binds the package
-    to the parent's attribute, so the package forwards calls to `estimate()`."""
-
-    def __call__(self, *args, **kwargs):
-        return estimate(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

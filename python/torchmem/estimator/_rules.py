@@ -444,7 +444,7 @@ def _called_from_cpp() -> bool:
 
 
 _DISPATCH_FILES = (
-    "torchmem/estimate/",
+    "torchmem/estimator/",
     "torch/utils/_python_dispatch",
     "torch/_subclasses/",
     "torch/_dynamo/",

@@ -134,7 +134,7 @@ class _ScriptRun:
             message = f"{type(err).__name__}: {err}"
         where = ""
         for frame in reversed(traceback.extract_tb(tb)):
-            if "site-packages" not in frame.filename and "torchmem/estimate" not in frame.filename:
+            if "site-packages" not in frame.filename and "torchmem/estimator/" not in frame.filename:
                 where = f" (at {frame.filename}:{frame.lineno})"
                 break
         self.finish("error", error=message + where)
