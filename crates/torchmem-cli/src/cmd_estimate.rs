@@ -43,6 +43,10 @@ pub struct EstimateArgs {
     /// Keep the trace (an allocator snapshot `torchmem simulate` and `torchmem snapshot` read) at this path.
     #[arg(long = "keep-trace", value_name = "PATH")]
     pub keep_trace: Option<PathBuf>,
+    /// With --keep-trace: overwrite an existing file there (a trace cannot be told from a snapshot PyTorch
+    /// recorded, so an existing non-empty file is never replaced without it).
+    #[arg(long, requires = "keep_trace")]
+    pub force: bool,
     /// Report on a trace written earlier (with --summary) instead of running a program.
     #[arg(long, value_name = "SNAPSHOT", conflicts_with = "command")]
     pub trace: Option<PathBuf>,
@@ -137,6 +141,15 @@ pub fn run(args: EstimateArgs) -> anyhow::Result<i32> {
     }
     if args.command.is_empty() && args.module.is_none() {
         bail!("give the training program after --, e.g. `torchmem estimate --gpu A100-40GB -- python train.py`");
+    }
+    if let Some(keep) = &args.keep_trace {
+        crate::output_path::check_output(
+            keep,
+            &[],
+            Some(args.force),
+            "--keep-trace",
+            crate::output_path::OutputKind::Trace,
+        )?;
     }
     if let Some(fit) = &args.fit {
         return fit_search(&args, &target, fit);

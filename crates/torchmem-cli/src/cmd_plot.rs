@@ -2,16 +2,17 @@
 //! (memory timeline with epochs and phases, hover read-out, the report's tables, the line profile), or with
 //! `--svg` the chart alone as a static SVG. A profile holding ranks (torchrun, Slurm) gets the rank
 //! sections and one step-aligned chart per rank; several profiles or a directory give one merged page.
+//! An existing file is replaced only when torchmem wrote it (`output_path::check_output`), or with `--force`.
 
 use std::path::{Path, PathBuf};
 
-use anyhow::Context;
 use torchmem_core::analysis::ranks::{is_distributed, RankReport};
 use torchmem_core::analysis::Summary;
 use torchmem_core::report;
 use torchmem_core::units::escape_html;
 
-use crate::cmd_report::{expand_inputs, open_profile};
+use crate::cmd_report::load_inputs;
+use crate::output_path::{self, OutputKind};
 
 #[derive(Debug, clap::Args)]
 pub struct PlotArgs {
@@ -26,6 +27,10 @@ pub struct PlotArgs {
     /// Write the chart alone as a static SVG image instead of the HTML page.
     #[arg(long)]
     pub svg: bool,
+    /// Overwrite an existing file even when it is not a page (or chart) torchmem wrote; a page or chart
+    /// torchmem wrote is replaced without it, any other file never (never a profile read).
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// The default output path: the profile's path with its extension replaced.
@@ -62,7 +67,7 @@ fn merged_page(r: &RankReport) -> String {
 }
 
 pub fn run(args: PlotArgs) -> anyhow::Result<i32> {
-    let inputs = expand_inputs(&args.profiles)?;
+    let (inputs, profiles): (Vec<PathBuf>, Vec<_>) = load_inputs(&args.profiles)?.into_iter().unzip();
     let first = &args.profiles[0];
     let several = inputs.len() > 1 || first.is_dir();
     let output = match (&args.output, several) {
@@ -74,10 +79,9 @@ pub fn run(args: PlotArgs) -> anyhow::Result<i32> {
         }
         (None, true) => anyhow::bail!("several profiles make one page: say where with -o PAGE.html"),
     };
-    if inputs.contains(&output) {
-        anyhow::bail!("{}: the output would overwrite the profile. Choose another path with -o", output.display());
-    }
-    let profiles = inputs.iter().map(|p| open_profile(p)).collect::<anyhow::Result<Vec<_>>>()?;
+    let kind = if args.svg { OutputKind::Svg } else { OutputKind::Html };
+    let input_refs: Vec<&Path> = inputs.iter().map(PathBuf::as_path).collect();
+    output_path::check_output(&output, &input_refs, Some(args.force), "-o", kind)?;
     let text = if args.svg {
         if profiles.len() > 1 {
             anyhow::bail!("--svg draws one profile's chart: give one file (or drop --svg for the merged page)");
@@ -102,19 +106,7 @@ pub fn run(args: PlotArgs) -> anyhow::Result<i32> {
         }
         merged_page(&RankReport::build(&profiles))
     };
-    // Write next to the target, then rename: a failed write never leaves half a page behind.
-    let tmp = output.with_file_name(format!(".{}.tmp", output.file_name().and_then(|n| n.to_str()).unwrap_or("plot")));
-    std::fs::write(&tmp, text.as_bytes())
-        .and_then(|_| std::fs::rename(&tmp, &output))
-        .inspect_err(|_| {
-            let _ = std::fs::remove_file(&tmp);
-        })
-        .with_context(|| {
-            format!(
-                "cannot write {}. Check that its directory exists and is writable, or choose another path with -o",
-                output.display()
-            )
-        })?;
+    output_path::write_atomically(&output, text.as_bytes())?;
     eprintln!("torchmem: wrote {} ({})", output.display(), torchmem_core::units::format_bytes(text.len() as u64));
     Ok(0)
 }

@@ -235,17 +235,67 @@ fn same_file(a: &Path, b: &Path) -> bool {
     }
 }
 
-/// True when the file starts like a page torchmem wrote (`plot`, `snapshot --html`).
-pub fn is_torchmem_html(path: &Path) -> bool {
+/// The kinds of file torchmem writes besides profiles (`check_profile_output` has the profile's rule). Each
+/// is recognised from its first bytes, never from its name: that decides "written by torchmem".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutputKind {
+    /// An HTML page (`plot`, `snapshot --html`): `<!DOCTYPE html>` and a `<title>torchmem…`.
+    Html,
+    /// The chart alone (`plot --svg`): an `<svg` element with torchmem's chart id `tm-chart`.
+    Svg,
+    /// An allocator trace (`estimate --keep-trace`): a pickle cannot be told from one PyTorch recorded, so an
+    /// existing trace is never taken for ours.
+    Trace,
+    /// A Prometheus textfile (`run --metrics-textfile`): every sample line is a `torchmem_` series.
+    PromTextfile,
+}
+
+/// The one "written by torchmem" rule: true when `path` holds a file of `kind` that torchmem wrote.
+pub fn written_by_torchmem(path: &Path, kind: OutputKind) -> bool {
     let mut head = vec![0u8; 4096];
     let n = std::fs::File::open(path).and_then(|mut f| f.read(&mut head)).unwrap_or(0);
     let head = String::from_utf8_lossy(&head[..n]);
-    head.starts_with("<!DOCTYPE html>") && head.contains("<title>torchmem")
+    match kind {
+        OutputKind::Html => head.starts_with("<!DOCTYPE html>") && head.contains("<title>torchmem"),
+        OutputKind::Svg => head.starts_with("<svg") && head.contains("id=\"tm-chart\""),
+        OutputKind::Trace => false,
+        OutputKind::PromTextfile => {
+            let text = std::fs::read_to_string(path).unwrap_or_default();
+            text.contains("torchmem_")
+                && text.lines().filter(|l| !l.is_empty() && !l.starts_with('#')).all(|l| l.starts_with("torchmem_"))
+        }
+    }
 }
 
-/// Checks an HTML output path (`snapshot --html OUT`): never one of the inputs, never a directory, and an
-/// existing file only when it is a page torchmem wrote (or with `--force`).
-pub fn check_html_output(out: &Path, inputs: &[&Path], force: bool, flag: &str) -> anyhow::Result<()> {
+/// True when the file starts like a page torchmem wrote (`plot`, `snapshot --html`).
+pub fn is_torchmem_html(path: &Path) -> bool {
+    written_by_torchmem(path, OutputKind::Html)
+}
+
+/// Whether an output may be written at `out` (`plot -o`, `plot --svg`, `snapshot --html`, `estimate
+/// --keep-trace`, `run --metrics-textfile`): never one of the inputs, never a directory or a missing directory,
+/// and an existing non-empty file only when torchmem wrote it (`written_by_torchmem`) or with `--force`.
+/// `force: None` is a command without `--force` for this output: a foreign file is then never replaced.
+pub fn check_output(
+    out: &Path,
+    inputs: &[&Path],
+    force: Option<bool>,
+    flag: &str,
+    kind: OutputKind,
+) -> anyhow::Result<()> {
+    if out.is_dir() || out.as_os_str().as_bytes().ends_with(b"/") {
+        let example = match kind {
+            OutputKind::Html => "report.html",
+            OutputKind::Svg => "chart.svg",
+            OutputKind::Trace => "trace.pickle",
+            OutputKind::PromTextfile => "torchmem.prom",
+        };
+        bail!(
+            "{flag} points to a directory ({}). Give a file name, for example {}",
+            out.display(),
+            out.join(example).display()
+        );
+    }
     check_dir(out, flag)?;
     if inputs.iter().any(|i| same_file(out, i)) {
         bail!("{}: the output would overwrite the file it reads. Choose another path with {flag}", out.display());
@@ -254,14 +304,31 @@ pub fn check_html_output(out: &Path, inputs: &[&Path], force: bool, flag: &str) 
         if !m.is_file() {
             bail!("{} exists and is not a regular file. Choose another path with {flag}", out.display());
         }
-        if m.len() > 0 && !force && !is_torchmem_html(out) {
-            bail!(
-                "{} exists and is not an HTML page written by torchmem; use --force to overwrite it, or choose another path with {flag}",
-                out.display()
-            );
+        if m.len() > 0 && force != Some(true) && !written_by_torchmem(out, kind) {
+            let what = match kind {
+                OutputKind::Html => "an HTML page written by torchmem",
+                OutputKind::Svg => "an SVG chart written by torchmem",
+                OutputKind::Trace => "known to be a trace torchmem wrote (a trace looks like any allocator snapshot)",
+                OutputKind::PromTextfile => "a textfile of torchmem's metrics",
+            };
+            match force {
+                Some(_) => bail!(
+                    "{} exists and is not {what}; use --force to overwrite it, or choose another path with {flag}",
+                    out.display()
+                ),
+                None => bail!(
+                    "{} exists and is not {what}; torchmem never overwrites such a file. Choose another path with {flag}",
+                    out.display()
+                ),
+            }
         }
     }
     Ok(())
+}
+
+/// Checks an HTML output path (`snapshot --html OUT`): `check_output`'s rule for a page.
+pub fn check_html_output(out: &Path, inputs: &[&Path], force: bool, flag: &str) -> anyhow::Result<()> {
+    check_output(out, inputs, Some(force), flag, OutputKind::Html)
 }
 
 /// Writes a page next to its target and renames it into place: a failed write leaves no half page.

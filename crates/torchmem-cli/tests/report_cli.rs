@@ -291,6 +291,89 @@ fn plot_writes_one_offline_html_page_and_an_svg() {
     assert_eq!(svg.matches("<path d=").count(), 4, "CPU RSS, allocated, reserved, NVML");
 }
 
+#[test]
+fn plot_never_replaces_a_file_it_did_not_write_without_force() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = profile(dir.path(), "mine.sqlite", true);
+    let ps = p.to_str().unwrap();
+    // Notes, a script, a hand-written page at the default output, a foreign SVG: each refused, unchanged.
+    let notes = dir.path().join("notes.txt");
+    let script = dir.path().join("backup.py");
+    let page = dir.path().join("mine.html");
+    let svg = dir.path().join("keep.svg");
+    std::fs::write(&notes, "my precious notes\n").unwrap();
+    std::fs::write(&script, "print('hi')\n").unwrap();
+    std::fs::write(&page, "<!DOCTYPE html>\n<html><head><title>my page</title></head></html>\n").unwrap();
+    std::fs::write(&svg, "<svg xmlns=\"http://www.w3.org/2000/svg\"><circle r=\"1\"/></svg>\n").unwrap();
+    for (args, file) in [
+        (vec!["plot", ps, "-o", notes.to_str().unwrap()], &notes),
+        (vec!["plot", ps, "-o", script.to_str().unwrap()], &script),
+        (vec!["plot", ps], &page),
+        (vec!["plot", ps, "--svg", "-o", svg.to_str().unwrap()], &svg),
+    ] {
+        let before = std::fs::read(file).unwrap();
+        let o = torchmem(&args);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {}", stderr(&o));
+        let err = stderr(&o);
+        assert!(err.contains("written by torchmem") && err.contains("--force"), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert_eq!(std::fs::read(file).unwrap(), before, "{args:?} changed {}", file.display());
+    }
+    // The profile itself is never the output, even with --force.
+    let o = torchmem(&["plot", ps, "-o", ps, "--force"]);
+    assert!(stderr(&o).contains("would overwrite the file it reads"), "{}", stderr(&o));
+    // With --force the page is replaced; a page or chart torchmem wrote is replaced without it.
+    let o = torchmem(&["plot", ps, "--force"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(std::fs::read_to_string(&page).unwrap().contains("<title>torchmem"));
+    let o = torchmem(&["plot", ps]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let chart = dir.path().join("mine.svg");
+    for _ in 0..2 {
+        let o = torchmem(&["plot", ps, "--svg"]);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    }
+    assert!(std::fs::read_to_string(&chart).unwrap().contains("tm-chart"));
+    // An empty file (mktemp) holds nothing to lose.
+    let empty = dir.path().join("empty.html");
+    std::fs::write(&empty, "").unwrap();
+    let o = torchmem(&["plot", ps, "-o", empty.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+}
+
+#[test]
+fn report_of_a_directory_of_separate_runs_lists_each_and_skips_stray_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let prof = dir.path().join("prof");
+    std::fs::create_dir(&prof).unwrap();
+    profile(&prof, "a.sqlite", true);
+    profile(&prof, "b.sqlite", false);
+    std::fs::write(prof.join("notes.sqlite"), "not a database\n").unwrap();
+    let d = prof.to_str().unwrap();
+    let o = torchmem(&["report", d]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let (out, err) = (stdout(&o), stderr(&o));
+    assert!(out.contains("2 profiles (no rank: separate runs)"), "{out}");
+    assert!(out.contains("a.sqlite") && out.contains("b.sqlite") && !out.contains("notes.sqlite"), "{out}");
+    assert!(out.contains("peak CPU RSS") && out.contains("peak GPU reserved"), "{out}");
+    assert!(out.contains("no GPU"), "b.sqlite is a CPU-only run: {out}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.starts_with("torchmem: warning: skipping ") && err.contains("notes.sqlite"), "{err}");
+    // JSON: every profile's whole report, in order.
+    let o = torchmem(&["report", d, "--format", "json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let reports = v["reports"].as_array().unwrap();
+    assert_eq!(reports.len(), 2);
+    assert!(reports[0]["file"].as_str().unwrap().ends_with("a.sqlite") && reports[0]["peak"].is_object());
+    // A directory with nothing but stray files is an error; a stray file named on its own too.
+    let junk = dir.path().join("junk");
+    std::fs::create_dir(&junk).unwrap();
+    std::fs::write(junk.join("x.sqlite"), "nope").unwrap();
+    assert_fails(&["report", junk.to_str().unwrap()], &["no torchmem profile", "x.sqlite"]);
+    assert_fails(&["report", junk.join("x.sqlite").to_str().unwrap()], &["x.sqlite"]);
+}
+
 fn assert_fails(args: &[&str], needles: &[&str]) {
     let o = torchmem(args);
     assert_ne!(o.status.code(), Some(0), "{args:?} should fail");
@@ -315,17 +398,24 @@ fn bad_inputs_give_clear_errors() {
     // empty file
     std::fs::write(d("empty.sqlite"), "").unwrap();
     assert_fails(&["report", &d("empty.sqlite")], &["is not a torchmem profile"]);
-    // a directory is read as its profiles (the merged rank report): here the first is not one, and it is named
-    assert_fails(&["report", dir.path().to_str().unwrap()], &["empty.sqlite", "is not a torchmem profile"]);
+    // a directory is read as its profiles: the files that are not one are skipped, each named, and with no
+    // profile left it is an error
+    assert_fails(
+        &["report", dir.path().to_str().unwrap()],
+        &["skipping", "empty.sqlite", "junk.sqlite", "not a torchmem profile (", "no torchmem profile (*.sqlite)"],
+    );
     let no_profiles = tempfile::tempdir().unwrap();
-    assert_fails(&["report", no_profiles.path().to_str().unwrap()], &["no profile (*.sqlite) in this directory"]);
+    assert_fails(
+        &["report", no_profiles.path().to_str().unwrap()],
+        &["no torchmem profile (*.sqlite) in this directory"],
+    );
     // a bad format name: clap lists the valid ones
     let p = profile(dir.path(), "good.sqlite", false);
     assert_fails(&["report", p.to_str().unwrap(), "--format", "xml"], &["table", "json", "csv", "markdown", "mermaid"]);
     // plot into a directory that does not exist
     assert_fails(&["plot", p.to_str().unwrap(), "-o", &d("no/such/dir/x.html")], &["cannot write", "-o"]);
     // plot over the profile itself
-    assert_fails(&["plot", p.to_str().unwrap(), "-o", p.to_str().unwrap()], &["overwrite the profile"]);
+    assert_fails(&["plot", p.to_str().unwrap(), "-o", p.to_str().unwrap()], &["would overwrite the file it reads"]);
     assert!(torchmem(&["report", p.to_str().unwrap()]).status.success(), "the profile is intact");
 }
 

@@ -397,6 +397,14 @@ impl PrometheusSink {
                     p.display()
                 );
             }
+            // Another exporter's textfile is never replaced (`output_path::check_output`'s rule).
+            crate::output_path::check_output(
+                p,
+                &[],
+                None,
+                "--metrics-textfile",
+                crate::output_path::OutputKind::PromTextfile,
+            )?;
             // The first write says now whether the directory is writable.
             write_textfile(p, &state.lock().unwrap().encode(false).0).map_err(|e| {
                 anyhow::anyhow!(
@@ -634,6 +642,22 @@ mod tests {
         let bad = PrometheusSink::start(None, Some(&dir.path().join("m.txt")), &RunContext::default());
         assert!(bad.err().unwrap().to_string().contains("must end in .prom"));
         let missing = PrometheusSink::start(None, Some(&dir.path().join("no/such/m.prom")), &RunContext::default());
-        assert!(missing.err().unwrap().to_string().contains("cannot write it"));
+        assert!(missing.err().unwrap().to_string().contains("does not exist"));
+    }
+
+    #[test]
+    fn another_exporters_textfile_is_never_replaced_ours_is() {
+        let dir = tempfile::tempdir().unwrap();
+        let theirs = dir.path().join("node.prom");
+        std::fs::write(&theirs, "# HELP node_load1 x\nnode_load1 0.5\n").unwrap();
+        let e = PrometheusSink::start(None, Some(&theirs), &RunContext::default()).err().unwrap().to_string();
+        assert!(e.contains("is not a textfile of torchmem's metrics") && e.contains("never overwrites"), "{e}");
+        assert_eq!(std::fs::read_to_string(&theirs).unwrap(), "# HELP node_load1 x\nnode_load1 0.5\n");
+        let ours = dir.path().join("torchmem.prom");
+        std::fs::write(&ours, "# HELP torchmem_tree_rss_bytes x\ntorchmem_tree_rss_bytes 9\n").unwrap();
+        assert!(PrometheusSink::start(None, Some(&ours), &RunContext::default()).is_ok());
+        let empty = dir.path().join("empty.prom");
+        std::fs::write(&empty, "").unwrap();
+        assert!(PrometheusSink::start(None, Some(&empty), &RunContext::default()).is_ok());
     }
 }
