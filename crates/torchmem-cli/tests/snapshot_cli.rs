@@ -126,3 +126,60 @@ fn explain_oom_message() {
     assert_eq!(code, 1);
     assert!(err.contains("out-of-memory message"), "{err}");
 }
+
+/// gzips `src` into `dst` with the system's gzip (a real gzip file, as `gzip snapshot.pickle` makes).
+fn gzip_to(src: &std::path::Path, dst: &std::path::Path) {
+    let out = Command::new("gzip").args(["-c", "-6"]).arg(src).output().expect("run gzip");
+    assert!(out.status.success());
+    std::fs::write(dst, out.stdout).unwrap();
+}
+
+#[test]
+fn gzipped_snapshots_read_by_magic_bytes_in_every_subcommand() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = fixture("snapshot_mlp_adam_pystacks.pickle");
+    let b = fixture("snapshot_mlp_adam_cppstacks.pickle");
+    let (az, bz) = (dir.path().join("a.pickle.gz"), dir.path().join("b-no-suffix"));
+    gzip_to(&a, &az);
+    gzip_to(&b, &bz);
+    let (a, b, az, bz) = (a.to_str().unwrap(), b.to_str().unwrap(), az.to_str().unwrap(), bz.to_str().unwrap());
+    // Each subcommand gives the same answer on the gzipped file as on the plain one (names aside).
+    for args in [vec![], vec!["--top", "3"], vec!["--top", "3", "--at", "2.5ms"], vec!["--json"]] {
+        let (code, plain, err) = torchmem(&[&["snapshot", a], args.as_slice()].concat());
+        assert_eq!(code, 0, "{args:?}: {err}");
+        let (code, gz, err) = torchmem(&[&["snapshot", az], args.as_slice()].concat());
+        assert_eq!(code, 0, "{args:?}: {err}");
+        assert_eq!(gz.replace(az, a), plain, "{args:?}");
+    }
+    let (code, plain, _) = torchmem(&["snapshot", "diff", a, b]);
+    assert_eq!(code, 0);
+    let (code, gz, err) = torchmem(&["snapshot", "diff", az, bz]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(gz.replace(az, a).replace(bz, b), plain);
+    let page = dir.path().join("page.html");
+    let (code, _, err) = torchmem(&["snapshot", bz, "--html", page.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(std::fs::read_to_string(&page).unwrap().contains("<title>torchmem"));
+    // A gzip file cut short is one clear error.
+    let whole = std::fs::read(az).unwrap();
+    let cut = dir.path().join("cut.pickle.gz");
+    std::fs::write(&cut, &whole[..whole.len() / 2]).unwrap();
+    let (code, _, err) = torchmem(&["snapshot", cut.to_str().unwrap()]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("gzip data is damaged") && err.lines().count() == 1, "{err}");
+}
+
+#[test]
+fn simulate_sizes_need_a_unit_and_its_times_count_from_the_trace_start() {
+    let f = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/sim-h200/mlp_sgd_fp32__recorded.pickle.gz");
+    let f = f.to_str().unwrap();
+    let (code, out, err) = torchmem(&["simulate", f, "--memory-limit", "12"]);
+    assert_eq!(code, 1, "{out}");
+    assert!(err.contains("--memory-limit") && err.contains("12GiB") && err.lines().count() == 1, "{err}");
+    // A limit far below the trace's need: the OOM's time is counted from the trace start, as `snapshot` does.
+    let (code, out, err) = torchmem(&["simulate", f, "--memory-limit", "4MiB"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("OUT OF MEMORY at entry"), "{out}");
+    assert!(out.contains(" ms into the trace)") && !out.contains(" us)"), "{out}");
+}

@@ -316,7 +316,11 @@ fn parse_roundup(v: &str) -> Result<[u64; ROUNDUP_INTERVALS], String> {
     Ok(t)
 }
 
-/// Parses a size such as `80GiB`, `80GB`, `14.5 GiB`, `8000000000` (bytes) into bytes.
+/// The smallest byte count accepted without a unit: `--memory-limit 12` is a forgotten `GiB`, not 12 bytes.
+pub const MIN_BARE_SIZE_BYTES: u64 = 1 << 20;
+
+/// Parses a memory size such as `80GiB`, `80GB`, `14.5 GiB`, `8000000000` (bytes) into bytes. A number
+/// without a unit is a byte count and must be at least 1 MiB (`12` is refused, naming `12GiB`).
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
@@ -334,7 +338,14 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "tb" => 1e12,
         other => return Err(format!("{s:?}: unknown unit {other:?} (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")),
     };
-    Ok((x * mult).round() as u64)
+    let bytes = (x * mult).round() as u64;
+    if unit.trim().is_empty() && bytes < MIN_BARE_SIZE_BYTES {
+        return Err(format!(
+            "{s:?} has no unit, so it would mean {bytes} bytes: give the unit, e.g. {num}GiB or {num}MB (a bare \
+             number is a byte count of at least 1 MiB)"
+        ));
+    }
+    Ok(bytes)
 }
 
 #[cfg(test)]
@@ -382,7 +393,10 @@ mod tests {
     fn sizes() {
         assert_eq!(parse_size("80GiB").unwrap(), 80 << 30);
         assert_eq!(parse_size("80GB").unwrap(), 80_000_000_000);
-        assert_eq!(parse_size("1024").unwrap(), 1024);
+        assert_eq!(parse_size("8000000000").unwrap(), 8_000_000_000);
+        assert_eq!(parse_size("1024B").unwrap(), 1024);
+        let e = parse_size("12").unwrap_err();
+        assert!(e.contains("12GiB") && e.contains("12 bytes"), "{e}");
         assert!(parse_size("lots").is_err());
     }
 }

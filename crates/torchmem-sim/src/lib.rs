@@ -20,7 +20,6 @@ pub mod search;
 pub mod start;
 pub mod whatif;
 
-use std::io::Read;
 use std::path::Path;
 
 use serde::Serialize;
@@ -60,26 +59,13 @@ pub struct SimResult {
     pub refused: Vec<Refused>,
 }
 
-/// Reads a snapshot file: pickle or JSON, optionally gzip-compressed (`.pickle.gz`).
+/// Reads a snapshot file: pickle or JSON, optionally gzip-compressed (the snapshot crate's one reader).
 pub fn read_snapshot(path: &Path) -> Result<Snapshot, SimError> {
-    let name = path.display().to_string();
-    let data = std::fs::read(path)
-        .map_err(|e| SimError::Snapshot(torchmem_snapshot::SnapshotError::open_failed(&name, &e)))?;
-    read_snapshot_bytes(&data, &name)
+    Ok(torchmem_snapshot::read_path(path)?)
 }
 
 /// The same for bytes.
 pub fn read_snapshot_bytes(data: &[u8], name: &str) -> Result<Snapshot, SimError> {
-    if data.starts_with(&[0x1f, 0x8b]) {
-        let mut out = Vec::new();
-        flate2::read::GzDecoder::new(data).read_to_end(&mut out).map_err(|e| {
-            SimError::Snapshot(torchmem_snapshot::SnapshotError::Io {
-                path: name.to_string(),
-                msg: format!("gzip data is damaged ({e}); re-copy the file or gunzip it to check"),
-            })
-        })?;
-        return Ok(torchmem_snapshot::read_bytes(&out, name)?);
-    }
     Ok(torchmem_snapshot::read_bytes(data, name)?)
 }
 

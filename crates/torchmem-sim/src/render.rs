@@ -69,10 +69,10 @@ pub fn device_text(d: &DeviceResult, out: &mut String) {
             let why = if o.over_memory_limit { "over the memory limit" } else { "the device is full" };
             let _ = writeln!(
                 out,
-                "  OUT OF MEMORY at entry {} (t={} us): {} requested ({} rounded, a {} segment), {why}; {} allocated, \
+                "  OUT OF MEMORY at entry {} ({} into the trace): {} requested ({} rounded, a {} segment), {why}; {} allocated, \
                  {} reserved{}",
                 o.entry,
-                o.time_us,
+                torchmem_snapshot::fmt::since_start(o.time_us, o.trace_start_us),
                 bytes(o.requested_bytes),
                 bytes(o.rounded_bytes),
                 bytes(o.segment_bytes),

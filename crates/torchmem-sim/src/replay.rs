@@ -84,6 +84,9 @@ pub struct OomReport {
     /// Index in this device's trace of the allocation that failed.
     pub entry: u32,
     pub time_us: i64,
+    /// The time of the device trace's first entry: `time_us - trace_start_us` is the time into the trace
+    /// (`snapshot --top --at` counts from the same start).
+    pub trace_start_us: i64,
     pub requested_bytes: u64,
     pub rounded_bytes: u64,
     pub segment_bytes: u64,
@@ -614,6 +617,7 @@ impl<'a> Prepared<'a> {
         OomReport {
             entry: k as u32,
             time_us: e.time_us,
+            trace_start_us: self.entries.first().map_or(e.time_us, |first| first.time_us),
             requested_bytes: f.requested_bytes,
             rounded_bytes: f.rounded_bytes,
             segment_bytes: f.segment_bytes,

@@ -27,29 +27,58 @@ use std::path::Path;
 pub use error::{PickleError, SnapshotError};
 pub use model::Snapshot;
 
-/// Reads a snapshot from bytes: pickle (starts with the PROTO opcode 0x80) or JSON (starts with `{`/`[`).
+/// gzip's magic bytes: a gzipped snapshot (`.pickle.gz`, or any name) is recognised by them, not its name.
+const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
+
+/// Inflates gzip data whole; a damaged stream is one clear error.
+fn gunzip<R: Read>(reader: R, name: &str) -> Result<Vec<u8>, SnapshotError> {
+    let mut out = Vec::new();
+    flate2::read::GzDecoder::new(reader).read_to_end(&mut out).map_err(|e| SnapshotError::Io {
+        path: name.to_string(),
+        msg: format!("gzip data is damaged ({e}); re-copy the file or gunzip it to check"),
+    })?;
+    if out.starts_with(&GZIP_MAGIC) {
+        return Err(SnapshotError::Schema {
+            path: name.to_string(),
+            msg: "gzip inside gzip: gunzip it once and read the result".into(),
+        });
+    }
+    Ok(out)
+}
+
+/// Reads a snapshot from bytes: pickle (starts with the PROTO opcode 0x80) or JSON (starts with `{`/`[`),
+/// either of them gzipped.
 pub fn read_bytes(data: &[u8], name: &str) -> Result<Snapshot, SnapshotError> {
+    if data.starts_with(&GZIP_MAGIC) {
+        return read_bytes(&gunzip(data, name)?, name);
+    }
     match first_byte(data.first().copied(), name)? {
         Form::Json => read_json(data, name),
         Form::Pickle => direct::read(data).or_else(|_| read_pickle_generic(data, name)),
     }
 }
 
-/// Reads a snapshot file (pickle or JSON, detected from the first byte). Pickles go through the fast
+/// Reads a snapshot file (pickle or JSON, detected from the first byte; gzipped, from gzip's magic bytes,
+/// whatever the name). Pickles go through the fast
 /// decoder ([`direct`]); when it gives up (an unusual shape, or a damaged or hostile file), the file is
 /// read again by the generic decoder, which gives the result or the precise error.
 pub fn read_path(path: &Path) -> Result<Snapshot, SnapshotError> {
     let name = path.display().to_string();
     let open = || File::open(path).map_err(|e| SnapshotError::open_failed(&name, &e));
     let mut f = open()?;
-    let mut first = [0u8; 1];
-    let n = loop {
-        match f.read(&mut first) {
-            Ok(n) => break n,
+    let mut first = [0u8; 2];
+    let mut n = 0;
+    while n < first.len() {
+        match f.read(&mut first[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(SnapshotError::Io { path: name.clone(), msg: e.to_string() }),
         }
-    };
+    }
+    if first[..n] == GZIP_MAGIC {
+        return read_bytes(&gunzip(BufReader::with_capacity(1 << 20, open()?), &name)?, &name);
+    }
     let form = first_byte((n > 0).then_some(first[0]), &name)?;
     let whole = || -> Result<BufReader<File>, SnapshotError> { Ok(BufReader::with_capacity(1 << 20, open()?)) };
     match form {
