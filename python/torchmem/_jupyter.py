@@ -182,6 +182,8 @@ class MemitResult:
     reserved_start_bytes: int | None = None
     peak_reserved_bytes: int | None = None
     reserved_end_bytes: int | None = None
+    # Set when a CUDA device was asked for (`-d cuda:0`) and there is none: only the CPU was measured.
+    note: str | None = None
 
     @staticmethod
     def _diff(a: int | None, b: int | None) -> int | None:
@@ -215,14 +217,16 @@ class MemitResult:
     def __str__(self) -> str:
         parts = [f"{name}: peak {peak}, increment {inc} (held after: {held})" for name, peak, inc, held in self._rows()]
         where = f" on {self.device}" if self.device != "cpu" else ""
-        return f"tmemit{where} ({self.duration_s:.3f} s): " + "; ".join(parts)
+        note = f" ({self.note})" if self.note else ""
+        return f"tmemit{where} ({self.duration_s:.3f} s): " + "; ".join(parts) + note
 
     def _repr_html_(self) -> str:
         return _table(
             f"%tmemit on {self.device} ({self.duration_s:.3f} s)",
             ["memory", "peak", "increment", "held after"],
             self._rows(),
-            "increment = peak minus the value at the start; held after = end minus start.",
+            "increment = peak minus the value at the start; held after = end minus start."
+            + (f" Note: {self.note}." if self.note else ""),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -281,6 +285,9 @@ def memit(run: Any, device: str | None = None) -> MemitResult:
     gc.collect()
     after = torchmem.stats(device)
     on_gpu = before.device is not None
+    note = None
+    if str(device).startswith("cuda") and not on_gpu:
+        note = f"{device} was asked for, but there is no CUDA device (torch.cuda.is_available() is False): CPU only"
     return MemitResult(
         device=f"cuda:{before.device}" if on_gpu else "cpu",
         duration_s=duration,
@@ -293,6 +300,7 @@ def memit(run: Any, device: str | None = None) -> MemitResult:
         reserved_start_bytes=before.reserved_bytes if on_gpu else None,
         peak_reserved_bytes=p.reserved_bytes if on_gpu else None,
         reserved_end_bytes=after.reserved_bytes if on_gpu else None,
+        note=note,
     )
 
 

@@ -130,13 +130,16 @@ def device_info(device: Any = None) -> dict[str, Any]:
     Also records a "Device checked" mark for the journey."""
     info: dict[str, Any] = _native.device_info()
     torch = sys.modules.get("torch")
-    try:
-        from importlib.metadata import version
+    if torch is not None:
+        info["torch_version"] = str(getattr(torch, "__version__", "")) or None
+        info["torch_cuda_version"] = getattr(getattr(torch, "version", None), "cuda", None)
+    else:
+        # torch's own version.py, read without importing torch: the string `torchmem info` prints too.
+        from ._torch_version import read
 
-        info["torch_version"] = version("torch")
-    except Exception:
-        info["torch_version"] = getattr(torch, "__version__", None)
-    info["torch_cuda_version"] = getattr(getattr(torch, "version", None), "cuda", None)
+        found = read()
+        info["torch_version"] = found["torch_version"]
+        info["torch_cuda_version"] = found["torch_cuda_version"]
     info["torch_cuda_available"] = _cuda_available_now(torch) if _torch() is not None else None
     if device is not None:
         torch = _torch()

@@ -75,11 +75,24 @@ import sys as _tm_sys
 try:
     import torchmem.estimator._runner as _tm_runner
 except ImportError as _tm_err:
-    _tm_sys.stderr.write(
-        f"torchmem estimate: this Python ({_tm_sys.executable}) cannot import torchmem.estimate ({_tm_err}). "
-        "Install torchmem and torch into it.\n"
+    # One message for `torchmem estimate` to print, then a quiet exit: sys.exit here would make Python print
+    # "Fatal Python error: init_import_site" and a traceback.
+    _tm_name = (getattr(_tm_err, "name", None) or "").split(".")[0]
+    _tm_what = "torch" if _tm_name == "torch" else "torchmem"
+    _tm_msg = (
+        f"this Python ({_tm_sys.executable}) cannot import {_tm_what} ({_tm_err}), and the estimate runs the "
+        f"program with torchmem and torch. Install {_tm_what} into it (`{_tm_sys.executable} -m pip install "
+        f"{_tm_what}`), or run the program with a Python that has both"
     )
-    _tm_sys.exit(3)
+    try:
+        import json as _tm_json
+
+        with open(_tm_json.loads(_tm_os.environ["TORCHMEM_ESTIMATE"])["startup_error"], "w") as _tm_f:
+            _tm_f.write(_tm_msg)
+    except Exception:
+        _tm_sys.stderr.write(f"torchmem estimate: {_tm_msg}\n")
+    _tm_sys.stderr.flush()
+    _tm_os._exit(3)
 _tm_runner.start_from_env()
 
 _tm_here = _tm_os.path.dirname(_tm_os.path.abspath(__file__))
@@ -194,10 +207,12 @@ fn estimate_command(args: &EstimateArgs, target: &Target, command: &[String]) ->
         None => dir.path.join("trace.pickle"),
     };
     let summary_path = dir.path.join("summary.json");
+    let startup_error_path = dir.path.join("startup-error.txt");
     let g = &target.gpu;
     let cfg = json!({
         "trace": trace,
         "summary": summary_path,
+        "startup_error": startup_error_path,
         "steps": args.steps,
         "alloc_conf": args.alloc_conf.clone().unwrap_or_default(),
         "gpu": {"name": g.name, "cuda_total_bytes": target.cuda_total_bytes, "major": g.major, "minor": g.minor,
@@ -221,6 +236,10 @@ fn estimate_command(args: &EstimateArgs, target: &Target, command: &[String]) ->
         .env("CUDA_VISIBLE_DEVICES", "")
         .status()
         .map_err(|e| anyhow!("cannot start `{}`: {e}. Check that it is an executable program", argv[0]))?;
+    if let Ok(why) = std::fs::read_to_string(&startup_error_path) {
+        // The sitecustomize could not load the tracer (no torch, no torchmem in that Python): its one message.
+        bail!("{why}");
+    }
     let text = std::fs::read_to_string(&summary_path).map_err(|_| {
         anyhow!(
             "`{}` exited ({status}) without starting the estimator: it must be a Python program whose Python can \
@@ -347,6 +366,14 @@ pub fn report_text(r: &Value) -> String {
     if r["fits"].as_bool() == Some(true) {
         let pct = if total > 0 { 100.0 * margin as f64 / total as f64 } else { 0.0 };
         s += &format!("  fits: yes, {} to spare ({pct:.0} % of the device)\n", format_bytes(margin as u64));
+        let retries = r["num_alloc_retries"].as_u64().unwrap_or(0);
+        if retries > 0 {
+            s += &format!(
+                "  warning: it fits only by flushing: the caching allocator ran out of memory {retries} time(s), \
+                 freed its cache and retried (num_alloc_retries {retries}). Each retry synchronizes the GPU and \
+                 slows the step; a little more memory (a larger batch, another GPU) will not fit\n"
+            );
+        }
     } else if r["oom"].is_object() {
         s += &format!(
             "  fits: NO, the allocator runs out of memory ({} short at the peak)\n",
@@ -529,5 +556,25 @@ impl TempDir {
 impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fit_that_needs_alloc_retries_says_it_only_fits_by_flushing() {
+        let mut r = json!({
+            "gpu": "NVIDIA L4", "device_memory_bytes": 23_580_639_232u64, "steps_traced": 3, "trace_seconds": 1.0,
+            "requests": 10, "peak_allocated_bytes": 20u64 << 30, "peak_reserved_bytes": 21u64 << 30,
+            "nvml_bytes": 22u64 << 30, "context_bytes": 1u64 << 28, "context_measured": true, "fits": true,
+            "margin_bytes": 86_900_000, "num_alloc_retries": 7, "simulator_rules": "torch 2.11",
+        });
+        let text = report_text(&r);
+        assert!(text.contains("fits: yes, 82.9 MiB to spare"), "{text}");
+        assert!(text.contains("warning: it fits only by flushing") && text.contains("7 time(s)"), "{text}");
+        r["num_alloc_retries"] = json!(0);
+        assert!(!report_text(&r).contains("warning"), "no retry, no warning");
     }
 }

@@ -25,20 +25,30 @@ struct TorchInfo {
     error: Option<String>,
 }
 
-/// Asks the current Python for its torch version (torch is imported in a child so the CLI never links it).
+/// The reader of torch's version (`python/torchmem/_torch_version.py`), run as text in the user's Python: the
+/// same code gives `torchmem.device_info()`'s `torch_version`, and that Python need not have torchmem.
+const TORCH_VERSION_PY: &str = include_str!("../../../python/torchmem/_torch_version.py");
+
+/// Asks the current Python for its torch version and CUDA build, read from torch's `version.py` without
+/// importing torch (which takes seconds): a Python start, about 30 ms.
 fn torch_info() -> TorchInfo {
     let python = std::env::var("TORCHMEM_PYTHON").ok().filter(|s| !s.is_empty()).unwrap_or_else(|| "python3".into());
-    let code = "import json\ntry:\n    import torch\n    print(json.dumps([torch.__version__, torch.version.cuda]))\nexcept ImportError as e:\n    print(json.dumps(['', str(e)]))\n";
     let mut info = TorchInfo { python: python.clone(), ..Default::default() };
-    let child = Command::new(&python).args(["-c", code]).stderr(std::process::Stdio::null()).output();
+    let child = Command::new(&python).args(["-c", TORCH_VERSION_PY]).stderr(std::process::Stdio::null()).output();
+    #[derive(serde::Deserialize)]
+    struct Answer {
+        torch_version: Option<String>,
+        torch_cuda_version: Option<String>,
+        error: Option<String>,
+    }
     match child {
-        Ok(out) if out.status.success() => match serde_json::from_slice::<(String, Option<String>)>(&out.stdout) {
-            Ok((v, cuda)) if !v.is_empty() => {
+        Ok(out) if out.status.success() => match serde_json::from_slice::<Answer>(&out.stdout) {
+            Ok(Answer { torch_version: Some(v), torch_cuda_version, .. }) => {
                 info.torch_version = Some(v);
-                info.torch_cuda_version = cuda;
+                info.torch_cuda_version = torch_cuda_version;
             }
-            Ok((_, err)) => {
-                info.error = Some(format!("torch is not installed for {python}: {}", err.unwrap_or_default()))
+            Ok(Answer { error, .. }) => {
+                info.error = Some(format!("torch is not installed for {python}: {}", error.unwrap_or_default()))
             }
             Err(e) => info.error = Some(format!("unexpected answer from {python}: {e}")),
         },
