@@ -25,6 +25,13 @@ pub const HISTORY_INTERVAL_MS: u64 = 500;
 /// History points kept (two minutes at `HISTORY_INTERVAL_MS`).
 pub const HISTORY_POINTS: usize = 240;
 
+/// A PSS or USS read at an earlier sample (they are read every --pss-interval, RSS every --interval), kept
+/// next to a newer RSS only while it does not exceed it: at one moment PSS <= RSS always, so a larger carried
+/// value only says the memory fell since; it is dropped (shown `-`) until the next reading pairs them again.
+fn carried(earlier: Option<u64>, rss_now_bytes: u64) -> Option<u64> {
+    earlier.filter(|&b| b <= rss_now_bytes)
+}
+
 /// The whole profiled tree, now and at its peak.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct TreeMemory {
@@ -232,10 +239,10 @@ impl LiveState {
                 if s.pss_bytes.is_some() {
                     t.pss_bytes = s.pss_bytes;
                     t.peak_pss_bytes = max_opt(t.peak_pss_bytes, s.pss_bytes);
+                } else {
+                    t.pss_bytes = carried(t.pss_bytes, s.rss_bytes);
                 }
-                if s.uss_bytes.is_some() {
-                    t.uss_bytes = s.uss_bytes;
-                }
+                t.uss_bytes = s.uss_bytes.or(carried(t.uss_bytes, s.rss_bytes));
             }
             Record::ProcessSeen(p) => {
                 let e = self.processes.entry(p.pid).or_default();
@@ -249,8 +256,8 @@ impl LiveState {
                 let e = self.processes.entry(s.pid).or_default();
                 e.pid = s.pid;
                 e.rss_bytes = Some(s.rss_bytes);
-                e.pss_bytes = s.pss_bytes.or(e.pss_bytes);
-                e.uss_bytes = s.uss_bytes.or(e.uss_bytes);
+                e.pss_bytes = s.pss_bytes.or(carried(e.pss_bytes, s.rss_bytes));
+                e.uss_bytes = s.uss_bytes.or(carried(e.uss_bytes, s.rss_bytes));
                 e.gpu_bytes = s.gpu_bytes.or(e.gpu_bytes);
             }
             Record::Gpu(g) => {
@@ -438,6 +445,15 @@ pub fn replay_profile(profile: &Profile) -> LiveSnapshot {
     }
     let end_ns = meta.duration_ns.or(timed.last().map(|(t, _)| *t)).unwrap_or(0);
     st.advance(end_ns);
+    // The table's rows are the processes' last readings (taken at the PSS moments); the tree's line shows
+    // the tree at that same moment, not a later RSS-only sample that no row adds up to.
+    if let Some(full) = profile.cpu.iter().rev().find(|c| c.pss_bytes.is_some()) {
+        let t = &mut st.base.tree;
+        t.rss_bytes = Some(full.rss_bytes);
+        t.pss_bytes = full.pss_bytes;
+        t.uss_bytes = full.uss_bytes;
+        t.process_count = full.process_count;
+    }
     st.base.program_pid = profile.processes.iter().min_by_key(|p| p.first_t_ns).map(|p| p.pid);
     if meta.exit_code.is_some() || meta.duration_ns.is_some() {
         st.finish(meta.exit_code);
@@ -756,6 +772,84 @@ pub(crate) mod tests {
         assert_eq!(s.processes.iter().map(|p| p.pid).collect::<Vec<_>>(), vec![10]);
         assert_eq!(s.tree.allocated_bytes, None, "no allocator left: no number, never 0");
         assert_eq!(s.tree.peak_allocated_bytes, Some(5 << 20), "the peak stays");
+    }
+
+    #[test]
+    fn pss_is_never_shown_above_an_rss_read_at_another_moment() {
+        let ctx = RunContext::default();
+        let mut st = LiveState::new(&ctx, 1, Some(7), None);
+        let sample = |rss_mib: u64, pss_mib: Option<u64>| {
+            let pss_bytes = pss_mib.map(|m| m << 20);
+            RecordBatch {
+                records: vec![
+                    Record::Process(ProcessSample {
+                        t_ns: 1,
+                        pid: 7,
+                        rss_bytes: rss_mib << 20,
+                        pss_bytes,
+                        uss_bytes: pss_bytes,
+                        gpu_bytes: None,
+                    }),
+                    Record::Cpu(CpuSample {
+                        t_ns: 1,
+                        rss_bytes: rss_mib << 20,
+                        pss_bytes,
+                        uss_bytes: None,
+                        process_count: 1,
+                    }),
+                ],
+                ..Default::default()
+            }
+        };
+        st.apply(&sample(995, Some(990)));
+        let snap = st.snapshot(0.0);
+        assert_eq!((snap.tree.pss_bytes, snap.processes[0].pss_bytes), (Some(990 << 20), Some(990 << 20)));
+        // RSS grew, PSS not read this time: the earlier PSS still fits under it and is kept.
+        st.apply(&sample(1000, None));
+        assert_eq!(st.snapshot(0.0).processes[0].pss_bytes, Some(990 << 20));
+        // RSS fell below the earlier PSS: that PSS is of another moment and would read PSS > RSS.
+        st.apply(&sample(989, None));
+        let snap = st.snapshot(0.0);
+        assert_eq!((snap.tree.pss_bytes, snap.processes[0].pss_bytes, snap.processes[0].uss_bytes), (None, None, None));
+        assert_eq!(snap.tree.peak_pss_bytes, Some(990 << 20), "the peak is a reading of its own moment");
+        st.apply(&sample(989, Some(980)));
+        assert_eq!(st.snapshot(0.0).processes[0].pss_bytes, Some(980 << 20));
+    }
+
+    #[test]
+    fn a_replayed_profile_shows_the_tree_and_its_rows_at_one_moment() {
+        let mib = |m: u64| m << 20;
+        let cpu = |t_ns, rss, pss: Option<u64>| CpuSample {
+            t_ns,
+            rss_bytes: mib(rss),
+            pss_bytes: pss.map(mib),
+            uss_bytes: pss.map(mib),
+            process_count: 1,
+        };
+        let profile = Profile {
+            processes: vec![ProcessInfo {
+                pid: 7,
+                ppid: 1,
+                cmdline: "python t.py".into(),
+                first_t_ns: 1,
+                last_t_ns: 3,
+            }],
+            // The last full reading (rows and tree) at t=2; an RSS-only tree sample after it at t=3.
+            cpu: vec![cpu(1, 500, Some(490)), cpu(2, 785, Some(780)), cpu(3, 898, None)],
+            process_samples: vec![ProcessSample {
+                t_ns: 2,
+                pid: 7,
+                rss_bytes: mib(785),
+                pss_bytes: Some(mib(780)),
+                uss_bytes: Some(mib(770)),
+                gpu_bytes: None,
+            }],
+            ..Default::default()
+        };
+        let snap = replay_profile(&profile);
+        assert_eq!(snap.processes[0].rss_bytes, Some(mib(785)));
+        assert_eq!((snap.tree.rss_bytes, snap.tree.pss_bytes), (Some(mib(785)), Some(mib(780))));
+        assert_eq!(snap.tree.peak_rss_bytes, Some(mib(898)), "the peak still counts every sample");
     }
 
     #[test]
