@@ -94,6 +94,40 @@ def test_callback_steps_phases_and_logged_bytes(tmp_path):
     ]
 
 
+def state_storage_bytes(optimizer) -> int:
+    """The bytes of an optimizer's state, each storage once (as the breakdown counts)."""
+    seen = {}
+    for st in optimizer.state.values():
+        for v in st.values():
+            if torch.is_tensor(v):
+                s = v.untyped_storage()
+                seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def test_breakdown_measures_the_trainers_optimizer(tmp_path):
+    """The Trainer creates its AdamW inside `train()`, after `attach`: the breakdown finds it and measures its
+    state (the probe saw "optimizer state 0 B" while AdamW held 4.3 MB), and the optimizer step's end is a
+    boundary of its own."""
+    trainer = tiny_trainer(tmp_path, Probe())
+    cb = attach(trainer)
+    trainer.train()
+    want = state_storage_bytes(trainer.optimizer)
+    assert want > 2 * sum(p.numel() * p.element_size() for p in trainer.model.parameters())  # exp_avg + exp_avg_sq
+
+    rows = {r["boundary"]: r for r in cb.monitor.to_dict()["breakdown"]["boundaries"]}
+    assert list(rows) == ["step start", "end of forward", "end of backward", "end of optimizer step"]
+    assert rows["end of optimizer step"]["categories"]["optimizer_state"]["max_bytes"] == want
+    assert rows["end of backward"]["categories"]["optimizer_state"]["max_bytes"] == want  # read after each step
+    # Before the first step AdamW holds nothing yet: a measured 0 there, the full state after.
+    assert rows["step start"]["categories"]["optimizer_state"]["mean_bytes"] < want
+    last = cb.monitor.breakdown()
+    (opt_end,) = [b for b in last["boundaries"] if b["boundary"] == "end of optimizer step"]
+    assert opt_end["breakdown"][-1]["optimizer_state_bytes"] == want
+    text = cb.monitor.summary()
+    assert "end of optimizer step" in text and "wrap the training loop" not in text
+
+
 def test_out_of_memory_in_train_writes_a_post_mortem(tmp_path, capsys):
     probe = Probe()
     trainer = tiny_trainer(tmp_path, probe, fail_at_forward=5)  # the first micro-batch of update step 3

@@ -60,7 +60,7 @@ class Tiny(pl.LightningModule):
         self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
 
 ds = torch.utils.data.TensorDataset(torch.randn(32, 64), torch.randn(32, 1))
@@ -168,6 +168,20 @@ def test_callback_in_each_namespace(tmp_path, namespace):
         assert m["torchmem/forward_peak_rss_bytes"] - m["torchmem/backward_peak_rss_bytes"] >= 32 * MIB, m
         assert m["torchmem/step_peak_rss_bytes"] >= m["torchmem/forward_peak_rss_bytes"]
         assert not any("allocated" in k for k in m)  # no CUDA: no GPU numbers, never a fake 0
+
+    # The breakdown of the LightningModule and the Trainer's optimizer, at the callback's phases (the summary
+    # used to tell a Lightning user to wrap the loop in a Monitor).
+    assert "wrap the training loop" not in data["summary_text"]
+    assert "end of optimizer step" in data["summary_text"]
+    rows = {r["boundary"]: r["categories"] for r in summary["breakdown"]["boundaries"]}
+    assert list(rows) == ["step start", "end of forward", "end of backward", "end of optimizer step"]
+    params = (64 * 256 + 256 + 256 + 1) * 4
+    assert all(c["parameters"]["max_bytes"] == params for c in rows.values())
+    assert rows["end of backward"]["gradients"]["max_bytes"] == params
+    assert rows["end of optimizer step"]["optimizer_state"]["max_bytes"] == params  # SGD's momentum buffers
+    # What autograd saved: the ReLU's output (Linear 2 saves the same storage) and the net's output (mse_loss).
+    assert rows["end of forward"]["activations"]["max_bytes"] == 8 * 256 * 4 + 8 * 1 * 4
+    assert rows["end of forward"]["inputs"]["max_bytes"] == 8 * 64 * 4 + 8 * 4  # the batch (x, y)
 
 
 def test_out_of_memory_writes_a_post_mortem(tmp_path):

@@ -274,8 +274,23 @@ class Breakdown:
             if hook is not None:
                 self._handles.append(hook(lambda opt: self.invalidate_optimizer()))
 
+    def add_model(self, model: Any) -> None:
+        """Counts one more model's parameters (a framework's module: its callbacks mark the phases, so the
+        Monitor does not hook it); a compiled one turns activation tracking off, as at construction."""
+        if any(r() is model for r in self._models):
+            return
+        self._models.append(weakref.ref(model))
+        if is_compiled(model):
+            self.compiled = True
+            self.activations = None
+            self.saved = None
+        self._params = None
+
     def add_optimizer(self, optimizer: Any) -> None:
-        """Counts one more optimizer's state (its param groups follow the earlier optimizers' groups)."""
+        """Counts one more optimizer's state (its param groups follow the earlier optimizers' groups); one
+        already counted is left as it is."""
+        if any(r() is optimizer for r in self._optimizers):
+            return
         self._optimizers.append(weakref.ref(optimizer))
         hook = getattr(optimizer, "register_load_state_dict_post_hook", None)
         if hook is not None:
@@ -299,6 +314,17 @@ class Breakdown:
         if self._params is None or steps <= 2 or steps - self._walked_at >= REWALK_STEPS or count != self._opt_count:
             self._walked_at = steps
             self.refresh_parameters()
+
+    @property
+    def steps_seen(self) -> int:
+        """Steps counted so far: `step_started` calls plus `skip_steps`."""
+        return self._steps
+
+    def skip_steps(self, count: int) -> None:
+        """`count` steps went by without `step_started` (`torchmem run`'s automatic watch does nothing on a step
+        it does not measure): counted, so the choice of measured steps and the re-walk period stay in real
+        steps."""
+        self._steps += max(0, count)
 
     def _optimizer_param_count(self) -> int:
         return sum(len(g["params"]) for o in (r() for r in self._optimizers) if o is not None for g in o.param_groups)
@@ -534,13 +560,16 @@ class Breakdown:
             cuda_devs = sorted([*cuda_devs, cuda_dev])
         out = []
         tracked = self.saved is not None
+        # No optimizer known (a Monitor given only the model; a framework's optimizer not found yet): its
+        # state is not measured, so None ("-"), never a 0 that reads as "no state".
+        has_opt = any(r() is not None for r in self._optimizers)
         for dev in [*cuda_devs, *(d for d in per_dev if not isinstance(d, int)), -1]:
             r = per_dev.get(dev, [0, 0, 0, 0, 0])
             entry: dict[str, Any] = {
                 "device": device_name(dev),
                 "parameters_bytes": r[0],
                 "gradients_bytes": r[1],
-                "optimizer_state_bytes": r[2],
+                "optimizer_state_bytes": r[2] if has_opt else None,
                 # not tracked (a compiled model, or activations=None): not measured, not 0
                 "activations_bytes": r[3] if tracked else None,
                 "inputs_bytes": r[4],
@@ -554,7 +583,7 @@ class Breakdown:
                     "parameters": dict(params_by_module.get(dev, {})),
                     "gradients": dict(grads_by_module.get(dev, {})),
                 },
-                "by_param_group": list(groups.get(dev, [0] * self._opt_groups)),
+                "by_param_group": list(groups.get(dev, [0] * self._opt_groups)) if has_opt else [],
             }
             if dev == -1:
                 entry["rss_bytes"] = _native.self_rss_bytes()

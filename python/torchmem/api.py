@@ -651,6 +651,16 @@ class track:
     `verbose=True` prints one line per run."""
 
     def __init__(self, name: str, device: Any = None, *, verbose: bool = False) -> None:
+        if not isinstance(name, str) or not name:
+            if callable(name):
+                raise TypeError(
+                    f"track(name): got the function {getattr(name, '__name__', name)!r} instead of a name; "
+                    'decorate with @torchmem.track("phase name")'
+                )
+            raise TypeError(
+                f'track(name): name must be a non-empty str naming the phase (e.g. torchmem.track("load")), '
+                f"got {type(name).__name__} {name!r}"
+            )
         self.name = name
         self.device = device
         self.verbose = verbose

@@ -28,6 +28,43 @@ class MemoryGrowthWarning(UserWarning):
     """Memory grew at the end of every epoch: something keeps tensors alive across epochs."""
 
 
+def _kind_of(obj: Any) -> str:
+    """How an argument reads in an error: "an SGD optimizer", "a Linear module", "a str"."""
+    name = type(obj).__name__
+    what = f"{name} optimizer" if _is_optimizer(obj) else f"{name} module" if _is_module(obj) else name
+    # "an SGD", "an LSTM", "a RMSprop": an acronym is read letter by letter.
+    vowel = what[:1] in "AEFHILMNORSX" if what[:2].isupper() else what[:1].lower() in "aeiou"
+    return f"{'an' if vowel else 'a'} {what}"
+
+
+def _is_module(obj: Any) -> bool:
+    return hasattr(obj, "register_forward_pre_hook") and hasattr(obj, "named_parameters")
+
+
+def _is_optimizer(obj: Any) -> bool:
+    return hasattr(obj, "param_groups") and hasattr(obj, "register_step_pre_hook")
+
+
+def check_model_and_optimizer(call: str, model: Any, optimizer: Any) -> None:
+    """A TypeError naming the expected types and the fix when `call(model, optimizer)` got something else
+    (the arguments swapped, an optimizer class instead of an instance, …)."""
+    model_ok = model is None or _is_module(model)
+    optimizer_ok = optimizer is None or _is_optimizer(optimizer)
+    if model_ok and optimizer_ok:
+        return
+    head = f"{call}(model, optimizer)"
+    if _is_optimizer(model) and (optimizer is None or _is_module(optimizer)):
+        got = f"got {_kind_of(model)} as model"
+        if optimizer is not None:
+            got += f" and {_kind_of(optimizer)} as optimizer"
+        fix = "swap the arguments" if optimizer is not None else f"pass the model first: {call}(model, optimizer)"
+        raise TypeError(f"{head}: {got}; {fix}")
+    if not model_ok:
+        raise TypeError(f"{head}: model must be a torch.nn.Module (or None), got {_kind_of(model)}")
+    hint = " (pass an instance: torch.optim.SGD(model.parameters(), lr=...))" if isinstance(optimizer, type) else ""
+    raise TypeError(f"{head}: optimizer must be a torch.optim.Optimizer (or None), got {_kind_of(optimizer)}{hint}")
+
+
 class Monitor:
     """Memory of a training loop, per epoch, step and phase.
 
@@ -71,6 +108,7 @@ class Monitor:
         breakdown_every: int = _breakdown.EVERY_STEPS,
         leaks: bool = True,
     ) -> None:
+        check_model_and_optimizer("Monitor", model, optimizer)
         if model is not None or optimizer is not None:
             _autowatch.user_monitor_started()  # under `torchmem run`: this Monitor, not the automatic one
         self.model = model
@@ -214,11 +252,15 @@ class Monitor:
         self._step_open = 0
         self._step_boundaries, self._step_phase_ends = [], []
 
-    def _end(self, name: str) -> None:
+    def _end(self, name: str) -> dict[str, Any] | None:
+        """Closes phase `name` (a boundary); its end marker, None when it was not open."""
         span = self._phase.pop(name, None)
-        if span is not None:
-            extra = self._boundary(f"end of {name}", span.dev)
-            self._note(f"end of {name}", span.close(extra), extra)
+        if span is None:
+            return None
+        extra = self._boundary(f"end of {name}", span.dev)
+        marker = span.close(extra)
+        self._note(f"end of {name}", marker, extra)
+        return marker
 
     # --- the breakdown at the boundaries ----------------------------------------------------------------
 
@@ -484,6 +526,7 @@ def watch(
     step's start). Under `torchmem run` every boundary lands in the profile. Prints and warns nothing;
     `close()` removes the hooks. `activations`, `breakdown_every`: as for `Monitor` (here a forward is a
     step)."""
+    check_model_and_optimizer("watch", model, optimizer)
     mon = Monitor(
         model,
         optimizer,
@@ -510,8 +553,10 @@ _REPORT_ONLY_KEYS = (
     "processes",
 )
 
-#: The boundary that opens each phase: the composition a peak inside the phase is read against.
-_OPENED_BY = {"forward": "step start", "backward": "end of forward", "optimizer step": "end of backward"}
+#: The boundary a peak inside each phase is read against, the one nearest where it happens (as
+#: `analysis::breakdown::read_at`): forward's peak at its end, backward's at its start, the optimizer step's
+#: once its state exists.
+_READ_AT = {"forward": "end of forward", "backward": "end of forward", "optimizer step": "end of optimizer step"}
 
 
 def step_peak_composition(
@@ -519,7 +564,8 @@ def step_peak_composition(
 ) -> dict[str, Any] | None:
     """What the memory was at one step's peak: the phase in which the step's allocated peak occurred (on the
     CPU: its RSS peak), the five counted categories from the boundary that opened that phase, other = peak
-    allocated − those, cache = peak reserved − peak allocated (as `analysis` derives it from the markers)."""
+    allocated − those, cache = peak reserved − peak allocated (as `analysis` derives it from the markers);
+    the categories come from the step's boundary nearest that peak (`_READ_AT`)."""
     if not boundaries:
         return None
     by_name = {b["boundary"]: b for b in boundaries}
@@ -527,13 +573,13 @@ def step_peak_composition(
     best: dict[str, Any] | None = None
     for m in phase_ends:
         v = m["memory"].get(key)
-        if v is not None and (best is None or v > best["memory"].get(key, -1)) and m["name"] in _OPENED_BY:
+        if v is not None and (best is None or v > best["memory"].get(key, -1)) and m["name"] in _READ_AT:
             best = m
     step_peak = step_end["memory"].get(key)
     phase = best["name"] if best is not None else None
     if best is not None and step_peak is not None and step_peak > best["memory"][key]:
         phase = None  # the peak came between phases (data loading, zero_grad): read at the step's start
-    opened = by_name.get(_OPENED_BY.get(phase or "", ""), boundaries[0])
+    opened = by_name.get(_READ_AT.get(phase or "", ""), boundaries[0])
     mem = best["memory"] if phase is not None and best is not None else step_end["memory"]
     peak_alloc, peak_reserved = mem.get("peak_allocated_bytes"), mem.get("peak_reserved_bytes")
     devices = []

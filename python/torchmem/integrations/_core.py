@@ -1,8 +1,14 @@
 """The one adapter layer under torchmem's framework callbacks (Lightning, Hugging Face): turns "a step began",
 "backward ended", "the optimizer is about to step" into torchmem's public API — a `torchmem.Monitor` for the
-epoch/step/phase tables, `torchmem.track` windows for the forward/backward/optimizer-step phases (their
-markers reach the Monitor and, under `torchmem run`, the profile), and a `torchmem.peak` window per step —
-and builds the scalars the callbacks log (bytes, keys `torchmem/...`) and the out-of-memory post-mortem.
+epoch/step/phase tables and the breakdown (what the memory is: parameters, gradients, optimizer state,
+activations, inputs), the Monitor's own phases for forward/backward/optimizer step (their ends carry the
+breakdown; their markers reach, under `torchmem run`, the profile), `torchmem.track` windows for other
+phases (validation), and a `torchmem.peak` window per step — and builds the scalars the callbacks log
+(bytes, keys `torchmem/...`) and the out-of-memory post-mortem.
+
+The frameworks create their optimizers after the callback starts (the HF Trainer in `train()`, Lightning in
+`configure_optimizers`): the callbacks hand each one to `StepRecorder.add_optimizer` when they see it, and
+until then the breakdown's optimizer state is "not measured" (None), never 0.
 
 No collective is ever called: every rank measures itself; the callbacks decide who logs (rank 0).
 Nothing here keeps a reference to a batch, an output or a loss.
@@ -18,11 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import torchmem
-from torchmem import _native
+from torchmem import _autowatch, _native
 
 #: Phase names, as the Monitor's own hooks name them (so tables and profiles read the same).
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer step"
 _METRIC_NAME = {FORWARD: "forward", BACKWARD: "backward", OPTIMIZER: "optimizer_step"}
+
+#: The phases whose end is a breakdown boundary ("end of forward", …, as the Monitor's own hooks mark them).
+_BOUNDARY_PHASES = (FORWARD, BACKWARD, OPTIMIZER)
 
 _OOM_TEXT = ("out of memory", "DefaultCPUAllocator: can't allocate memory", "CUDNN_STATUS_NOT_SUPPORTED")
 
@@ -34,6 +43,20 @@ def is_oom(exc: BaseException) -> bool:
     if oom_type is not None and isinstance(exc, oom_type):
         return True
     return isinstance(exc, (RuntimeError, MemoryError)) and any(t in str(exc) for t in _OOM_TEXT)
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside a framework's wrapper (accelerate's `AcceleratedOptimizer.optimizer`,
+    Lightning's `LightningOptimizer._optimizer`), or `optimizer` itself; None for anything without
+    `param_groups` and `state`."""
+    for _ in range(4):
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if inner is None or inner is optimizer or not hasattr(inner, "param_groups"):
+            break
+        optimizer = inner
+    if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "state"):
+        return None
+    return optimizer
 
 
 def cuda_index(device: Any) -> int | None:
@@ -54,16 +77,31 @@ class StepRecorder:
     """Epochs, steps and phases of one training run on one rank, measured through torchmem's public API.
 
     `device`: the model's device (a CUDA device gets allocated/reserved numbers; the CPU gets RSS only).
-    `model`: given, the Monitor's own hooks record its forward and backward phases (for frameworks without
-    hooks at those points). `prefix`: metric key prefix. `verbose`: the Monitor's per-epoch line on stderr."""
+    `model`: the model the breakdown counts; with `hook_model` (the default) the Monitor's own hooks also
+    record its forward and backward phases (for frameworks without callbacks at those points, the HF
+    Trainer); without, the framework's callbacks mark them (`begin_phase`, Lightning, whose `training_step`
+    need not call the module's own forward). `prefix`: metric key prefix. `verbose`: the Monitor's per-epoch
+    line on stderr."""
 
     def __init__(
-        self, device: Any = None, *, model: Any = None, prefix: str = "torchmem/", verbose: bool = False
+        self,
+        device: Any = None,
+        *,
+        model: Any = None,
+        hook_model: bool = True,
+        prefix: str = "torchmem/",
+        verbose: bool = False,
     ) -> None:
         self.dev = cuda_index(device)
         self.device = f"cuda:{self.dev}" if self.dev is not None else "cpu"
         self.prefix = prefix
-        self.monitor = torchmem.Monitor(model, device=self.device, verbose=verbose)
+        if model is not None and not hook_model:
+            self.monitor = torchmem.Monitor(device=self.device, verbose=verbose, breakdown=True)
+            self.monitor._bd.add_model(model)
+            _autowatch.user_monitor_started()  # under `torchmem run`: this one records the phases
+        else:
+            self.monitor = torchmem.Monitor(model, device=self.device, verbose=verbose)
+        self._saving = False  # the saved-tensors hooks are on for a forward marked by `begin_phase`
         self._tracks: dict[str, Any] = {}
         self._open_phases: list[str] = []
         self._step_cm: Any = None
@@ -116,14 +154,55 @@ class StepRecorder:
         self.last_step = {k: v for k, v in step.items() if v is not None}
         return self.last_step
 
-    def begin_phase(self, name: str) -> None:
+    def add_optimizer(self, optimizer: Any) -> None:
+        """Counts `optimizer`'s state in the breakdown (unwrapped from the framework's wrapper); one seen
+        before is ignored. Called by the callbacks whenever an event hands them the optimizer."""
+        bd = self.monitor._bd
+        opt = unwrap_optimizer(optimizer)
+        if bd is not None and opt is not None:
+            bd.add_optimizer(opt)
+
+    def _monitor_phase(self, name: str) -> bool:
+        """Whether phase `name` is the Monitor's own (its end a breakdown boundary) rather than a track."""
+        return self.monitor._bd is not None and name in _BOUNDARY_PHASES
+
+    def begin_phase(self, name: str, inputs: Any = None) -> None:
+        """Opens phase `name`. `inputs`: for "forward", the batch (the breakdown's inputs; on a measured step
+        the saved-tensors hooks then count the activations until the forward ends)."""
         if name in self._open_phases:
             return
-        t = self._tracks.get(name)
-        if t is None:
-            t = self._tracks[name] = torchmem.track(name, self.device)
-        t.__enter__()
+        if self._monitor_phase(name):
+            mon = self.monitor
+            if name in mon._phase:  # opened by the Monitor's own hooks: theirs to close
+                return
+            mon._start(name)
+            bd = mon._bd
+            if name == FORWARD and bd is not None and bd.sampling:
+                torch = sys.modules.get("torch")
+                if torch is not None and torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+                    bd.forward_begin((inputs,), {})
+                    self._saving = bd.saved is not None
+                else:
+                    bd.set_inputs((inputs,), {})
+        else:
+            t = self._tracks.get(name)
+            if t is None:
+                t = self._tracks[name] = torchmem.track(name, self.device)
+            t.__enter__()
         self._open_phases.append(name)
+
+    def _close(self, name: str) -> dict[str, Any] | None:
+        """Closes one open phase; its exit memory (None when it was not open)."""
+        if self._monitor_phase(name):
+            mon = self.monitor
+            if name == FORWARD and self._saving:
+                self._saving = False
+                mon._bd.forward_end()
+            end = mon._end(name)
+            return None if end is None else end["memory"]
+        t = self._tracks[name]
+        t.__exit__(None, None, None)
+        return t.result.exit
 
     def end_phase(self, name: str) -> None:
         if name not in self._open_phases:
@@ -131,11 +210,10 @@ class StepRecorder:
         # Phases nest in opening order: close any opened after this one first.
         while self._open_phases:
             top = self._open_phases.pop()
-            t = self._tracks[top]
-            t.__exit__(None, None, None)
-            r = t.result
+            exit_memory = self._close(top) or {}
             key = _METRIC_NAME.get(top, top.replace(" ", "_"))
-            for kind, value in (("allocated", r.peak_allocated_bytes), ("rss", r.peak_rss_bytes)):
+            for kind in ("allocated", "rss"):
+                value = exit_memory.get(f"peak_{kind}_bytes")
                 if value is not None:
                     k = f"{key}_peak_{kind}_bytes"
                     self._phase_peaks[k] = max(self._phase_peaks.get(k, 0), value)

@@ -13,7 +13,10 @@ on first use, against the namespace the user works with, and never imports the o
 What it does: a `torchmem.Monitor` per rank fed from the hooks — a step per training batch
 (`on_train_batch_start` → `on_train_batch_end`), the "forward" phase up to `on_before_backward`, "backward" up to
 `on_after_backward`, "optimizer step" from `on_before_optimizer_step`, an epoch per training epoch, a
-"validation" phase per validation batch; on rank 0 (`trainer.is_global_zero`) every `every_n_steps` batches
+"validation" phase per validation batch; the breakdown of the LightningModule and the Trainer's optimizers
+(parameters, gradients, optimizer state, activations, inputs) at the step start and the ends of forward,
+backward and optimizer step, as `torchmem.Monitor(model, optimizer)` records it (`cb.monitor.summary()`);
+on rank 0 (`trainer.is_global_zero`) every `every_n_steps` batches
 (default: the Trainer's `log_every_n_steps`) it logs bytes through `logger.log_metrics` to every logger of the
 Trainer (`torchmem/allocated_bytes`, `torchmem/step_peak_allocated_bytes`, `torchmem/forward_peak_rss_bytes`,
 …). On an out-of-memory exception `on_exception` writes the post-mortem (`oom_dir`, default
@@ -187,7 +190,13 @@ class TorchmemCallback:
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.recorder is not None:
             self.recorder.close()
-        self.recorder = StepRecorder(pl_module.device, prefix=self.prefix, verbose=self.verbose)
+        # The breakdown counts the LightningModule; the phases come from the hooks below, not from module
+        # hooks (a training_step need not call the module's own forward).
+        self.recorder = StepRecorder(
+            pl_module.device, model=pl_module, hook_model=False, prefix=self.prefix, verbose=self.verbose
+        )
+        for optimizer in getattr(trainer, "optimizers", None) or ():
+            self.recorder.add_optimizer(optimizer)
         if self.every_n_steps is None:
             self.every_n_steps = int(getattr(trainer, "log_every_n_steps", 50) or 0)
         if self.oom_dir is None:
@@ -226,7 +235,7 @@ class TorchmemCallback:
             return
         self._batch_idx = batch_idx
         self.recorder.begin_step(self._batches)
-        self.recorder.begin_phase(FORWARD)
+        self.recorder.begin_phase(FORWARD, inputs=batch)
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         if self.recorder is not None:
@@ -239,6 +248,7 @@ class TorchmemCallback:
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self.recorder is not None:
+            self.recorder.add_optimizer(optimizer)
             self.recorder.end_phase(BACKWARD)
             self.recorder.begin_phase(OPTIMIZER)
 

@@ -6,6 +6,9 @@
 forward and backward phases from the Monitor's own hooks on the model, the "optimizer step" phase from
 `on_pre_optimizer_step` → `on_optimizer_step`, an epoch per `on_epoch_begin` → `on_epoch_end`. On every
 logging step it adds its scalars (bytes, `torchmem/...`) to the `logs` of `on_log` on the world's main process.
+The breakdown (what the memory is, `cb.monitor.summary()`) counts the Trainer's optimizer, which the Trainer
+creates inside `train()`, after `attach`: the callback takes it from the `optimizer` every event is given
+(accelerate's wrapper unwrapped), so the optimizer state is measured from the first step on.
 
 Why `attach(trainer)`: the Trainer puts user callbacks *after* its `report_to` reporters (TensorBoard, W&B,
 MLflow, …), and every callback gets the same `logs` dict in list order, so numbers a user callback adds in
@@ -79,6 +82,7 @@ class TorchmemCallback(TrainerCallback):
         self.post_mortem: str | None = None
         self._pending: dict[str, int] | None = None
         self._oom_handler: Any = None
+        self._optimizer: Any = None  # the Trainer's, once an event gave it
         self._epoch = 0
 
     def _active_sinks(self) -> list[Any]:
@@ -97,7 +101,9 @@ class TorchmemCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if self.recorder is not None:
             self.recorder.close()
+        self._optimizer = None
         self.recorder = StepRecorder(_model_device(model), model=model, prefix=self.prefix, verbose=self.verbose)
+        self._add_optimizer(kwargs.get("optimizer"))
         self._epoch = 0
         if self.oom_dir is None:
             self.oom_dir = os.path.join(args.output_dir or ".", "torchmem")
@@ -120,12 +126,20 @@ class TorchmemCallback(TrainerCallback):
         if self.recorder is not None:
             self.recorder.end_epoch()
 
+    def _add_optimizer(self, optimizer: Any) -> None:
+        """The Trainer's optimizer into the breakdown, once it exists (`create_optimizer` runs in `train()`)."""
+        if optimizer is not None and optimizer is not self._optimizer and self.recorder is not None:
+            self._optimizer = optimizer
+            self.recorder.add_optimizer(optimizer)
+
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.recorder is not None:
+            self._add_optimizer(kwargs.get("optimizer"))
             self.recorder.begin_step(int(state.global_step))
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.recorder is not None:
+            self._add_optimizer(kwargs.get("optimizer"))
             self.recorder.begin_phase(OPTIMIZER)
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

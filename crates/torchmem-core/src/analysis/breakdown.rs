@@ -4,9 +4,11 @@
 //!   and max of every category over all steps (the kept markers plus the folded `BreakdownAggregate` rows,
 //!   so a long run's numbers are exact);
 //! - the composition at the step peak: parameters / gradients / optimizer state / activations / inputs
-//!   from the boundary that opens the phase in which the highest peak occurred, `other` = peak allocated −
-//!   those, `cache` = peak reserved − peak allocated, `non_torch` from the nearest NVML reading (on the CPU:
-//!   `other` = peak RSS − those);
+//!   from the boundary nearest that phase's peak (`read_at`: the end of forward for forward and backward,
+//!   the end of the optimizer step for it) of the peak's own step when that step was measured, else of the
+//!   nearest measured step (`Monitor(breakdown_every=...)` measures one step in ten); `other` = peak
+//!   allocated − those, `cache` = peak reserved − peak allocated, `non_torch` from the nearest NVML reading
+//!   (on the CPU: `other` = peak RSS − those). The composition says which step and boundary it was read at;
 //! - parameters and gradients per top-level module, optimizer state per param group, activations by module;
 //! - the timeline of the kept boundaries (for the stacked chart).
 
@@ -72,8 +74,15 @@ pub struct PeakComposition {
     pub step: Option<i64>,
     pub phase: String,
     pub phase_start_t_ns: u64,
-    /// The boundary whose breakdown gave the named categories (the one that opens `phase`).
+    /// The boundary whose breakdown gave the named categories (`read_at(phase)`, see `boundary_source`).
     pub boundary: String,
+    /// The step that boundary belongs to: `step` when the peak's step was measured, else another one.
+    pub boundary_step: Option<i64>,
+    pub boundary_t_ns: u64,
+    /// Why that boundary: `peak step` (the peak's own step was measured there), `nearest measured step`
+    /// (the peak's step was not measured: the same boundary of the measured step nearest in time), or
+    /// `last before the phase` (no such boundary was recorded: the last one before the phase began).
+    pub boundary_source: &'static str,
     pub peak_allocated_bytes: Option<u64>,
     pub peak_reserved_bytes: Option<u64>,
     pub peak_rss_bytes: Option<u64>,
@@ -240,6 +249,37 @@ fn span_peak(s: &Span, cuda: bool) -> Option<u64> {
     }
 }
 
+/// The boundary a peak inside `phase` is read against: the one nearest where such a peak happens. Forward's
+/// peak comes at its end (every activation is saved then), backward's at its start (the activations are
+/// still all saved, the first gradients appear: the end of forward), the optimizer step's once its state
+/// exists (its end). None for other phases and for steps.
+pub fn read_at(phase: &str) -> Option<&'static str> {
+    match phase {
+        "forward" | "backward" => Some("end of forward"),
+        "optimizer step" => Some("end of optimizer step"),
+        _ => None,
+    }
+}
+
+/// The step open in each span's process when the span started, by (process, start time, kind, name).
+type SpanStep<'a> = HashMap<((Option<u32>, Option<u32>), u64, MarkerKind, &'a str), Option<i64>>;
+
+fn span_steps(markers: &[Marker]) -> SpanStep<'_> {
+    let mut step_of: StepOf = HashMap::new();
+    let mut out = HashMap::new();
+    for m in markers {
+        let st = step_of.entry(m.origin.stream()).or_insert((None, 0));
+        if m.kind == MarkerKind::Step && m.edge == Edge::Start {
+            st.0 = Some(m.index.unwrap_or(st.1));
+            st.1 += 1;
+        }
+        if m.edge == Edge::Start {
+            out.insert((m.origin.stream(), m.t_ns, m.kind, m.name.as_str()), st.0);
+        }
+    }
+    out
+}
+
 fn composition(
     kept: &[Boundary],
     markers: &[Marker],
@@ -248,29 +288,49 @@ fn composition(
 ) -> Option<PeakComposition> {
     let cuda = kept.iter().any(|(m, _)| m.breakdown.iter().flatten().any(DeviceBreakdown::is_cuda));
     let sp = spans(markers);
-    // The boundary opening a span: the last breakdown of its process at or before its start.
-    let opening = |s: &Span| {
+    let steps = span_steps(markers);
+    let step_of = |s: &Span| steps.get(&(s.origin.stream(), s.start_t_ns, s.kind, s.name)).copied().flatten();
+    let usable = |m: &Marker| m.breakdown.as_deref().and_then(|b| entry_for(b, cuda)).is_some();
+    // The breakdown a span's peak is read against, and why that one (see `PeakComposition::boundary_source`).
+    let read = |s: &Span| -> Option<(Boundary, &'static str)> {
         let stream = s.origin.stream();
+        let step = if s.kind == MarkerKind::Step { s.index.or(step_of(s)) } else { step_of(s) };
+        let want = if s.kind == MarkerKind::Step { Some("step start") } else { read_at(s.name) };
+        if let Some(want) = want {
+            let same: Vec<&Boundary> = kept
+                .iter()
+                .filter(|(m, _)| m.origin.stream() == stream && usable(m) && boundary_of(m) == want)
+                .collect();
+            if let Some(b) = same.iter().find(|(_, st)| step.is_some() && *st == step) {
+                return Some((**b, "peak step"));
+            }
+            if let Some(b) = same.iter().min_by_key(|(m, _)| m.t_ns.abs_diff(s.start_t_ns)) {
+                return Some((**b, "nearest measured step"));
+            }
+        }
         let upto = kept.partition_point(|(m, _)| m.t_ns <= s.start_t_ns);
         kept[..upto]
             .iter()
             .rev()
-            .find(|(m, _)| {
-                m.origin.stream() == stream && m.breakdown.as_deref().and_then(|b| entry_for(b, cuda)).is_some()
-            })
-            .copied()
+            .find(|(m, _)| m.origin.stream() == stream && usable(m))
+            .map(|b| (*b, "last before the phase"))
     };
     let best = |kind: MarkerKind| {
-        let mut best: Option<(u64, &Span, Boundary)> = None;
+        let mut best: Option<(u64, &Span, (Boundary, &'static str))> = None;
         for s in sp.iter().filter(|s| s.kind == kind) {
-            let (Some(peak), Some(open)) = (span_peak(s, cuda), opening(s)) else { continue };
-            if best.as_ref().is_none_or(|b| peak > b.0) {
-                best = Some((peak, s, open));
+            let Some(peak) = span_peak(s, cuda) else { continue };
+            if best.as_ref().is_some_and(|b| peak <= b.0) {
+                continue;
+            }
+            if let Some(r) = read(s) {
+                best = Some((peak, s, r));
             }
         }
         best
     };
-    let (peak, span, (open, step)) = best(MarkerKind::Phase).or_else(|| best(MarkerKind::Step))?;
+    let (peak, span, ((open, boundary_step), boundary_source)) =
+        best(MarkerKind::Phase).or_else(|| best(MarkerKind::Step))?;
+    let step = if span.kind == MarkerKind::Step { span.index.or(step_of(span)) } else { step_of(span) };
     let entry = entry_for(open.breakdown.as_deref()?, cuda)?;
     let exit = span.exit.cloned().unwrap_or_default();
     let named: [(Category, Option<u64>); 5] = [
@@ -320,6 +380,9 @@ fn composition(
         phase: span.name.to_string(),
         phase_start_t_ns: span.start_t_ns,
         boundary: boundary_of(open),
+        boundary_step,
+        boundary_t_ns: open.t_ns,
+        boundary_source,
         peak_allocated_bytes: peak_allocated,
         peak_reserved_bytes: peak_reserved,
         peak_rss_bytes: if cuda { opt_max(exit.peak_rss_bytes, exit.rss_bytes) } else { Some(peak) },
@@ -609,10 +672,48 @@ mod tests {
         fe.breakdown = Some(vec![cpu(10 * MIB, 20 * MIB, 320 * MIB)]);
         let s = breakdown_summary(&[start, fs, fe], &[], &[], &[]);
         let p = s.peak.unwrap();
-        assert_eq!((p.basis, p.device.as_str(), p.boundary.as_str()), ("rss", "cpu", "step start"));
-        assert_eq!(p.bytes(Category::Other), Some(340 * MIB as i64), "peak RSS − parameters");
+        // A forward peak is read at the end of forward, where its activations are saved (not at the step
+        // start, where they are 0 B).
+        assert_eq!((p.basis, p.device.as_str(), p.boundary.as_str()), ("rss", "cpu", "end of forward"));
+        assert_eq!((p.step, p.boundary_step, p.boundary_source), (Some(0), Some(0), "peak step"));
+        assert_eq!(p.bytes(Category::Activations), Some(20 * MIB as i64));
+        assert_eq!(p.bytes(Category::Other), Some(320 * MIB as i64), "peak RSS − parameters − activations");
         assert_eq!((p.bytes(Category::Cache), p.bytes(Category::NonTorch)), (None, None), "no allocator, no NVML");
         assert_eq!(p.total_bytes, 350 * MIB);
+    }
+
+    #[test]
+    fn a_peak_in_a_step_not_measured_names_its_step_and_the_measured_one() {
+        // Steps 0, 1 and 3 measured; step 2 (not measured: no breakdown on its markers) peaks highest, in its
+        // optimizer step. The peak is step 2's; the categories come from the end of the optimizer step of
+        // the nearest measured step (step 1: 81 ns before, step 3: 119 ns after), and say so.
+        let mut m = hand_built_step(0, 0, 380 * MIB, 0);
+        m.extend(hand_built_step(100, 1, 380 * MIB, 200 * MIB));
+        let mut unmeasured = hand_built_step(200, 2, 380 * MIB, 200 * MIB);
+        for x in &mut unmeasured {
+            x.breakdown = None;
+            if x.name == "optimizer step" && x.edge == Edge::End {
+                x.memory.peak_allocated_bytes = Some(900 * MIB);
+            }
+        }
+        m.extend(unmeasured);
+        m.extend(hand_built_step(300, 3, 380 * MIB, 200 * MIB));
+        let p = breakdown_summary(&m, &[], &[], &[]).peak.expect("a composition");
+        assert_eq!((p.step, p.phase.as_str(), p.phase_start_t_ns), (Some(2), "optimizer step", 241));
+        assert_eq!((p.boundary.as_str(), p.boundary_step), ("end of optimizer step", Some(1)));
+        assert_eq!((p.boundary_t_ns, p.boundary_source), (160, "nearest measured step"));
+        assert_eq!(p.bytes(Category::OptimizerState), Some(200 * MIB as i64));
+        assert_eq!(p.bytes(Category::Other), Some((900 - 100 - 100 - 200 - 4) as i64 * MIB as i64));
+        // The peak's own step measured: read there.
+        let mut m = hand_built_step(0, 0, 380 * MIB, 0);
+        let mut peaky = hand_built_step(100, 1, 380 * MIB, 200 * MIB);
+        peaky[2].memory.peak_allocated_bytes = Some(700 * MIB); // end of forward
+        m.extend(peaky);
+        m.extend(hand_built_step(200, 2, 380 * MIB, 200 * MIB));
+        let p = breakdown_summary(&m, &[], &[], &[]).peak.unwrap();
+        assert_eq!((p.step, p.phase.as_str(), p.boundary.as_str()), (Some(1), "forward", "end of forward"));
+        assert_eq!((p.boundary_step, p.boundary_t_ns, p.boundary_source), (Some(1), 120, "peak step"));
+        assert_eq!(p.bytes(Category::Activations), Some(120 * MIB as i64), "the forward's saved tensors");
     }
 
     #[test]

@@ -54,6 +54,22 @@ fn where_peak(p: &PeakComposition) -> String {
     format!("{step}{}, {}", p.phase, p.device)
 }
 
+/// Where the named categories of a composition were measured: the boundary, its step, and why that one.
+fn read_at_note(p: &PeakComposition) -> String {
+    let at = match p.boundary_step {
+        Some(s) => format!("measured at step {s}'s {}", p.boundary),
+        None => format!("measured at the {}", p.boundary),
+    };
+    let peak_step = p.step.map(|s| format!("step {s}")).unwrap_or_else(|| "the peak's step".into());
+    match p.boundary_source {
+        "peak step" => format!("{at}, the boundary nearest the {} phase's peak", p.phase),
+        "nearest measured step" => format!(
+            "{at}, the nearest measured step ({peak_step} was not measured: the breakdown measures the first 3 steps, then one in `breakdown_every`)"
+        ),
+        _ => format!("{at}, the last boundary measured before the {} phase began", p.phase),
+    }
+}
+
 /// The composition at the step peak: one row per category, bytes and % of the peak's total.
 pub fn composition_table(b: &BreakdownSummary) -> Table {
     let empty = if b.recorded {
@@ -71,11 +87,10 @@ pub fn composition_table(b: &BreakdownSummary) -> Table {
         t.rows.push(vec![r.category.label().into(), signed_bytes(r.bytes), format!("{:.1}%", r.percent_of_peak)]);
     }
     t.rows.push(vec!["total".into(), format_bytes(p.total_bytes), "100.0%".into()]);
+    let read_at = read_at_note(p);
     if p.basis == "allocator" {
         t.notes.push(format!(
-            "parameters … inputs: at the {}, the boundary that opens the {} phase; other = peak allocated {} − those; allocator cache = peak reserved {} − peak allocated.",
-            p.boundary,
-            p.phase,
+            "parameters … inputs: {read_at}; other = peak allocated {} − those; allocator cache = peak reserved {} − peak allocated.",
             p.peak_allocated_bytes.map(format_bytes).unwrap_or_else(|| "-".into()),
             p.peak_reserved_bytes.map(format_bytes).unwrap_or_else(|| "-".into()),
         ));
@@ -86,9 +101,7 @@ pub fn composition_table(b: &BreakdownSummary) -> Table {
         });
     } else {
         t.notes.push(format!(
-            "CPU: parameters … inputs at the {}, the boundary that opens the {} phase; other = the phase's peak RSS {} − those (the interpreter, libraries, other allocations).",
-            p.boundary,
-            p.phase,
+            "CPU: parameters … inputs: {read_at}; other = the phase's peak RSS {} − those (the interpreter, libraries, other allocations).",
             format_bytes(p.total_bytes)
         ));
     }
@@ -430,8 +443,8 @@ mod tests {
 
     #[test]
     fn snapshot_of_the_text_tables() {
-        // Hand-checked: peak RSS 341 MiB (the forward's exit peak), opened by step start; other = 341 −
-        // (10 + 10 + 20 + 0 + 0.25) MiB = 300.75 MiB = 88.2 % of it.
+        // Hand-checked: peak RSS 341 MiB (the forward's exit peak), read at that step's end of forward;
+        // other = 341 − (10 + 10 + 20 + 30 + 0.25) MiB = 270.75 MiB = 79.4 % of it.
         let b = breakdown_summary(&hand_built_cpu_run(), &[], &[], &[]);
         let text: String = tables(&b).iter().take(2).map(crate::report::table::render_table).collect();
         let want = "\
@@ -441,11 +454,11 @@ What the memory is: at the peak (step 0, forward, cpu)
   parameters        10.0 MiB       2.9%
   gradients         10.0 MiB       2.9%
   optimizer state   20.0 MiB       5.9%
-  activations            0 B       0.0%
+  activations       30.0 MiB       8.8%
   inputs           256.0 KiB       0.1%
-  other            300.8 MiB      88.2%
+  other            270.8 MiB      79.4%
   total            341.0 MiB     100.0%
-  CPU: parameters … inputs at the step start, the boundary that opens the forward phase; other = the phase's peak RSS 341.0 MiB − those (the interpreter, libraries, other allocations).
+  CPU: parameters … inputs: measured at step 0's end of forward, the boundary nearest the forward phase's peak; other = the phase's peak RSS 341.0 MiB − those (the interpreter, libraries, other allocations).
 
 What the memory is: per boundary
   boundary        device  steps  parameters  gradients  optimizer state  activations     inputs        RSS
