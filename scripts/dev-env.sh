@@ -18,4 +18,11 @@ if ! .venv/bin/python -c "import torch, torchvision, maturin, pytest, memory_pro
     accelerate lightning pytorch-lightning pytest-xdist nbclient nbformat ipykernel wandb mlflow-skinny \
     prometheus-client tensorboard pandas
 fi
-.venv/bin/maturin develop -q --release
+# pip (under maturin) prints one "Ignoring ipython: markers 'extra == "jupyter"' don't match your environment"
+# per optional dependency: noise, dropped. Every other line (errors included) is shown; maturin's exit status
+# is the script's.
+set +e
+.venv/bin/maturin develop -q --release 2>&1 | scripts/quiet-pip-markers.sh
+status=${PIPESTATUS[0]}
+set -e
+exit "$status"

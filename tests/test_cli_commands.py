@@ -116,3 +116,17 @@ def test_tmemit_on_cuda_without_a_cuda_device_says_so():
     assert "cuda:0 was asked for, but there is no CUDA device" in str(r), str(r)
     assert "no CUDA device" in r._repr_html_()
     assert memit(lambda: None, "cpu").note is None
+
+
+def test_the_build_filter_drops_pips_marker_noise_and_keeps_errors():
+    # The lines `maturin develop` printed 27 of in ./setup.sh (pip, for each optional dependency), and a real error.
+    noise = [
+        "Ignoring ipython: markers 'extra == \"jupyter\"' don't match your environment",
+        "Ignoring lightning: markers 'extra == \"lightning\"' don't match your environment",
+        "Ignoring accelerate: markers 'extra == \"transformers\"' don't match your environment",
+    ]
+    kept = ["error: could not compile `torchmem-snapshot` (lib) due to 1 previous error", "🛠 Installed torchmem-0.1.0"]
+    text = "\n".join(noise[:2] + kept[:1] + noise[2:] + kept[1:]) + "\n"
+    r = subprocess.run([ROOT / "scripts" / "quiet-pip-markers.sh"], input=text, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.splitlines() == kept, r
+    assert "quiet-pip-markers.sh" in (ROOT / "scripts" / "dev-env.sh").read_text()
