@@ -302,8 +302,8 @@ def whatif(path: str, memory_limit_bytes: int | None = None, device_total_bytes:
 def snapshot_summary(path: str, top: int = 10, at_time_us: int | None = None) -> dict[str, Any]:
     """Summary (per-device reserved/allocated/active/requested bytes now and at the traced peak,
     fragmentation per segment, trace action counts, ring-buffer history) and the `top` allocation sites
-    at the peak (or at `at_time_us`) of a snapshot file (pickle or JSON): {"file", "summary", "top"}. Raises
-    SnapshotError."""
+    at the peak (or at `at_time_us`) of a snapshot file (pickle or JSON, either gzipped): {"file", "summary",
+    "top"}. Raises SnapshotError."""
 
 def snapshot_summary_bytes(data: bytes, top: int = 10, at_time_us: int | None = None) -> dict[str, Any]:
     """The same for snapshot bytes. Raises SnapshotError."""
