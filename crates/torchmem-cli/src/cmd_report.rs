@@ -253,7 +253,7 @@ pub fn render_overview(paths: &[PathBuf], profiles: &[Profile], format: Format) 
                 r.remove(col);
             });
         }
-        t.notes.push(torchmem_core::report::cells::NO_CUDA_NOTE.into());
+        t.notes.push("GPU: no CUDA device in these runs, so there are no GPU columns (not zeros).".into());
     }
     t.notes.push("Each profile's full report: `torchmem report FILE` (or --format json for all of them).".into());
     let title = match format {
