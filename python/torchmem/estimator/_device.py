@@ -26,6 +26,7 @@ import atexit
 import ctypes
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -219,11 +220,14 @@ class _FakeStream:
 
 
 class _FakeEvent:
+    """`torch.cuda.Event` stand-in: `elapsed_time` is the host time between the two `record()` calls (the
+    emulated device computes nothing), never 0, so a program's throughput print does not divide by zero."""
+
     def __init__(self, *_a, **_k) -> None:
-        pass
+        self._recorded_s = time.perf_counter()
 
     def record(self, *_a) -> None:
-        return None
+        self._recorded_s = time.perf_counter()
 
     def wait(self, *_a) -> None:
         return None
@@ -234,14 +238,24 @@ class _FakeEvent:
     def query(self) -> bool:
         return True
 
-    def elapsed_time(self, _other) -> float:
-        return 0.0
+    def elapsed_time(self, end_event) -> float:
+        ms = (getattr(end_event, "_recorded_s", self._recorded_s) - self._recorded_s) * 1e3
+        return max(ms, 1e-3)
+
+
+def _rng_state():
+    import torch
+
+    return torch.zeros(16, dtype=torch.uint8)
 
 
 def _torch_device():
     import torch
 
     return torch.device("cuda", 0)
+
+
+_INHERITED = object()
 
 
 class CudaShim:
@@ -252,9 +266,56 @@ class CudaShim:
         self.spec = spec
         self.tracer = tracer
         self._saved: list[tuple[Any, str, Any]] = []
+        # PYTORCH_CUDA_ALLOC_CONF the estimate simulates (the runner sets the CLI's --alloc-conf).
+        self.alloc_conf = ""
+        self._reserved_at: tuple[int, int] = (-1, 0)  # (trace length, simulated reserved bytes)
+
+    def reserved_bytes(self) -> int:
+        """What `torch.cuda.memory_reserved()` answers: the allocator simulator's reserved bytes for the trace so
+        far (the estimate's own simulation, with the device's capacity). The emulated allocator never gives
+        segments back (`empty_cache` is not modelled), so the current reserved is the peak so far."""
+        tr = self.tracer
+        n = len(tr.events)
+        if self._reserved_at[0] == n:
+            return self._reserved_at[1]
+        reserved = tr.live_bytes_rounded()
+        try:
+            import pickle
+
+            from .. import _native
+            from . import _snapshot
+
+            with tr._lock:
+                snap = _snapshot.build(tr, alloc_conf=self.alloc_conf)
+            r = _native.simulate(
+                data=pickle.dumps(snap, protocol=4),
+                alloc_conf=self.alloc_conf or None,
+                device_memory_bytes=self.spec.total_memory_bytes,
+            )
+            reserved = max(reserved, int(r["devices"][0]["peak_reserved_bytes"]))
+        except Exception:  # noqa: BLE001 - an empty trace or a simulator error: the live bytes, never a failure
+            pass
+        self._reserved_at = (n, reserved)
+        return reserved
+
+    def _memory_stats(self) -> dict:
+        tr = self.tracer
+        reserved = self.reserved_bytes()
+        return {
+            "allocated_bytes.all.current": tr.live_bytes_rounded(),
+            "allocated_bytes.all.peak": tr.peak_bytes_rounded(),
+            "active_bytes.all.current": tr.live_bytes_rounded(),
+            "active_bytes.all.peak": tr.peak_bytes_rounded(),
+            "reserved_bytes.all.current": reserved,
+            "reserved_bytes.all.peak": reserved,
+            "num_alloc_retries": 0,
+            "num_ooms": 0,
+        }
 
     def _set(self, obj, name: str, value) -> None:
-        self._saved.append((obj, name, getattr(obj, name, None)))
+        # A class's inherited method (Tensor.record_stream) is deleted again, not copied onto the class.
+        inherited = isinstance(obj, type) and name not in obj.__dict__
+        self._saved.append((obj, name, _INHERITED if inherited else getattr(obj, name, None)))
         setattr(obj, name, value)
 
     def install(self) -> None:
@@ -282,21 +343,20 @@ class CudaShim:
             "manual_seed_all": lambda *_a, **_k: None,
             "seed": lambda: None,
             "seed_all": lambda: None,
-            "empty_cache": lambda: tr.note("torch.cuda.empty_cache() was called; the trace does not model it"),
+            "empty_cache": lambda: tr.note(
+                "torch.cuda.empty_cache() was called: the estimate keeps the cache (its reserved is an upper bound)"
+            ),
             "memory_allocated": lambda *_a, **_k: tr.live_bytes_rounded(),
             "max_memory_allocated": lambda *_a, **_k: tr.peak_bytes_rounded(),
-            "memory_reserved": lambda *_a, **_k: tr.live_bytes_rounded(),
-            "max_memory_reserved": lambda *_a, **_k: tr.peak_bytes_rounded(),
+            "memory_reserved": lambda *_a, **_k: self.reserved_bytes(),
+            "max_memory_reserved": lambda *_a, **_k: self.reserved_bytes(),
             "reset_peak_memory_stats": lambda *_a, **_k: tr.reset_peak(),
             "reset_max_memory_allocated": lambda *_a, **_k: tr.reset_peak(),
             "mem_get_info": lambda *_a, **_k: (
-                self.spec.total_memory_bytes - tr.live_bytes_rounded(),
+                self.spec.total_memory_bytes - self.reserved_bytes(),
                 self.spec.total_memory_bytes,
             ),
-            "memory_stats": lambda *_a, **_k: {
-                "allocated_bytes.all.current": tr.live_bytes_rounded(),
-                "allocated_bytes.all.peak": tr.peak_bytes_rounded(),
-            },
+            "memory_stats": lambda *_a, **_k: self._memory_stats(),
             "set_per_process_memory_fraction": lambda *_a, **_k: tr.note(
                 "torch.cuda.set_per_process_memory_fraction() was called; the estimate ignores the cap"
             ),
@@ -305,10 +365,13 @@ class CudaShim:
             "current_stream": lambda *_a, **_k: _FakeStream(),
             "default_stream": lambda *_a, **_k: _FakeStream(),
             "stream": lambda *_a, **_k: _FakeStream(),
-            "get_rng_state": _needs_device("torch.cuda.get_rng_state()"),
+            # CUDA's generator state is 16 bytes (Philox seed and offset) in a CPU uint8 tensor; the emulated
+            # device computes nothing random, so any state is accepted and a fixed one given.
+            "get_rng_state": lambda *_a, **_k: _rng_state(),
             "set_rng_state": lambda *_a, **_k: None,
-            "get_rng_state_all": lambda: [],
+            "get_rng_state_all": lambda: [_rng_state()],
             "set_rng_state_all": lambda *_a, **_k: None,
+            "initial_seed": lambda: 0,
             "CUDAGraph": _needs_device_class("torch.cuda.CUDAGraph (CUDA graphs)"),
             "graph": _needs_device_class("torch.cuda.graph (CUDA graph capture)"),
             "memory_snapshot": _needs_device("torch.cuda.memory_snapshot()"),
@@ -316,15 +379,31 @@ class CudaShim:
         for name, value in simple.items():
             if hasattr(cuda, name):
                 self._set(cuda, name, value)
-        for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+        for name in (
+            "memory_allocated",
+            "max_memory_allocated",
+            "memory_reserved",
+            "max_memory_reserved",
+            "memory_stats",
+            "mem_get_info",
+            "reset_peak_memory_stats",
+            "reset_max_memory_allocated",
+            "empty_cache",
+        ):
             if hasattr(cmem, name):
                 self._set(cmem, name, simple[name])
         self._set(cmem, "_record_memory_history", lambda *_a, **_k: None)
         self._set(cmem, "_snapshot", _needs_device("torch.cuda.memory._snapshot()"))
         self._set(cmem, "_dump_snapshot", _needs_device("torch.cuda.memory._dump_snapshot()"))
         self._set(torch.backends.cuda, "is_built", lambda: True)
+        # `tensor.record_stream(s)` keeps a block from reuse until the stream's work is done; the trace has one
+        # stream, so there is nothing to wait for (the C binding would refuse our stand-in stream).
+        self._set(torch.Tensor, "record_stream", lambda _tensor, _stream: None)
 
     def uninstall(self) -> None:
         for obj, name, old in reversed(self._saved):
-            setattr(obj, name, old)
+            if old is _INHERITED:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
         self._saved.clear()

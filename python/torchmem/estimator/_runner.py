@@ -98,6 +98,7 @@ class _ScriptRun:
             spec, steps_limit=int(cfg.get("steps", 3)), frames_min_bytes=cfg.get("frames_min_bytes", 1 << 20)
         )
         self.session.on_limit = self.limit_reached
+        self.session._shim.alloc_conf = cfg.get("alloc_conf", "")
         self.done = False
         self.pid = os.getpid()
 

@@ -7,6 +7,8 @@ and optimizer steps, and takes it all down again. Used by `torchmem.estimate()` 
 from __future__ import annotations
 
 import contextlib
+import os
+import warnings
 from typing import Any
 
 import torch
@@ -27,6 +29,25 @@ class StopTrace(BaseException):
     BaseException, so a program's `except Exception` does not swallow it)."""
 
 
+_PIN_MEMORY = torch.ops.aten._pin_memory.default
+_IS_PINNED = torch.ops.aten.is_pinned.default
+_PINNED_ATTR = "_torchmem_pinned"
+
+
+def _mark_pinned(t: torch.Tensor) -> None:
+    # On the storage (kept as one Python object per storage), not a weak reference to the tensor: a tensor with
+    # weak references cannot be swapped by `module.to()`.
+    if t.device.type == "cpu":
+        setattr(t.untyped_storage(), _PINNED_ATTR, True)
+
+
+def _is_pinned(t: torch.Tensor) -> bool:
+    try:
+        return bool(getattr(t.untyped_storage(), _PINNED_ATTR, False))
+    except (NotImplementedError, RuntimeError):
+        return False
+
+
 class _EmulatedFakeMode(FakeTensorMode):
     """FakeTensorMode that keeps its no-device behaviour (no real CUDA init, CPU-only constant lifting) while
     `torch.cuda.is_available()` answers True for the program."""
@@ -34,6 +55,29 @@ class _EmulatedFakeMode(FakeTensorMode):
     @property
     def avoid_device_init(self) -> bool:  # type: ignore[override]
         return True
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        # Pinned host memory is host memory: `tensor.pin_memory()` (a DataLoader with `pin_memory=True`) copies
+        # the tensor into a new CPU tensor that costs no device bytes; the fake mode has no kernel for it
+        # ("NYI: aten._pin_memory.default") and answers `is_pinned()` False. We copy and remember the storage.
+        kwargs = kwargs or {}
+        if func is _PIN_MEMORY:
+            out = super().dispatch(torch.ops.aten.clone.default, types, (args[0],), {})
+            _mark_pinned(out)
+            return out
+        if func is _IS_PINNED:
+            return _is_pinned(args[0])
+        out = super().dispatch(func, types, args, kwargs)
+        if kwargs.get("pin_memory") and isinstance(out, torch.Tensor):  # torch.empty(..., pin_memory=True)
+            _mark_pinned(out)
+        return out
+
+    def __deepcopy__(self, memo) -> _EmulatedFakeMode:
+        # `copy.deepcopy(module)` (nn.TransformerEncoder copies its layer; EMA models) copies each FakeTensor's
+        # `__dict__`, which holds its `fake_mode`: the copy got a copy of this mode, with a copy of its memo that
+        # holds a weak reference to the copied tensor, and `.to("cuda")` then refused to swap it ("Cannot swap
+        # t1 because it has weakref associated with it"). A tensor's copy belongs to the same mode.
+        return self
 
 
 def _new_mode() -> FakeTensorMode:
@@ -56,6 +100,7 @@ class Session:
         self._patches: list[tuple[Any, str, Any]] = []
         self._in_backward = 0
         self._in_optimizer = 0
+        self._warning_filter: tuple | None = None
         # Called once `steps_limit` steps are traced (the script runner writes the trace and exits); without
         # it the hook raises StopTrace.
         self.on_limit = None
@@ -77,6 +122,11 @@ class Session:
             optim_mod._foreach_supported_types.append(FakeTensor)
         self._patch_swap_tensors()
         self._patch_backward()
+        self._patch_distributed()
+        # `copy.deepcopy` of a fake parameter reads its data pointer (torch's deepcopy checks for 0): torch warns
+        # about that in the program's output; it is ours, not the program's.
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        self._warning_filter = warnings.filters[0]
         import torch.nn.functional as F
 
         self._patch(F, "scaled_dot_product_attention", _rules.sdpa_wrapper(self.rules, F.scaled_dot_product_attention))
@@ -148,6 +198,44 @@ class Session:
 
         self._patch(data.DataLoader, "__init__", init)
 
+    def _patch_distributed(self) -> None:
+        # A torchrun-style program (`init_process_group("nccl")`, WORLD_SIZE in the environment) waited forever
+        # for ranks that never come. Until the distributed estimate exists, the call ends the estimate at once.
+        try:
+            import torch.distributed as dist
+            import torch.distributed.distributed_c10d as c10d
+        except ImportError:
+            return
+        if not dist.is_available():
+            return
+        tr = self.tracer
+
+        def refuse(name: str):
+            def init(*args, **kwargs):
+                backend = kwargs.get("backend", args[0] if args else None)
+                env = ", ".join(f"{k}={os.environ[k]}" for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in os.environ)
+                message = (
+                    f"the program calls {name}({'backend=' + repr(backend) if backend else ''})"
+                    f"{' with ' + env if env else ''}: a distributed run; `torchmem estimate` emulates one GPU in "
+                    "one process and the distributed estimate is not available yet. Estimate one rank's "
+                    "single-GPU program instead (run it without the process group)"
+                )
+                tr.note(message)  # said in the report too, should the program catch the error and go on
+                raise _device.EstimateUnsupported(message)
+
+            return init
+
+        self._patch(dist, "init_process_group", refuse("torch.distributed.init_process_group"))
+        self._patch(c10d, "init_process_group", refuse("torch.distributed.init_process_group"))
+        try:
+            import torch.distributed.device_mesh as mesh
+        except ImportError:
+            return
+        if hasattr(mesh, "init_device_mesh"):
+            self._patch(mesh, "init_device_mesh", refuse("torch.distributed.device_mesh.init_device_mesh"))
+        if hasattr(dist, "init_device_mesh"):
+            self._patch(dist, "init_device_mesh", refuse("torch.distributed.init_device_mesh"))
+
     def _patch_swap_tensors(self) -> None:
         # `module.to("cuda")` swaps fake parameters (torch >= 2.5 always swaps FakeTensors), and swapping refuses
         # a tensor with weak references; the only one is the fake mode's own memo entry, which we drop first.
@@ -201,9 +289,15 @@ class Session:
         except BaseException:
             self.__exit__(None, None, None)
             raise
+        global _active
+        _active = self
+        _register_fork_handler()
         return self
 
     def __exit__(self, *exc) -> None:
+        global _active
+        if _active is self:
+            _active = None
         self.tracer.close()
         self._stack.close()
         for h in self._handles:
@@ -217,6 +311,35 @@ class Session:
         self._patches.clear()
         self._shim.uninstall()
         self.mode = None
+        if self._warning_filter in warnings.filters:
+            warnings.filters.remove(self._warning_filter)
+            getattr(warnings, "_filters_mutated", lambda: None)()
+
+
+_active: Session | None = None
+_fork_handler_registered = False
+
+
+def _register_fork_handler() -> None:
+    global _fork_handler_registered
+    if not _fork_handler_registered and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_leave_in_forked_child)
+        _fork_handler_registered = True
+
+
+def _leave_in_forked_child() -> None:
+    """A forked child (a `multiprocessing` pool, a DataLoader worker a library starts itself) works on the CPU:
+    it leaves the emulated device, so what it makes are real CPU tensors that can be sent back to the traced
+    process (a fake tensor cannot be pickled). It records nothing: only the traced process writes the trace."""
+    s = _active
+    if s is None:
+        return
+    s.tracer.enabled = False
+    s.on_limit = None
+    try:
+        s.__exit__(None, None, None)
+    except Exception:  # noqa: BLE001 - forked from a thread without the modes: nothing more to take down
+        pass
 
 
 def translate_error(e: BaseException) -> BaseException | None:
