@@ -22,9 +22,12 @@ def start() -> None:
     if _started or not _events.enabled():
         return
     _started = True
-    interval_ms = float(os.environ.get("TORCHMEM_INTERVAL_MS", "10"))
-    # A diagnostic knob (bench/run_overhead.py --diagnose): the allocator read alone at another rate.
-    interval_ms = float(os.environ.get("TORCHMEM_ALLOCATOR_INTERVAL_MS", interval_ms))
+    try:
+        interval_ms = float(os.environ.get("TORCHMEM_INTERVAL_MS", "10"))
+        # A diagnostic knob (bench/run_overhead.py --diagnose): the allocator read alone at another rate.
+        interval_ms = float(os.environ.get("TORCHMEM_ALLOCATOR_INTERVAL_MS", interval_ms))
+    except ValueError:
+        interval_ms = 10.0  # the program runs whatever the environment says
     try:
         from . import _native
 

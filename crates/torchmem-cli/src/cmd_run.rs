@@ -56,12 +56,14 @@ pub struct RunArgs {
     /// Run a Python module, as `python -m MODULE [ARGS…]` (the COMMAND words are its arguments).
     #[arg(short = 'm', value_name = "MODULE")]
     pub module: Option<String>,
-    /// CPU RSS and GPU sampling interval in milliseconds.
+    /// CPU RSS and GPU sampling interval in milliseconds (0.1 to 3600000, one hour). The run ends when
+    /// the program does, whatever the interval.
     #[arg(long = "interval", value_name = "MS", default_value_t = 10.0)]
     pub interval_ms: f64,
-    /// PSS/USS (smaps_rollup) interval in milliseconds; slower because it is costlier.
-    #[arg(long = "pss-interval", value_name = "MS", default_value_t = 250.0)]
-    pub pss_interval_ms: f64,
+    /// PSS/USS (smaps_rollup) interval in milliseconds, at least --interval; slower because it is
+    /// costlier [default: 250, or --interval when that is longer].
+    #[arg(long = "pss-interval", value_name = "MS")]
+    pub pss_interval_ms: Option<f64>,
     /// Markers kept per step or phase name and process: later occurrences are folded into exact per-epoch
     /// totals, so a long, fast loop's profile stays small (0: fold all but epochs and marks).
     #[arg(long = "keep-spans", value_name = "N", default_value_t = torchmem_core::fold::DEFAULT_KEEP_SPANS)]
@@ -102,6 +104,63 @@ pub struct RunArgs {
     )]
     pub command: Vec<String>,
 }
+
+/// The shortest `--interval` and `--pss-interval` accepted, in milliseconds.
+pub const MIN_INTERVAL_MS: f64 = 0.1;
+/// The longest `--interval` and `--pss-interval` accepted: one hour (the run still ends when the program
+/// does; a longer interval would only mean no sample at all).
+pub const MAX_INTERVAL_MS: f64 = 3_600_000.0;
+/// `--pss-interval` when not given: this, or `--interval` when that is longer.
+pub const DEFAULT_PSS_INTERVAL_MS: f64 = 250.0;
+
+/// A number as the user typed it, short (`1e300`, not 300 digits).
+fn shown(v: f64) -> String {
+    if v.is_finite() && v.abs() >= 1e9 {
+        format!("{v:e}")
+    } else {
+        v.to_string()
+    }
+}
+
+/// The sampling intervals in ms (`--interval`, `--pss-interval`), checked before anything is created:
+/// both within [`MIN_INTERVAL_MS`, `MAX_INTERVAL_MS`], the PSS one at least the other. Without
+/// `--pss-interval` it follows `--interval`: `max(DEFAULT_PSS_INTERVAL_MS, interval)`.
+pub fn checked_intervals(interval_ms: f64, pss_interval_ms: Option<f64>) -> anyhow::Result<(f64, f64)> {
+    let in_range = |v: f64| v.is_finite() && (MIN_INTERVAL_MS..=MAX_INTERVAL_MS).contains(&v);
+    if !in_range(interval_ms) {
+        bail!(
+            "--interval must be between {MIN_INTERVAL_MS} and {MAX_INTERVAL_MS:.0} ms (one hour), got {}. Give the sampling interval in milliseconds, e.g. --interval 10",
+            shown(interval_ms)
+        );
+    }
+    let pss = match pss_interval_ms {
+        None => DEFAULT_PSS_INTERVAL_MS.max(interval_ms),
+        Some(p) if !in_range(p) => bail!(
+            "--pss-interval must be between {MIN_INTERVAL_MS} and {MAX_INTERVAL_MS:.0} ms (one hour), got {}. Leave it out to follow --interval",
+            shown(p)
+        ),
+        Some(p) if p < interval_ms => bail!(
+            "--pss-interval must be at least --interval (got {} and {}). Raise --pss-interval, or leave it out to follow --interval",
+            shown(p),
+            shown(interval_ms)
+        ),
+        Some(p) => p,
+    };
+    Ok((interval_ms, pss))
+}
+
+/// A pidfd of the program (`pidfd_open`), readable once it has ended: the run loop wakes on it. None where
+/// the kernel lacks pidfds (Linux < 5.3): the loop then checks at least every `NO_PIDFD_POLL`.
+fn program_pidfd(pid: libc::pid_t) -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: pidfd_open takes a pid and flags; a non-negative result is a new descriptor we own.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    // SAFETY: fd is a fresh descriptor returned to us.
+    (fd >= 0).then(|| unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Without a pidfd, how often the loop looks whether the program ended.
+const NO_PIDFD_POLL: Duration = Duration::from_millis(20);
 
 /// A `--line` value: empty (the @profile functions) or `FILE_OR_MODULE:FUNCTION`, both parts non-empty (the
 /// target is all before the last ':'), checked before the program runs (a usage error, exit 2).
@@ -290,14 +349,7 @@ impl Drop for InjectDir {
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<i32> {
-    let interval_ok = args.interval_ms.is_finite() && args.interval_ms >= 0.1;
-    if !interval_ok || args.pss_interval_ms.is_nan() || args.pss_interval_ms < args.interval_ms {
-        bail!(
-            "--interval must be at least 0.1 ms and --pss-interval at least --interval (got {} and {})",
-            args.interval_ms,
-            args.pss_interval_ms
-        );
-    }
+    let (interval_ms, pss_interval_ms) = checked_intervals(args.interval_ms, args.pss_interval_ms)?;
     let module = args.module.as_deref();
     let argv = resolve_command(module, &args.command)?;
     let program = find_program(&argv[0])?;
@@ -311,7 +363,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
             (output_path::dir_output(o, &hostname, place.as_ref())?, Existing::Nothing)
         }
         Some(o) => (o.clone(), output_path::check_profile_output(o, args.force)?),
-        None => (output_path::default_output(&program_name(module, &args.command)), Existing::Nothing),
+        None => {
+            let default = output_path::default_output(&program_name(module, &args.command));
+            output_path::check_default_output_dir(&default)?;
+            (default, Existing::Nothing)
+        }
     };
 
     // Before any thread starts (NVML, the event listener) and before any file is open: the sentinel
@@ -331,7 +387,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
     let meta = RunMeta {
         command,
         started_unix_s: torchmem_core::clock::unix_time_s(),
-        interval_ms: args.interval_ms,
+        interval_ms,
         torchmem_version: env!("CARGO_PKG_VERSION").into(),
         hostname,
         gpu_total_bytes: gpu.as_ref().map(|g| g.devices().iter().map(|d| d.total_bytes).collect()).unwrap_or_default(),
@@ -362,7 +418,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         Existing::Nothing => ProfileWriter::create(&output, &meta),
         Existing::Empty | Existing::Profile => ProfileWriter::create_replacing(&output, &meta),
     };
-    let writer = created.map_err(|e| anyhow!("cannot create the profile {}: {}", output.display(), e))?;
+    let writer = created.map_err(|e| {
+        anyhow!(
+            "cannot create the profile {}: {e}. Choose another path with -o (e.g. -o \"$TMPDIR/run.sqlite\" or -o ~/run.sqlite)",
+            output_path::shell_quoted(&output)
+        )
+    })?;
 
     let (events, inject) = match EventListener::bind().and_then(|ev| {
         let inject = if args.no_inject { None } else { Some(InjectDir::create(&base)?) };
@@ -376,7 +437,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
     };
     let mut cmd = Command::new(&program);
     cmd.arg0(&argv[0]).args(&argv[1..]);
-    cmd.env("TORCHMEM_EVENT_SOCKET", events.path()).env("TORCHMEM_INTERVAL_MS", args.interval_ms.to_string());
+    cmd.env("TORCHMEM_EVENT_SOCKET", events.path()).env("TORCHMEM_INTERVAL_MS", interval_ms.to_string());
     if let Some(dir) = &inject {
         let mut path = OsString::from(&dir.path);
         if let Some(old) = std::env::var_os("PYTHONPATH").filter(|p| !p.is_empty()) {
@@ -391,21 +452,23 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
     // SAFETY: the hook makes only async-signal-safe calls (see `Supervisor::child_setup`).
     unsafe { cmd.pre_exec(signals.child_setup()) };
     signals.about_to_spawn();
-    let mut child = match cmd.spawn() {
+    // The program's orphans (a child it leaves running, a worker whose parent died) come to us instead of
+    // init, so the tree keeps them: recorded, and listed as having outlived the program.
+    // SAFETY: prctl with plain integer arguments.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    let child = match cmd.spawn() {
         Ok(c) => c,
         Err(e) => {
+            // SAFETY: as above.
+            unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0) };
             writer.discard();
             bail!("cannot start `{}`: {e}. Check that it is an executable program", argv[0]);
         }
     };
     let child_pid = child.id() as libc::pid_t;
-    let config = Config {
-        interval_ms: args.interval_ms,
-        pss_interval_ms: args.pss_interval_ms,
-        keep_spans: args.keep_spans,
-        ..Config::default()
-    };
-    let interval = Duration::from_secs_f64(args.interval_ms / 1000.0);
+    let pidfd = program_pidfd(child_pid);
+    let config = Config { interval_ms, pss_interval_ms, keep_spans: args.keep_spans, ..Config::default() };
+    let interval = Duration::from_secs_f64(interval_ms / 1000.0);
     // Registered for `torchmem top` (and the state `--live` draws) as soon as the program runs, unless
     // TORCHMEM_LIVE=0.
     let register = crate::sinks::live::registration_enabled();
@@ -420,6 +483,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         live
     });
     let mut rec = Recorder::new(config, Sinks::new(writer, live_sinks), gpu, child.id(), start_ns, Some(events));
+    rec.set_not_the_programs(signals.sentinel_pid());
     let mut bar = if args.status { StatusBar::start() } else { None };
     let mut panel = if args.live {
         match inline::unavailable(INLINE_HEIGHT) {
@@ -434,11 +498,19 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
     };
     let mut last_status: Option<Instant> = None;
     let mut next = Instant::now();
-    let status = loop {
-        // A signal ends the wait early; samples still come at the interval.
+    let say_write_failure = |e: &torchmem_core::CoreError| {
+        let why = if torchmem_core::store::is_disk_full(e) { "the disk is full".to_string() } else { e.to_string() };
+        eprintln!(
+            "torchmem: warning: cannot write the profile {} any more ({why}). The program runs on; what was written is kept, and the end says how many samples were lost",
+            output_path::shell_quoted(&output)
+        );
+    };
+    let reaped = loop {
+        // A signal or the program's end ends the wait early; samples still come at the interval.
         if Instant::now() >= next {
             if let Err(e) = rec.tick() {
-                eprintln!("torchmem: warning: could not write a sample: {e}");
+                // Said once: the profile sink stops writing after its first failure.
+                say_write_failure(&e);
             }
             next += interval;
             let now = Instant::now();
@@ -474,8 +546,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
                 }
             }
         }
-        if let Some(status) = child.try_wait()? {
-            break status;
+        if let Some(reaped) = crate::recorder::try_reap(child.id())? {
+            break reaped;
         }
         if let Some(b) = bar.as_mut() {
             if last_status.is_none_or(|t| t.elapsed() >= Duration::from_millis(250)) {
@@ -489,26 +561,51 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
                 last_status = Some(Instant::now());
             }
         }
-        signals.wait(next.saturating_duration_since(Instant::now()));
+        let mut timeout = next.saturating_duration_since(Instant::now());
+        if pidfd.is_none() {
+            timeout = timeout.min(NO_PIDFD_POLL);
+        }
+        signals.wait(timeout, pidfd.as_ref().map(|f| f.as_raw_fd()));
     };
+    let exit_abs_ns = torchmem_core::clock::monotonic_ns();
+    drop(pidfd);
     drop(bar);
     drop(panel);
-    rec.tick().ok();
+    if let Err(e) = rec.program_ended(exit_abs_ns, reaped) {
+        say_write_failure(&e);
+    }
     rec.drain_until_closed(Duration::from_millis(500));
+    let status = std::process::ExitStatus::from_raw(reaped.status);
     let signal = status.signal();
     let exit_code = status.code().or_else(|| signal.map(|s| 128 + s)).unwrap_or(1);
     let finding = oom.finish(child.id());
     let bad = rec.bad_messages;
     let oom_note = finding.describe(signal);
-    let profile = rec
-        .finish(|m| {
-            m.exit_code = Some(exit_code);
-            m.signal = signal;
-            m.oom = Some(finding);
-        })
-        .map_err(|e| anyhow!("finishing the profile {}: {}", output.display(), e))?;
+    let failure_so_far = rec.write_failure().cloned();
+    let finished = rec.finish(|m| {
+        m.exit_code = Some(exit_code);
+        m.signal = signal;
+        m.oom = Some(finding);
+    });
     drop(inject);
     drop(signals);
+    // SAFETY: prctl with plain integer arguments. Orphans still running go on to init from here.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0) };
+    let quoted = output_path::shell_quoted(&output);
+    // The program's exit code whatever became of the profile (a full disk is not the program's failure).
+    let profile = match finished {
+        Ok(p) => p,
+        Err(e) => {
+            let lost = failure_so_far.map(|f| format!(" ({})", f.describe())).unwrap_or_default();
+            eprintln!(
+                "torchmem: warning: could not finish the profile {quoted}: {e}{lost}. It keeps what was written; `torchmem report` shows it as unfinished"
+            );
+            return Ok(exit_code);
+        }
+    };
+    if let Some(f) = &profile.meta.write_failure {
+        eprintln!("torchmem: warning: the profile is incomplete: {}", f.describe());
+    }
     if bad > 0 {
         eprintln!("torchmem: warning: {bad} malformed messages from the program were ignored");
     }
@@ -521,8 +618,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
     if !args.quiet {
         eprint!("{}", end_summary(&profile));
         eprintln!(
-            "torchmem: profile written to {} (see `torchmem report {0}` and `torchmem plot {0}`)",
-            output.display()
+            "torchmem: profile written to {quoted} (see `torchmem report {quoted}` and `torchmem plot {quoted}`)"
         );
     }
     Ok(exit_code)
@@ -558,7 +654,19 @@ pub fn end_summary(profile: &Profile) -> String {
         s.exit_code.map(|c| c.to_string()).unwrap_or_else(|| "-".into()),
         s.samples
     ));
-    out.push_str(&format!("peak CPU RSS {}", s.peak.cpu_rss_bytes.map(format_bytes).unwrap_or_else(|| "-".into())));
+    // The kernel's high-water marks (VmHWM, and `wait4`'s ru_maxrss at the end) hold a peak that fell
+    // between two samples, or a run shorter than one interval: the peak said is never below them.
+    let kernel = torchmem_core::report::cells::kernel_peaks(profile).into_iter().max_by_key(|(_, b)| *b);
+    match (s.peak.cpu_rss_bytes, kernel) {
+        (sampled, Some((pid, k))) if sampled.is_none_or(|v| k > v) => out.push_str(&format!(
+            "peak CPU RSS {} (the kernel's high-water mark of pid {pid}; the samples peaked at {})",
+            format_bytes(k),
+            sampled.map(format_bytes).unwrap_or_else(|| "-".into())
+        )),
+        (sampled, _) => {
+            out.push_str(&format!("peak CPU RSS {}", sampled.map(format_bytes).unwrap_or_else(|| "-".into())))
+        }
+    }
     if let Some(pss) = s.peak.cpu_pss_bytes {
         out.push_str(&format!(", PSS {}", format_bytes(pss)));
     }

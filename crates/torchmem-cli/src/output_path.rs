@@ -109,15 +109,55 @@ pub fn check_profile_output(path: &Path, force: bool) -> anyhow::Result<Existing
     Ok(Existing::Profile)
 }
 
+/// Characters a POSIX shell treats specially somewhere in a word (quoting, expansion, globbing,
+/// redirection, job control, comments, history).
+const SHELL_SPECIAL: &str = "\\|&;<>()$`\"'*?[]#~=%!{}^";
+
+/// Whether `c` may stand in a file name torchmem makes, and in a word the shell takes as it is: not a path
+/// separator, whitespace, a control character or a shell-special one. Unicode letters and digits stay.
+fn plain_char(c: char) -> bool {
+    c != '/' && !c.is_whitespace() && !c.is_control() && !SHELL_SPECIAL.contains(c)
+}
+
+/// A path as the user can paste it into a shell: as it is when every character is plain (`plain_char`:
+/// `профиль.sqlite`, `out/run-1.sqlite`), else in single quotes (`'my run.sqlite'`, a `'` as `'\''`). For
+/// every hint that names a file.
+pub fn shell_quoted(path: &Path) -> String {
+    let s = path.to_string_lossy();
+    if !s.is_empty() && !s.starts_with('-') && s.chars().all(|c| c == '/' || plain_char(c)) {
+        s.into_owned()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
+/// Checks, before anything is made, that the current directory takes the default profile (`run` without
+/// `-o`): a read-only directory gets the fix (a path with `-o`), not just the OS's words.
+pub fn check_default_output_dir(default: &Path) -> anyhow::Result<()> {
+    let cwd = std::env::current_dir().map(|d| d.display().to_string()).unwrap_or_else(|_| ".".into());
+    if let Err(e) = writable_dir(Path::new(".")) {
+        bail!(
+            "cannot create the profile {} in the current directory {cwd} ({}). Choose a path with -o, e.g. -o \"$TMPDIR/run.sqlite\" or -o ~/run.sqlite",
+            shell_quoted(default),
+            e.to_string().split(" (os error").next().unwrap_or_default()
+        );
+    }
+    Ok(())
+}
+
 /// A unique default profile name in the current directory: `torchmem-<program>-<date>-<time>-<pid>.sqlite`,
-/// with `-2`, `-3`… added in the unlikely case that such a file exists already.
+/// with `-2`, `-3`… added in the unlikely case that such a file exists already. The program's name keeps
+/// its letters and digits, Unicode ones too (`скрипт_é`); only path separators, whitespace, control and
+/// shell-special characters become `_`, so the name never needs quoting.
 pub fn default_output(program: &str) -> PathBuf {
-    let stem = Path::new(program)
+    let stem: String = Path::new(program)
         .file_stem()
-        .and_then(|s| s.to_str())
+        .map(|s| s.to_string_lossy().into_owned())
         .filter(|s| !s.is_empty())
-        .unwrap_or("run")
-        .replace(|c: char| !c.is_ascii_alphanumeric() && c != '-' && c != '_', "_");
+        .unwrap_or_else(|| "run".into())
+        .chars()
+        .map(|c| if plain_char(c) && c != '\u{fffd}' { c } else { '_' })
+        .collect();
     // SAFETY: localtime_r fills the tm we own.
     let tm = unsafe {
         let mut tm: libc::tm = std::mem::zeroed();

@@ -220,6 +220,52 @@ pub struct Recorder {
     events: Option<EventListener>,
     folder: SpanFolder,
     pub bad_messages: u64,
+    /// This process's own children that are not the program's (the signal sentinel). Every other child
+    /// of ours besides the program is an orphan of its tree that the kernel handed to us (we are its
+    /// subreaper, `PR_SET_CHILD_SUBREAPER`): it stays in the tree, and we reap it when it ends.
+    not_the_programs: BTreeSet<u32>,
+    /// The program's process as first seen (its real start), for its end time.
+    seen_root: Option<ProcessInfo>,
+    /// When the program ended (ns since the run's start): the run's duration.
+    end_t_ns: Option<u64>,
+    /// Processes of the tree still running when the program ended (orphans it left running).
+    outlived: BTreeSet<u32>,
+}
+
+/// The blob that lists the processes of the tree that were still running when the program ended
+/// (`{"t_ns": end, "pids": [PID, …]}`): the report marks them as having outlived it.
+pub const OUTLIVED_BLOB: &str = "outlived_program";
+
+/// How one process ended, from `wait4`.
+#[derive(Debug, Clone, Copy)]
+pub struct Reaped {
+    /// The raw wait status (`ExitStatus::from_raw`).
+    pub status: i32,
+    /// The kernel's peak RSS of the process (and of its reaped descendants), `ru_maxrss`.
+    pub max_rss_bytes: u64,
+}
+
+/// Reaps `pid` if it has ended (never blocks); None while it runs.
+pub fn try_reap(pid: u32) -> std::io::Result<Option<Reaped>> {
+    let mut status = 0;
+    // SAFETY: a zeroed rusage we own for wait4 to fill.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    loop {
+        // SAFETY: wait4 on a pid that is our child, with out-parameters we own.
+        let r = unsafe { libc::wait4(pid as libc::pid_t, &mut status, libc::WNOHANG, &mut usage) };
+        if r == 0 {
+            return Ok(None);
+        }
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            return Err(e);
+        }
+        // ru_maxrss is in KiB on Linux.
+        return Ok(Some(Reaped { status, max_rss_bytes: (usage.ru_maxrss.max(0) as u64) * 1024 }));
+    }
 }
 
 /// The next PSS/USS interval: the configured one, or 100 times the slowest walk of one process's pages
@@ -279,7 +325,37 @@ impl Recorder {
             latest: Latest::default(),
             events,
             bad_messages: 0,
+            not_the_programs: BTreeSet::new(),
+            seen_root: None,
+            end_t_ns: None,
+            outlived: BTreeSet::new(),
         }
+    }
+
+    /// Children of this process that are not the program's (the signal sentinel): never adopted as
+    /// orphans of the tree, never reaped here.
+    pub fn set_not_the_programs(&mut self, pids: impl IntoIterator<Item = u32>) {
+        self.not_the_programs.extend(pids);
+    }
+
+    /// The program has ended (`exit_abs_ns` on CLOCK_MONOTONIC) and is reaped: a last sample of what is
+    /// left of its tree (orphans it left running), its end time, and the kernel's peak RSS from `wait4`,
+    /// which the recorded peak never falls below.
+    pub fn program_ended(&mut self, exit_abs_ns: u64, reaped: Reaped) -> torchmem_core::Result<()> {
+        let t_end = self.rel(exit_abs_ns);
+        self.end_t_ns = Some(t_end);
+        let root = self.root_pid;
+        let e = self.hwm_bytes.entry(root).or_insert(0);
+        *e = (*e).max(reaped.max_rss_bytes);
+        if let Some(info) = self.seen_root.take() {
+            self.writer.push(Record::ProcessSeen(ProcessInfo { last_t_ns: t_end.max(info.first_t_ns), ..info }));
+        }
+        // The final sample, now: the tree without the program (it is gone), with the PSS of what is left.
+        self.last_tree = None;
+        self.last_pss = None;
+        let result = self.tick();
+        self.outlived = self.tree.keys().copied().filter(|&p| p != root).collect();
+        result
     }
 
     fn rel(&self, abs_ns: u64) -> u64 {
@@ -420,8 +496,26 @@ impl Recorder {
         Ok(())
     }
 
+    /// The program's tree: the program and its descendants, plus the orphans the kernel handed to us (its
+    /// processes whose parent ended) and theirs. Adopted orphans that ended are reaped here, with their
+    /// end time and peak RSS.
     fn refresh_tree(&mut self, t_ns: u64) {
-        let tree = procfs::process_tree(self.root_pid);
+        let me = std::process::id();
+        let mut tree = procfs::process_tree(self.root_pid);
+        for pid in procfs::children_of(me) {
+            if pid == self.root_pid || self.not_the_programs.contains(&pid) {
+                continue;
+            }
+            // An orphan of the tree: reap it if it ended (it is ours to reap now).
+            if let Ok(Some(r)) = try_reap(pid) {
+                let e = self.hwm_bytes.entry(pid).or_insert(0);
+                *e = (*e).max(r.max_rss_bytes);
+                continue;
+            }
+            for (p, pp) in procfs::process_tree(pid) {
+                tree.entry(p).or_insert(pp);
+            }
+        }
         for pid in self.tree.keys().filter(|p| !tree.contains_key(p)) {
             self.writer.saw_exit(*pid);
         }
@@ -429,14 +523,18 @@ impl Recorder {
         self.last_tree = Some(Instant::now());
         for (&pid, &ppid) in &self.tree {
             let first = self.known.insert(pid);
-            let cmdline = if first { procfs::cmdline(pid) } else { String::new() };
-            self.writer.push(Record::ProcessSeen(ProcessInfo {
-                pid,
-                ppid,
-                cmdline,
-                first_t_ns: t_ns,
-                last_t_ns: t_ns,
-            }));
+            let (cmdline, first_t_ns) = if first {
+                // Its real start: a process seen first by this refresh may have started up to an interval ago.
+                let started = procfs::start_monotonic_ns(pid).map(|s| self.rel(s).min(t_ns)).unwrap_or(t_ns);
+                (procfs::cmdline(pid), started)
+            } else {
+                (String::new(), t_ns)
+            };
+            let info = ProcessInfo { pid, ppid, cmdline, first_t_ns, last_t_ns: t_ns };
+            if pid == self.root_pid && first {
+                self.seen_root = Some(info.clone());
+            }
+            self.writer.push(Record::ProcessSeen(info));
         }
     }
 
@@ -590,14 +688,28 @@ impl Recorder {
         self.gpu_processes_dirty = false;
     }
 
+    /// Why the profile stopped being written, and the samples lost so far; None while all is written.
+    pub fn write_failure(&self) -> Option<&WriteFailure> {
+        self.writer.write_failure()
+    }
+
+    /// Ends the profile; the run lasted until the program ended (`program_ended`), else until now.
     pub fn finish(mut self, end: impl FnOnce(&mut RunMeta)) -> torchmem_core::Result<Profile> {
-        let t_end = self.rel(torchmem_core::clock::monotonic_ns());
+        let t_end = self.end_t_ns.unwrap_or_else(|| self.rel(torchmem_core::clock::monotonic_ns()));
         self.store_hwm(t_end);
         self.store_gpu_processes(t_end);
+        if !self.outlived.is_empty() {
+            let pids: Vec<u32> = self.outlived.iter().copied().collect();
+            self.writer.push(Record::Blob {
+                t_ns: t_end,
+                name: OUTLIVED_BLOB.into(),
+                data: serde_json::json!({ "t_ns": t_end, "pids": pids }),
+            });
+        }
         self.drain_messages();
         self.folder.finish();
         self.push_aggregates();
-        let duration = self.rel(torchmem_core::clock::monotonic_ns());
+        let duration = self.end_t_ns.unwrap_or_else(|| self.rel(torchmem_core::clock::monotonic_ns()));
         self.writer.finish_with(end, duration)
     }
 }

@@ -404,8 +404,9 @@ impl Supervisor {
         }
     }
 
-    /// Waits up to `timeout` for a signal or a sentinel report (returns early when one comes).
-    pub fn wait(&self, timeout: Duration) {
+    /// Waits up to `timeout` for a signal, a sentinel report, or `also` becoming readable (the program's
+    /// pidfd: it ended), and returns early when one comes.
+    pub fn wait(&self, timeout: Duration, also: Option<RawFd>) {
         let timeout = match self.next_deadline_ns() {
             Some(d) => timeout.min(Duration::from_nanos(d.saturating_sub(now_ns()))),
             None => timeout,
@@ -413,6 +414,9 @@ impl Supervisor {
         let mut fds = vec![libc::pollfd { fd: self.self_pipe_r.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
         if let Some(s) = &self.sentinel {
             fds.push(libc::pollfd { fd: s.reports.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+        }
+        if let Some(fd) = also {
+            fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
         }
         let ts = libc::timespec { tv_sec: timeout.as_secs() as _, tv_nsec: timeout.subsec_nanos() as _ };
         // SAFETY: ppoll on fds we own with a timespec we own; EINTR (a signal) just ends the wait early.

@@ -367,9 +367,47 @@ pub struct RunMeta {
     /// The recorder's own rank, node and attempt when it runs inside a distributed launch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub launch: Option<JobPlace>,
+    /// Why the profile stops before the run's end: the recorder could not write it any more (the disk
+    /// filled up). None when everything was written.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub write_failure: Option<WriteFailure>,
     /// Not stored: set when the profile is opened while a live `torchmem run` still holds it.
     #[serde(skip)]
     pub recording: bool,
+    /// Not stored: set when an unfinished profile is opened without its write-ahead log (`-wal`) beside
+    /// it: the main file of a live run, copied alone, holding the data up to the log's last checkpoint.
+    #[serde(skip)]
+    pub copied_without_wal: bool,
+}
+
+/// The recorder could not write the profile any more (the disk filled up, an I/O error): the program ran
+/// on to its end, what was committed before is kept, and the samples taken from `t_ns` on were dropped.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct WriteFailure {
+    /// The first lost sample's time, ns since the run started.
+    pub t_ns: u64,
+    /// The filesystem (or the user's quota) was full.
+    pub disk_full: bool,
+    /// The error as the store said it.
+    pub error: String,
+    /// CPU samples taken but not written (PyTorch, NVML and marker records of the same time went too).
+    pub lost_samples: u64,
+}
+
+impl WriteFailure {
+    /// One line for the report and the run's end: "the disk filled up at t=2.350 s; 180 samples lost".
+    pub fn describe(&self) -> String {
+        let at = format!("t={:.3} s", self.t_ns as f64 / 1e9);
+        let lost = match self.lost_samples {
+            1 => "1 sample lost".to_string(),
+            n => format!("{n} samples lost"),
+        };
+        if self.disk_full {
+            format!("the disk filled up at {at}; {lost}")
+        } else {
+            format!("the profile could not be written from {at} on ({}); {lost}", self.error)
+        }
+    }
 }
 
 /// The OOM killer's doing during a run: its counters before and after (the run's memory cgroup, the host)

@@ -100,10 +100,41 @@ pub struct ProfileWriter {
     conn: Connection,
     pending: Vec<Record>,
     path: PathBuf,
+    /// Space held on the profile's filesystem for the end of a run whose disk fills up (`make_room`): an
+    /// unnamed file (`O_TMPFILE`) of `RESERVE_BYTES`, so nothing is left behind even when the recorder is
+    /// SIGKILLed. None where it could not be made (no `O_TMPFILE`, already too little space).
+    reserve: Option<std::fs::File>,
     /// The file, held with an exclusive `flock` for the writer's life: a live recorder's profile is never
     /// replaced by another run, and readers can tell "still recording" from "the recorder was killed".
     /// Declared last so it is released after the connection closes.
     _lock: std::fs::File,
+}
+
+/// The space held back for a full disk: enough to move the WAL's pages into the database (the WAL is
+/// checkpointed every `WAL_CHECKPOINT_PAGES`) and to write the run's end.
+const RESERVE_BYTES: i64 = 512 << 10;
+/// The WAL is checkpointed into the database every this many pages (SQLite's default is 1000), so that a
+/// full disk never holds more un-checkpointed pages than `RESERVE_BYTES` can take.
+const WAL_CHECKPOINT_PAGES: i64 = 32;
+
+/// Whether a store error means the filesystem (or quota) is full.
+pub fn is_disk_full(e: &CoreError) -> bool {
+    let io_full = |raw: Option<i32>| matches!(raw, Some(libc::ENOSPC) | Some(libc::EDQUOT) | Some(libc::EFBIG));
+    match e {
+        CoreError::Store(e) => e.sqlite_error_code() == Some(rusqlite::ErrorCode::DiskFull),
+        CoreError::Io(e) => io_full(e.raw_os_error()),
+        _ => false,
+    }
+}
+
+/// An unnamed file of `bytes` allocated in `dir` (freed when closed), or None.
+fn reserve_space(dir: &Path, bytes: i64) -> Option<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let f =
+        std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_TMPFILE).mode(0o600).open(dir).ok()?;
+    // SAFETY: fallocate on a file descriptor we own.
+    (unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, bytes) } == 0).then_some(f)
 }
 
 fn sql_u64(v: u64) -> i64 {
@@ -123,11 +154,21 @@ impl ProfileWriter {
             let conn = Connection::open(path)?;
             conn.pragma_update(None, "journal_mode", "WAL")?;
             conn.pragma_update(None, "synchronous", "NORMAL")?;
+            conn.pragma_update(None, "wal_autocheckpoint", WAL_CHECKPOINT_PAGES)?;
+            // The schema and the run's metadata in one transaction: a checkpoint never sees one without
+            // the other (a live profile's main file copied alone then still reads as a profile).
+            conn.execute_batch("BEGIN")?;
             conn.execute_batch(SCHEMA)?;
-            let w = ProfileWriter { conn, pending: Vec::new(), path: path.to_path_buf(), _lock: lock };
+            let dir = match path.parent() {
+                Some(p) if !p.as_os_str().is_empty() => p,
+                _ => Path::new("."),
+            };
+            let reserve = reserve_space(dir, RESERVE_BYTES);
+            let w = ProfileWriter { conn, pending: Vec::new(), path: path.to_path_buf(), reserve, _lock: lock };
             w.put_meta("format", FORMAT_NAME)?;
             w.put_meta("schema_version", &SCHEMA_VERSION.to_string())?;
             w.put_meta("run", &serde_json::to_string(meta)?)?;
+            w.conn.execute_batch("COMMIT")?;
             Ok(w)
         })();
         if made.is_err() {
@@ -160,10 +201,30 @@ impl ProfileWriter {
         Self::create(path, meta)
     }
 
+    /// After a write failed because the disk is full: drops what was not written, frees the space held
+    /// in reserve and moves the WAL into the database file, emptying the WAL. What was committed is then
+    /// safe in the one file, and `finish_with` has room to write how the run ended.
+    pub fn make_room(&mut self) -> Result<()> {
+        self.pending.clear();
+        self.reserve = None;
+        self.conn.busy_timeout(std::time::Duration::from_secs(2)).ok();
+        let busy: i64 = self.conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get(0))?;
+        if busy != 0 {
+            return Err(CoreError::Invalid("the WAL could not be checkpointed (a reader holds it)".into()));
+        }
+        Ok(())
+    }
+
+    /// Whether space is held in reserve for a full disk (see `make_room`).
+    pub fn has_reserve(&self) -> bool {
+        self.reserve.is_some()
+    }
+
     /// Leaves the file as a SIGKILLed recorder would: nothing after the last commit, no finish, the WAL
     /// not checkpointed, and the lock released (its process is gone). For tests of killed runs.
     pub fn abandon(self) {
-        let ProfileWriter { conn, _lock, .. } = self;
+        let ProfileWriter { conn, _lock, reserve, .. } = self;
+        drop(reserve);
         drop(_lock);
         std::mem::forget(conn);
     }
@@ -641,8 +702,14 @@ impl Profile {
             return Err(CoreError::ProfileMissing { path: path.into() });
         }
         let recording = is_being_recorded(path);
+        // Before SQLite opens it (that creates an empty `-wal`): a file in WAL mode with no log beside it.
+        let wal_bytes = std::fs::metadata(format!("{}-wal", path.display())).map(|m| m.len()).unwrap_or(0);
+        let without_wal = header_journal(path) == Some(2) && wal_bytes == 0;
         let conn = connect(path)?;
-        let meta = RunMeta { recording, ..read_meta(&conn, path)? };
+        let mut meta = RunMeta { recording, ..read_meta(&conn, path)? };
+        // Unfinished, in WAL mode, without its log: the main file of a live profile, copied alone (a killed
+        // recorder leaves its log beside the file).
+        meta.copied_without_wal = without_wal && !recording && meta.duration_ns.is_none();
         load(&conn, path, meta)
     }
 }
@@ -1097,7 +1164,25 @@ mod tests {
         std::fs::copy(&path, &copy).unwrap();
         let e = Profile::open(&copy).unwrap_err().to_string();
         assert!(e.contains("copy.sqlite-wal") && e.contains("write-ahead log"), "{e}");
+        // The WAL is checkpointed every WAL_CHECKPOINT_PAGES: a copy taken after that holds the data up to
+        // then, and says it is a copy without its log.
+        for t_ns in 2..6000 {
+            w.push(Record::Cpu(CpuSample { t_ns, rss_bytes: 100, pss_bytes: None, uss_bytes: None, process_count: 1 }));
+        }
+        w.flush().unwrap();
+        std::fs::remove_file(&copy).unwrap();
+        std::fs::copy(&path, &copy).unwrap();
+        let p = Profile::open(&copy).unwrap();
+        assert!(p.meta.copied_without_wal && p.meta.duration_ns.is_none() && !p.cpu.is_empty());
+        let ended = crate::report::cells::meta_lines(&p, &crate::analysis::Summary::from_profile(&p))
+            .into_iter()
+            .find(|(k, _)| k == "ended")
+            .unwrap()
+            .1;
+        assert!(ended.contains("copy.sqlite-wal") && ended.contains("write-ahead log"), "{ended}");
         w.finish(Some(0), 1).unwrap();
+        // The original, once finished, is one file: not a copy without its log.
+        assert!(!Profile::open(&path).unwrap().meta.copied_without_wal);
     }
 
     #[test]

@@ -588,7 +588,8 @@ fn start_allocator_sampler(py: Python<'_>, interval_ms: f64) -> PyResult<bool> {
             }
         }
         let stop = Arc::new(AtomicBool::new(false));
-        let interval = Duration::from_secs_f64(interval_ms / 1000.0);
+        // Any positive interval is taken (a huge one: a read only at exit); never a panic.
+        let interval = Duration::try_from_secs_f64(interval_ms / 1000.0).unwrap_or(Duration::MAX);
         let thread_stop = stop.clone();
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let thread = std::thread::Builder::new()

@@ -145,10 +145,14 @@ impl Sinks {
                 eprintln!("torchmem: warning: finishing the {} output: {e:#}", sink.name());
             }
         }
-        for r in batch.records {
-            self.store.push(r);
-        }
+        // A failure here is counted like any other (the run's end says it).
+        let _ = self.store.write(batch);
         self.store.finish_with(end, duration_ns)
+    }
+
+    /// Why the profile stopped being written, and what was lost so far; None while all is written.
+    pub fn write_failure(&self) -> Option<&torchmem_core::model::WriteFailure> {
+        self.store.failure()
     }
 }
 

@@ -89,12 +89,19 @@ pub fn meta_lines(profile: &Profile, summary: &Summary) -> Vec<(String, String)>
         (None, None, _) if m.recording => {
             "still recording: a live `torchmem run` holds this profile; the data up to now is shown".into()
         }
+        (None, None, _) if m.copied_without_wal => format!(
+            "unfinished: this is the main file of a live profile copied without its write-ahead log ({}-wal); the data up to the log's last checkpoint is shown. Copy the -wal along with it, or copy the profile again once its run has ended",
+            profile.path.display()
+        ),
         (None, None, _) => {
             "unfinished: the recorder stopped before the run ended (killed?); the data up to then is shown".into()
         }
     };
     if let Some(note) = m.oom.as_ref().and_then(|o| o.describe(m.signal)) {
         ended.push_str(&format!(": {note}"));
+    }
+    if let Some(f) = &m.write_failure {
+        ended.push_str(&format!("; the profile is incomplete: {}", f.describe()));
     }
     out.push(("ended".into(), ended));
     out.push(("duration".into(), summary.duration_ns.map(format_secs).unwrap_or_else(|| "-".into())));
@@ -335,6 +342,19 @@ pub fn kernel_peaks(profile: &Profile) -> std::collections::BTreeMap<u32, u64> {
     out
 }
 
+/// The processes of the tree still running when the program ended (it left them running), from the
+/// recorder's `outlived_program` blob.
+pub fn outlived_program(profile: &Profile) -> std::collections::BTreeSet<u32> {
+    profile
+        .blobs
+        .iter()
+        .filter(|(name, _)| name == "outlived_program")
+        .filter_map(|(_, data)| data.get("pids")?.as_array().cloned())
+        .flatten()
+        .filter_map(|p| p.as_u64().map(|p| p as u32))
+        .collect()
+}
+
 /// Every table of a recorded run: `all_tables`, plus what only the profile knows. The kernel's
 /// high-water marks (VmHWM) raise a sampled peak that missed a short spike (labelled so), and a PSS/USS
 /// peak from fewer than 2 samples (a run shorter than the PSS interval) is said to be one, not printed.
@@ -371,6 +391,19 @@ pub fn all_tables_of(profile: &Profile, summary: &Summary) -> Vec<Table> {
         if t.title == "Processes" {
             let col = |name: &str| t.headers.iter().position(|h| h == name);
             let (Some(pid_col), Some(rss_col)) = (col("pid"), col("peak RSS")) else { continue };
+            let outlived = outlived_program(profile);
+            if let (Some(role_col), false) = (col("role"), outlived.is_empty()) {
+                let main = summary.processes.first().map(|p| p.pid);
+                for row in &mut t.rows {
+                    let Ok(pid) = row[pid_col].parse::<u32>() else { continue };
+                    if outlived.contains(&pid) && Some(pid) != main {
+                        // Its parent may be torchmem (the kernel hands orphans to it), which is no row.
+                        let role = &mut row[role_col];
+                        *role = if role == "main" { "left running".into() } else { format!("{role}, left running") };
+                    }
+                }
+                t.notes.push("left running: still running when the program ended (it outlived it); its lifetime is what was seen until then.".into());
+            }
             let pss_cols: Vec<usize> = ["peak PSS", "peak USS"].iter().filter_map(|h| col(h)).collect();
             for row in &mut t.rows {
                 let Ok(pid) = row[pid_col].parse::<u32>() else { continue };

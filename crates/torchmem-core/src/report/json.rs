@@ -40,6 +40,7 @@ pub fn to_value(profile: &Profile, summary: &Summary) -> Value {
             "gpu_total_bytes": m.gpu_total_bytes,
             "torchmem_version": m.torchmem_version,
             "launch": m.launch,
+            "write_failure": value(&m.write_failure),
         },
         "samples": summary.samples,
         "torch_samples": summary.torch_samples,

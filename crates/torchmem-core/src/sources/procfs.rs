@@ -116,6 +116,32 @@ pub fn parse_stat_ppid(text: &str) -> Option<u32> {
     after.split_ascii_whitespace().nth(1)?.parse().ok()
 }
 
+/// When the process started, on CLOCK_MONOTONIC in ns (the run's clock), from `/proc/PID/stat`'s
+/// `starttime` (clock ticks since boot, so 10 ms steps): a process first seen by a sample some time after
+/// it started still gets its real lifetime.
+pub fn start_monotonic_ns(pid: u32) -> Option<u64> {
+    let text = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let ticks = parse_stat_starttime_ticks(&text)?;
+    // SAFETY: sysconf has no preconditions.
+    let per_s = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    let per_s = if per_s > 0 { per_s as u128 } else { 100 };
+    let boot_ns = (ticks as u128 * 1_000_000_000 / per_s) as u64;
+    // starttime counts on CLOCK_BOOTTIME (suspend included): shift it by BOOTTIME − MONOTONIC now.
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes into the timespec we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
+    let boottime_now = ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64;
+    let offset = boottime_now.saturating_sub(crate::clock::monotonic_ns());
+    Some(boot_ns.saturating_sub(offset))
+}
+
+/// `starttime`, the 22nd field of `/proc/PID/stat` (counted after the parenthesised command name, which
+/// may hold spaces and parentheses).
+pub fn parse_stat_starttime_ticks(text: &str) -> Option<u64> {
+    let after = &text[text.rfind(')')? + 1..];
+    after.split_ascii_whitespace().nth(19)?.parse().ok()
+}
+
 /// The command line, arguments joined by spaces ("[comm]" for kernel threads and zombies).
 pub fn cmdline(pid: u32) -> String {
     match fs::read(format!("/proc/{pid}/cmdline")) {
@@ -168,7 +194,8 @@ pub fn process_tree(root: u32) -> BTreeMap<u32, u32> {
     tree
 }
 
-fn children_of(pid: u32) -> BTreeSet<u32> {
+/// The children of `pid` (of every thread of it), from the kernel's `children` files.
+pub fn children_of(pid: u32) -> BTreeSet<u32> {
     let mut out = BTreeSet::new();
     let Ok(tasks) = fs::read_dir(format!("/proc/{pid}/task")) else { return out };
     for task in tasks.flatten() {
@@ -195,6 +222,9 @@ mod tests {
         assert_eq!(parse_statm_rss_pages(b"1000"), None);
         assert_eq!(parse_statm_rss_pages(b"1000 x 3"), None);
         assert_eq!(parse_stat_ppid("42 (a b) c) S 7 42 42 0"), Some(7));
+        let stat = "42 (a b) c) S 7 42 42 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 123456 1000 250";
+        assert_eq!(parse_stat_starttime_ticks(stat), Some(123456));
+        assert_eq!(parse_stat_starttime_ticks("42 (x) S 7"), None);
         let rollup = "00400000-7ffd [rollup]\nRss:  100 kB\nPss:  60 kB\nPss_Anon: 1 kB\nShared_Clean: 40 kB\nPrivate_Clean: 10 kB\nPrivate_Dirty: 50 kB\nSwap: 0 kB\n";
         let r = parse_smaps_rollup(rollup).unwrap();
         assert_eq!(r.rss_bytes, 100 * 1024);
@@ -218,6 +248,18 @@ mod tests {
         assert!(rss2 > 1 << 20 && hwm.unwrap() >= rss2, "{rss2} {hwm:?}");
         let tree = process_tree(me);
         assert!(tree.contains_key(&me));
+    }
+
+    #[test]
+    fn a_real_child_starts_when_it_was_spawned() {
+        let before = crate::clock::monotonic_ns();
+        let mut child = std::process::Command::new("sleep").arg("5").spawn().unwrap();
+        let start = start_monotonic_ns(child.id());
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let start = start.unwrap();
+        // starttime has clock-tick (10 ms) steps.
+        assert!(start + 20_000_000 >= before && start <= crate::clock::monotonic_ns(), "{before} {start}");
     }
 
     #[test]
