@@ -7,7 +7,8 @@ How, without importing torch or changing what the program sees:
    optimizer as it is built (a weak reference);
 3. once an optimizer exists, a global module forward pre-hook looks at the first module calls: the first
    (outermost) module whose parameters hold the optimizer's first parameter is the model; the hook then
-   removes itself and `watch(model, optimizers)` takes over with ordinary per-module hooks.
+   removes itself and `watch(model, optimizers)` takes over with ordinary per-module hooks, recording the
+   measured steps only (the first 3, then one in 10: `_sampled_watch.py`); the others cost a counter.
 Nothing is printed, no warning is raised, and any failure of this machinery is swallowed (the program runs
 as without it). `TORCHMEM_WATCH=0` turns it off; `TORCHMEM_WATCH=noactivations` keeps it but without the
 saved-tensors hook (for a forward that calls `torch.func.grad`/`vjp`, which refuse to run under any
@@ -163,13 +164,14 @@ def _find_model(module: Any, args: Any) -> None:
     if want is None or not any(p is want for p in module.parameters()):
         return
     _stop_looking()
-    from .monitor import watch
+    from ._sampled_watch import sampled_watch
 
     mode = os.environ.get("TORCHMEM_WATCH", "1").strip().lower()
     acts = None if mode == "noactivations" else "total"
     _state["ours"] = True
     try:
-        mon = watch(module, live[0], activations=acts)
+        # Phases and breakdown on the measured steps only: a step not measured costs a counter and a flag.
+        mon = sampled_watch(module, live[0], acts)
     finally:
         _state["ours"] = False
     if mon._bd is not None:
