@@ -131,7 +131,7 @@ def _profile(mon: torchmem.Monitor, block, device: str) -> None:  # noqa: ANN001
     reads = {
         "self_memory (/proc/self/status)": _native.self_memory,
         "self_rss_bytes (statm)": _native.self_rss_bytes,
-        "reset_peak_rss (clear_refs)": _native.reset_peak_rss,
+        "rss_period_restart (own peak counter)": _native.rss_period_restart,
         "ledger open+close": lambda: _ledger.close_window(api._torch(), _ledger.open_window(api._torch(), dev)[0]),
         "_Span open+close (phase)": lambda: api._Span("phase", "x", None, dev).close(),
         "mon._dev()": mon._dev,

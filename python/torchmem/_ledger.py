@@ -1,7 +1,12 @@
 """The peak ledger: the one place where torchmem resets peak counters, so that no reset is seen by any other
-reader. Exact window peaks need resets (PyTorch's allocator peaks, the kernel's peak RSS `VmHWM`): a window
-opening at time t must read "the peak since t". Without a ledger each reset changes what the program itself
-reads afterwards (`torch.cuda.max_memory_allocated()`, `resource.getrusage(...).ru_maxrss`).
+reader. Exact window peaks need resets (PyTorch's allocator peaks): a window opening at time t must read
+"the peak since t". Without a ledger each reset changes what the program itself reads afterwards
+(`torch.cuda.max_memory_allocated()`).
+
+The CPU's peak RSS is never reset in the kernel (`VmHWM`, `ru_maxrss` stay the program's): its resets are
+those of torchmem's own counter (`_native.rss_period_restart`, `sources/self_proc.rs`), exact when the
+kernel's high-water mark rose inside the period, else the highest RSS read at the edges and sampled every
+5 ms by a watcher thread while a window is open (`_native.watch_rss`).
 
 Readers and what each sees:
 - torchmem's open windows (`with peak()`, `track`, Monitor phases/steps/epochs): the peak since they opened;
@@ -10,24 +15,20 @@ Readers and what each sees:
 - `torchmem run`'s allocator sampler (Rust, `sampler_fold_peak`): a sample's peak includes what resets took
   since the previous sample;
 - the program: the peak since its own last `torch.cuda.reset_peak_memory_stats()` (or start), for every `peak`
-  stat of every pool (Rust, `program_peaks_*`), and the lifetime peak RSS through `resource.getrusage`.
+  stat of every pool (Rust, `program_peaks_*`); its lifetime peak RSS is the kernel's, untouched.
 Each reader sees `max(what was folded into it, the counter now)`. Before any real reset (torchmem's or the
 program's) the current peaks are folded into every reader; the program's reset clears only the program's.
 
 Python readers of the allocator all call `torch._C._cuda_memoryStats` / `_cuda_resetPeakMemoryStats` (and
 `torch.accelerator`'s `_accelerator_getDeviceStats` / `_accelerator_resetPeakStats`) by attribute at call time,
-so those attributes are wrapped once, when torchmem first resets a GPU peak; `resource.getrusage` likewise at
-the first RSS reset. torchmem itself always calls the allocator's own functions (`raw_stats`). What cannot be
-kept (a C++ reader, `VmHWM` in /proc/self/status, a function bound before the wrap) is listed in
-docs/python-api.md, "What torchmem changes in your process".
+so those attributes are wrapped once, when torchmem first resets a GPU peak. torchmem itself always calls the
+allocator's own functions (`raw_stats`). What cannot be kept (a C++ reader, a function bound before the wrap)
+is listed in docs/python-api.md, "What torchmem changes in your process".
 """
-
 from __future__ import annotations
 
 import functools
 import operator
-import os
-import resource
 import sys
 import threading
 from typing import Any
@@ -55,8 +56,6 @@ windows: list[Window] = []
 #: `torchmem.peak()`'s reader: device -> (allocated, reserved) folded since `torchmem.reset_peak()`.
 gpu_acc: dict[int, tuple[int, int]] = {}
 rss_acc = 0
-#: False once the kernel refused a peak-RSS reset (VmHWM then is the lifetime peak: windows use what they saw).
-rss_reset_works = True
 
 # --- the allocator's own functions ------------------------------------------------------------------------
 
@@ -123,33 +122,17 @@ def _fold_and_reset_gpu(torch: Any, dev: int, *, line_profiler: bool = True) -> 
     return c
 
 
-def _reset_rss(rss: int | None, rss_peak: int) -> None:
-    """Resets VmHWM after keeping, for the program's `getrusage`, what the kernel said the lifetime peak was."""
-    global rss_reset_works, _rss_lifetime_kib, _rss_pid
-    # Resetting VmHWM takes the process's mmap lock for writing (it waits for any reader, such as a recorder
-    # walking smaps): skip it when the peak is the current RSS, where it would change nothing.
-    if not rss_reset_works or rss is None or rss_peak <= rss:
-        return
-    pid = os.getpid()
-    if _rss_pid != pid:  # a forked child: the parent's history is not its own
-        _rss_pid, _rss_lifetime_kib = pid, 0
-    _rss_lifetime_kib = max(_rss_lifetime_kib, _raw_getrusage(resource.RUSAGE_SELF).ru_maxrss)
-    _install_rusage_wrapper()
-    rss_reset_works = _native.reset_peak_rss()
-
-
 def fold_and_reset(torch: Any, dev: int | None) -> tuple[int | None, _native.AllocatorCounters | None]:
     """Folds the current peaks (device `dev` and the peak RSS) into every reader, then resets the counters.
     Returns the (rss, counters) read before the reset."""
     global rss_acc
     with lock:
-        mem = _native.self_memory()
+        mem = _native.rss_period_restart()  # torchmem's own counter: the kernel's VmHWM is never reset
         rss, rss_peak = (mem.rss_bytes, mem.peak_rss_bytes) if mem else (None, 0)
         for w in windows:
             w.rss = max(w.rss, rss_peak)
         rss_acc = max(rss_acc, rss_peak)
         c = _fold_and_reset_gpu(torch, dev) if (torch is not None and dev is not None) else None
-        _reset_rss(rss, rss_peak)
         return rss, c
 
 
@@ -172,6 +155,7 @@ def open_window(torch: Any, dev: int | None) -> tuple[Window, int | None, _nativ
         if c is not None:
             w.alloc, w.reserved = c.allocated_bytes, c.reserved_bytes
         windows.append(w)
+        _native.watch_rss(len(windows))
         return w, rss, c
 
 
@@ -180,15 +164,15 @@ def close_window(
 ) -> tuple[int | None, int | None, int | None, int | None, _native.AllocatorCounters | None]:
     """Ends a window: (peak_rss, peak_allocated, peak_reserved, rss now, counters now)."""
     with lock:
-        mem = _native.self_memory()
+        mem = _native.rss_period_peak()
         c = counters(torch, w.dev) if (torch is not None and w.dev is not None) else None
         if w in windows:
             windows.remove(w)
+            _native.watch_rss(len(windows))
         rss = mem.rss_bytes if mem else None
         peak_rss = None
         if mem:
-            # Without a working peak-RSS reset, VmHWM is the peak since start: use only what we saw.
-            peak_rss = max(w.rss, mem.peak_rss_bytes if rss_reset_works else mem.rss_bytes)
+            peak_rss = max(w.rss, mem.peak_rss_bytes)
         if c is not None:
             peak_alloc, peak_reserved = max(w.alloc, c.peak_allocated_bytes), max(w.reserved, c.peak_reserved_bytes)
         elif w.dev is None:
@@ -205,8 +189,8 @@ def reset_torchmem_peak(torch: Any, dev: int | None) -> None:
         fold_and_reset(torch, dev)
         if dev is not None:
             gpu_acc.pop(dev, None)
-        mem = _native.self_memory()
-        rss_acc = mem.rss_bytes if mem else 0
+        mem = _native.self_rss_bytes()
+        rss_acc = mem or 0
 
 
 # --- the program's view: wrapped allocator bindings -------------------------------------------------------
@@ -279,35 +263,3 @@ def _accelerator_is_cuda(torch: Any) -> bool:
         return acc is not None and acc.type == "cuda"
     except Exception:
         return False
-
-
-# --- the program's view: getrusage -----------------------------------------------------------------------
-
-_raw_getrusage = resource.getrusage
-#: The highest `ru_maxrss` (KiB) the kernel reported just before each of torchmem's peak-RSS resets.
-_rss_lifetime_kib = 0
-_rss_pid = os.getpid()
-_rusage_wrapped = False
-# RUSAGE_THREAD's ru_maxrss is the process's too (the mm's high-water mark).
-_SELF_WHO = {resource.RUSAGE_SELF} | ({resource.RUSAGE_THREAD} if hasattr(resource, "RUSAGE_THREAD") else set())
-_MAXRSS_INDEX = 2  # ru_utime, ru_stime, ru_maxrss, ...
-
-
-@functools.wraps(_raw_getrusage)
-def _getrusage(who: int, /) -> resource.struct_rusage:
-    r = _raw_getrusage(who)
-    if who in _SELF_WHO and _rss_lifetime_kib > r.ru_maxrss and _rss_pid == os.getpid():
-        fields = list(r)
-        fields[_MAXRSS_INDEX] = _rss_lifetime_kib
-        r = resource.struct_rusage(fields)
-    return r
-
-
-setattr(_getrusage, _RAW_ATTR, _raw_getrusage)
-
-
-def _install_rusage_wrapper() -> None:
-    global _rusage_wrapped
-    if not _rusage_wrapped:
-        _rusage_wrapped = True
-        resource.getrusage = _getrusage

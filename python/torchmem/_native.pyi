@@ -84,7 +84,8 @@ class SelfMemory:
 
     #: VmRSS.
     rss_bytes: Final[int]
-    #: VmHWM: the highest RSS since the process started or since the last `reset_peak_rss()`.
+    #: VmHWM: the highest RSS since the process started (torchmem never resets it); from `rss_period_peak`
+    #: and `rss_period_restart`: the highest since torchmem's peak period started.
     peak_rss_bytes: Final[int]
 
 def self_memory() -> SelfMemory | None:
@@ -112,8 +113,19 @@ class SmapsRollup:
 def self_rollup() -> SmapsRollup | None:
     """RSS, PSS, USS and swap from /proc/self/smaps_rollup (milliseconds on big processes); None where missing."""
 
-def reset_peak_rss() -> bool:
-    """Resets VmHWM to the current RSS (/proc/self/clear_refs "5"); False where the kernel forbids it."""
+def rss_period_peak() -> SelfMemory | None:
+    """RSS now and the highest RSS since torchmem's peak period started (the process's start before the first
+    `rss_period_restart`). torchmem's own counter: exact when the kernel's VmHWM rose inside the period, else
+    the highest RSS read at the period's edges and sampled by the `watch_rss` thread. None without /proc."""
+
+def rss_period_restart() -> SelfMemory | None:
+    """`rss_period_peak()` read just before starting a new period at the current RSS. Nothing the program
+    reads changes (VmHWM and `ru_maxrss` are only read, never reset)."""
+
+def watch_rss(open_windows: int) -> bool:
+    """Tells the RSS watcher how many peak windows are open: while one is, a thread samples /proc/self/statm
+    every 5 ms into the current period (no GIL); with none it sleeps. False where the thread cannot
+    start."""
 
 def malloc_trim() -> bool:
     """glibc malloc_trim(0): returns freed heap pages to the kernel; True when something was released."""

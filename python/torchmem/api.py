@@ -5,11 +5,11 @@ cache really frees (`empty_cache`), and named phases (`track`). Numbers come fro
 /proc and from NVML through the Rust extension. Nothing here imports torch or creates a CUDA context.
 
 Peaks are exact even when peak windows nest, and torchmem stays invisible to the program's own readings:
-opening a window (`with peak()`, `track`, a Monitor phase) resets PyTorch's peak counters (and the kernel's
-peak RSS) through the peak ledger (`_ledger.py`), which first folds the peaks reached so far into every
-reader, the program included. `torch.cuda.max_memory_allocated()`, `memory_stats()`'s `*.peak` keys and
-`resource.getrusage(RUSAGE_SELF).ru_maxrss` read as without torchmem; what cannot be kept is listed in
-docs/python-api.md ("What torchmem changes in your process").
+opening a window (`with peak()`, `track`, a Monitor phase) resets PyTorch's peak counters (and torchmem's own
+peak-RSS counter; the kernel's is never reset) through the peak ledger (`_ledger.py`), which first folds the
+peaks reached so far into every reader, the program included. `torch.cuda.max_memory_allocated()`,
+`memory_stats()`'s `*.peak` keys, `resource.getrusage(RUSAGE_SELF).ru_maxrss` and `VmHWM` read as without
+torchmem; what cannot be kept is listed in docs/python-api.md ("What torchmem changes in your process").
 """
 
 from __future__ import annotations
@@ -390,8 +390,8 @@ def peak(device: Any = None) -> Peak:
     torch = _torch()
     dev = _cuda_index(device, torch)
     with _ledger.lock:
-        mem = _native.self_memory()
-        rss = max(_ledger.rss_acc, mem.peak_rss_bytes if _ledger.rss_reset_works else 0) if mem else None
+        mem = _native.rss_period_peak()
+        rss = max(_ledger.rss_acc, mem.peak_rss_bytes) if mem else None
         alloc = reserved = None
         if dev is not None:
             c = _counters(torch, dev) or _ledger.NO_COUNTERS

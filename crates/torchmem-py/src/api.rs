@@ -82,10 +82,23 @@ fn malloc_free_bytes() -> Option<u64> {
     self_proc::malloc_free_bytes()
 }
 
-/// Resets the peak RSS (VmHWM) to the current RSS; False where the kernel forbids it.
+/// RSS now and the highest RSS since torchmem's peak period started (its own counter: the kernel's peak
+/// is never reset); None where /proc is missing.
 #[pyfunction]
-fn reset_peak_rss() -> bool {
-    self_proc::reset_peak_rss().is_ok()
+fn rss_period_peak() -> Option<PySelfMemory> {
+    self_proc::rss_period_peak().map(PySelfMemory)
+}
+
+/// Ends torchmem's peak period (returns `rss_period_peak()` read just before) and starts the next one.
+#[pyfunction]
+fn rss_period_restart() -> Option<PySelfMemory> {
+    self_proc::rss_period_restart().map(PySelfMemory)
+}
+
+/// How many peak windows are open: while one is, a thread samples RSS every 5 ms into the period.
+#[pyfunction]
+fn watch_rss(open_windows: usize) -> bool {
+    self_proc::watch_rss(open_windows)
 }
 
 /// glibc `malloc_trim(0)`: gives freed heap pages back to the kernel. True when something was released.
@@ -646,7 +659,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(self_rss_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(malloc_free_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(self_rollup, m)?)?;
-    m.add_function(wrap_pyfunction!(reset_peak_rss, m)?)?;
+    m.add_function(wrap_pyfunction!(rss_period_peak, m)?)?;
+    m.add_function(wrap_pyfunction!(rss_period_restart, m)?)?;
+    m.add_function(wrap_pyfunction!(watch_rss, m)?)?;
     m.add_function(wrap_pyfunction!(malloc_trim, m)?)?;
     m.add_function(wrap_pyfunction!(format_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(format_bytes_torch, m)?)?;

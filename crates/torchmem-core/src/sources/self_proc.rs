@@ -1,6 +1,12 @@
 //! This process's own memory from /proc, read fast: the one reader behind the in-process API
 //! (`torchmem.stats()`, peak windows, the Monitor's markers) and the line profiler's per-event RSS.
 //!
+//! torchmem never resets the kernel's peak RSS (`VmHWM`, `ru_maxrss`: the program reads them as without
+//! torchmem). A peak window's RSS peak comes from torchmem's own counter ([`rss_period_peak`]): the
+//! kernel's high-water mark when it rose during the period (exact), else the highest RSS read at the
+//! window's edges and by a watcher thread that samples `/proc/self/statm` every 5 ms while a window
+//! is open ([`watch_rss`]).
+//!
 //! Files are opened once and re-read with `pread` (about half the cost of open+read+close). A forked child
 //! inherits the parent's descriptors, which still name the parent's /proc entries: a `pthread_atfork` child
 //! handler bumps a generation counter, and every [`SelfProcFile`] reopens when the generation it opened at
@@ -8,13 +14,12 @@
 //! files (the recorder's process tree) are read by `procfs` with the same parsers.
 
 use std::fs;
-use std::io::Write;
 use std::os::unix::fs::FileExt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
 
 use super::procfs::{page_size, parse_statm_rss_pages, parse_status_rss_and_peak};
-use crate::error::{CoreError, Result};
 
 /// Bumped in every forked child (before it runs any of our code), so that kept-open files reopen there.
 static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
@@ -37,33 +42,21 @@ fn watch_forks() {
 #[derive(Debug)]
 pub struct SelfProcFile {
     path: &'static str,
-    writable: bool,
     file: Option<fs::File>,
     generation: u64,
 }
 
 impl SelfProcFile {
-    fn open(path: &'static str, writable: bool) -> SelfProcFile {
-        watch_forks();
-        let generation = FORK_GENERATION.load(Ordering::Relaxed);
-        let file =
-            if writable { fs::OpenOptions::new().write(true).open(path).ok() } else { fs::File::open(path).ok() };
-        SelfProcFile { path, writable, file, generation }
-    }
-
     /// A file of this process to read, e.g. "/proc/self/statm".
     pub fn open_read(path: &'static str) -> SelfProcFile {
-        Self::open(path, false)
-    }
-
-    /// A file of this process to write, e.g. "/proc/self/clear_refs".
-    pub fn open_write(path: &'static str) -> SelfProcFile {
-        Self::open(path, true)
+        watch_forks();
+        let generation = FORK_GENERATION.load(Ordering::Relaxed);
+        SelfProcFile { path, file: fs::File::open(path).ok(), generation }
     }
 
     fn file(&mut self) -> Option<&fs::File> {
         if self.generation != FORK_GENERATION.load(Ordering::Relaxed) {
-            *self = Self::open(self.path, self.writable);
+            *self = Self::open_read(self.path);
         }
         self.file.as_ref()
     }
@@ -72,12 +65,6 @@ impl SelfProcFile {
     pub fn read<'b>(&mut self, buf: &'b mut [u8]) -> Option<&'b [u8]> {
         let n = self.file()?.read_at(buf, 0).ok()?;
         (n > 0).then(|| &buf[..n])
-    }
-
-    /// Writes `bytes` at once; false when the file is not open or the kernel refuses.
-    pub fn write(&mut self, bytes: &[u8]) -> bool {
-        let Some(mut file) = self.file() else { return false };
-        file.write_all(bytes).is_ok()
     }
 }
 
@@ -105,7 +92,8 @@ impl SelfStatm {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SelfMemory {
     pub rss_bytes: u64,
-    /// `VmHWM`: the highest RSS since the process started or since the last [`reset_peak_rss`].
+    /// `VmHWM`: the highest RSS since the process started (the kernel's; torchmem never resets it). From
+    /// [`rss_period_peak`]: the highest since torchmem's period started.
     pub peak_rss_bytes: u64,
 }
 
@@ -113,7 +101,6 @@ pub struct SelfMemory {
 struct SelfFiles {
     statm: SelfStatm,
     status: SelfProcFile,
-    clear_refs: SelfProcFile,
 }
 
 static SELF_FILES: Mutex<Option<SelfFiles>> = Mutex::new(None);
@@ -123,7 +110,6 @@ fn with_self_files<T>(f: impl FnOnce(&mut SelfFiles) -> Option<T>) -> Option<T> 
     let files = guard.get_or_insert_with(|| SelfFiles {
         statm: SelfStatm::open(),
         status: SelfProcFile::open_read("/proc/self/status"),
-        clear_refs: SelfProcFile::open_write("/proc/self/clear_refs"),
     });
     f(files)
 }
@@ -178,12 +164,110 @@ pub fn exec_maxrss_bound() -> u64 {
     })
 }
 
-/// Resets `VmHWM` to the current RSS (writes "5" to `/proc/self/clear_refs`), so that the next peak read
-/// is the peak since now. Fails where the kernel or a sandbox forbids it; callers then keep the old peak.
-pub fn reset_peak_rss() -> Result<()> {
-    match with_self_files(|f| Some(f.clear_refs.write(b"5"))) {
-        Some(true) => Ok(()),
-        _ => Err(CoreError::Invalid("cannot write /proc/self/clear_refs: the peak RSS cannot be reset here".into())),
+// --- torchmem's own peak RSS --------------------------------------------------------------------------
+
+/// One period of torchmem's peak-RSS counter (the peak ledger's "since the last reset", kept here instead of
+/// in the kernel).
+#[derive(Debug, Clone, Copy)]
+struct RssPeriod {
+    /// The process the period belongs to (a forked child starts its own, from its start).
+    pid: u32,
+    /// The kernel's high-water mark when the period started: once it is higher, it rose inside the period,
+    /// and is then the period's exact peak.
+    hwm_at_start_bytes: u64,
+    /// The highest RSS read since the period started (edges and the watcher's samples).
+    max_seen_bytes: u64,
+}
+
+static RSS_PERIOD: Mutex<RssPeriod> = Mutex::new(RssPeriod { pid: 0, hwm_at_start_bytes: 0, max_seen_bytes: 0 });
+
+fn rss_period() -> std::sync::MutexGuard<'static, RssPeriod> {
+    let mut g = RSS_PERIOD.lock().unwrap_or_else(|p| p.into_inner());
+    let pid = std::process::id();
+    if g.pid != pid {
+        // First use, or a forked child: the period is the process's life so far.
+        *g = RssPeriod { pid, hwm_at_start_bytes: 0, max_seen_bytes: 0 };
+    }
+    g
+}
+
+fn period_peak(p: &RssPeriod, m: &SelfMemory) -> u64 {
+    let seen = p.max_seen_bytes.max(m.rss_bytes);
+    if m.peak_rss_bytes > p.hwm_at_start_bytes {
+        seen.max(m.peak_rss_bytes)
+    } else {
+        seen
+    }
+}
+
+/// RSS now and the highest RSS since torchmem's peak period started ([`rss_period_restart`]; the process's
+/// start before the first). Exact when the period reached a new lifetime high (the kernel's high-water mark
+/// rose); otherwise the highest RSS read at the period's edges and sampled by [`watch_rss`]'s thread.
+pub fn rss_period_peak() -> Option<SelfMemory> {
+    let mut p = rss_period();
+    let m = self_memory()?;
+    p.max_seen_bytes = p.max_seen_bytes.max(m.rss_bytes);
+    Some(SelfMemory { rss_bytes: m.rss_bytes, peak_rss_bytes: period_peak(&p, &m) })
+}
+
+/// Ends torchmem's peak period and starts the next at the current RSS: returns [`rss_period_peak`] read just
+/// before. Nothing the program reads changes (the kernel's counters are only read).
+pub fn rss_period_restart() -> Option<SelfMemory> {
+    let mut p = rss_period();
+    let m = self_memory()?;
+    let peak = period_peak(&p, &m);
+    p.hwm_at_start_bytes = m.peak_rss_bytes;
+    p.max_seen_bytes = m.rss_bytes;
+    Some(SelfMemory { rss_bytes: m.rss_bytes, peak_rss_bytes: peak })
+}
+
+/// How often the watcher samples RSS while a window is open.
+pub const RSS_WATCH_INTERVAL: Duration = Duration::from_millis(5);
+
+/// torchmem's open peak windows (the watcher samples only while there is one).
+static OPEN_WINDOWS: AtomicUsize = AtomicUsize::new(0);
+/// The watcher thread and the process it runs in (a forked child has none: it starts its own).
+static WATCHER: Mutex<Option<(u32, std::thread::Thread)>> = Mutex::new(None);
+
+/// Tells the RSS watcher how many peak windows are open: with one or more, a thread samples
+/// `/proc/self/statm` every [`RSS_WATCH_INTERVAL`] into the current period's highest RSS (about a microsecond
+/// a read, no GIL); with none it sleeps. False where the thread cannot be started (windows then see their
+/// edges and the kernel's high-water mark only).
+pub fn watch_rss(open_windows: usize) -> bool {
+    OPEN_WINDOWS.store(open_windows, Ordering::Relaxed);
+    let mut w = WATCHER.lock().unwrap_or_else(|p| p.into_inner());
+    let pid = std::process::id();
+    if w.as_ref().is_none_or(|(owner, _)| *owner != pid) {
+        if open_windows == 0 {
+            return true;
+        }
+        let spawned =
+            std::thread::Builder::new().name("torchmem-rss-watch".into()).stack_size(64 << 10).spawn(rss_watch_loop);
+        match spawned {
+            Ok(handle) => *w = Some((pid, handle.thread().clone())),
+            Err(_) => return false,
+        }
+    } else if open_windows > 0 {
+        if let Some((_, thread)) = w.as_ref() {
+            thread.unpark();
+        }
+    }
+    true
+}
+
+fn rss_watch_loop() {
+    let mut statm = SelfStatm::open();
+    loop {
+        if OPEN_WINDOWS.load(Ordering::Relaxed) == 0 {
+            std::thread::park();
+            continue;
+        }
+        std::thread::sleep(RSS_WATCH_INTERVAL);
+        // Read under the period's lock: a sample taken before a restart cannot land in the next period.
+        let mut p = rss_period();
+        if let Some(rss) = statm.rss_bytes() {
+            p.max_seen_bytes = p.max_seen_bytes.max(rss);
+        }
     }
 }
 
@@ -256,21 +340,50 @@ mod tests {
     }
 
     #[test]
-    fn reads_this_process_and_resets_its_peak() {
+    fn reads_this_process_and_keeps_a_period_peak_without_resetting_the_kernels() {
         let _one = PEAK_TESTS.lock().unwrap_or_else(|p| p.into_inner());
         let m = self_memory().unwrap();
         assert!(m.rss_bytes > MIB && m.peak_rss_bytes >= m.rss_bytes);
         let statm = self_rss_bytes().unwrap();
         assert!(statm > MIB);
-        // Touch 64 MiB, free it, reset: the peak falls back to about the current RSS.
+        // Touch 64 MiB, free it, restart the period: the period's peak falls back to about the current RSS,
+        // the kernel's does not.
         let big = vec![1u8; 64 * MIB as usize];
         assert!(big.iter().map(|b| *b as u64).sum::<u64>() == 64 * MIB);
-        let with_big = self_memory().unwrap();
+        let with_big = self_memory_from_status().unwrap();
         drop(big);
-        if reset_peak_rss().is_ok() {
-            let after = self_memory().unwrap();
-            assert!(after.peak_rss_bytes + 32 * MIB < with_big.peak_rss_bytes, "{after:?} vs {with_big:?}");
-        }
+        rss_period_restart().unwrap();
+        let period = rss_period_peak().unwrap();
+        let kernel = self_memory_from_status().unwrap();
+        assert!(period.peak_rss_bytes + 32 * MIB < with_big.peak_rss_bytes, "{period:?} vs {with_big:?}");
+        // The kernel's counters are per-CPU and read approximately: equal within a few pages.
+        assert!(kernel.peak_rss_bytes + MIB >= with_big.peak_rss_bytes, "{kernel:?} vs {with_big:?}");
+        // A new lifetime high inside the period is its exact peak (the kernel's mark rose).
+        let bigger = vec![2u8; (kernel.peak_rss_bytes.saturating_sub(kernel.rss_bytes) + 32 * MIB) as usize];
+        assert!(bigger.iter().step_by(4096).all(|b| *b == 2));
+        drop(bigger);
+        let after = rss_period_restart().unwrap();
+        let kernel_after = self_memory_from_status().unwrap();
+        assert_eq!(after.peak_rss_bytes.max(kernel_after.peak_rss_bytes), kernel_after.peak_rss_bytes);
+        assert!(after.peak_rss_bytes + 4 * MIB >= kernel_after.peak_rss_bytes, "{after:?} vs {kernel_after:?}");
+    }
+
+    #[test]
+    fn the_watcher_samples_a_spike_below_the_lifetime_peak() {
+        let _one = PEAK_TESTS.lock().unwrap_or_else(|p| p.into_inner());
+        // Raise the lifetime peak first, so that the spike below cannot show in the kernel's mark.
+        let big = vec![1u8; 160 * MIB as usize];
+        assert!(big.iter().step_by(4096).all(|b| *b == 1));
+        drop(big);
+        assert!(watch_rss(1));
+        let start = rss_period_restart().unwrap();
+        let spike = vec![3u8; 64 * MIB as usize];
+        assert!(spike.iter().step_by(4096).all(|b| *b == 3));
+        std::thread::sleep(Duration::from_millis(30));
+        drop(spike);
+        let end = rss_period_restart().unwrap();
+        assert!(watch_rss(0));
+        assert!(end.peak_rss_bytes >= start.rss_bytes + 56 * MIB, "{start:?} -> {end:?}");
     }
 
     #[test]
@@ -287,9 +400,6 @@ mod tests {
             let status = self_memory_from_status().unwrap();
             assert!(fast.peak_rss_bytes <= status.peak_rss_bytes, "{fast:?} vs {status:?}");
             assert!(fast.peak_rss_bytes + 8 * MIB >= status.peak_rss_bytes, "{fast:?} vs {status:?}");
-            if reset_peak_rss().is_err() {
-                break;
-            }
         }
     }
 
