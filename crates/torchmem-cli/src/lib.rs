@@ -1,8 +1,10 @@
 //! The `torchmem` command line. `run(argv)` is the whole program; `main.rs` and the Python entry point
 //! (`torchmem._native.cli_main`) both call it, so the wheel and `cargo install` behave the same.
 //!
-//! One file per subcommand: `cmd_info`, `cmd_run` (with `recorder` doing the sampling), `cmd_report`,
-//! `cmd_plot`, `cmd_snapshot` (snapshot + explain-oom), `cmd_top` (the live view, drawn by `tui`).
+//! One file per subcommand: `cmd_info`, `cmd_run` (with `recorder` doing the sampling and `sinks/` taking
+//! its records), `cmd_report`, `cmd_plot`, `cmd_snapshot` (snapshot + explain-oom), `cmd_simulate` (the
+//! allocator simulator's what-ifs), `cmd_estimate` (the estimator: the program under the emulated device,
+//! its trace replayed by the simulator), `cmd_top` (the live view, drawn by `tui`).
 
 use std::ffi::OsString;
 use std::path::Path;

@@ -462,11 +462,6 @@ impl Supervisor {
         out
     }
 
-    /// Whether signals are still waiting for a decision.
-    pub fn undecided(&self) -> bool {
-        !self.received.is_empty()
-    }
-
     /// SIGTSTP's own effect on torchmem, after it was passed on: stop with the default action (the kernel
     /// skips it in an orphaned process group, as for the program), and catch SIGTSTP again once continued.
     pub fn stop_self(&self) {

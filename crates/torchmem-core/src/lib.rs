@@ -1,10 +1,13 @@
 //! torchmem-core: everything torchmem does that needs no Python.
 //!
-//! Data flows one way through the modules:
+//! Data flows mostly one way through the modules:
 //! `sources` (read /proc and NVML) → `model` (the narrow record types) → `store` (the SQLite profile
 //! file) → `analysis` (peaks, phases, epochs, leaks, journey) → `report` (text, JSON, CSV, Markdown,
-//! Mermaid, HTML). `wire` is the message format the profiled Python process sends to the recorder; `fold` is
-//! the keep-or-fold rule that bounds a long run's markers (applied by the recorder and the loader).
+//! Mermaid, HTML). Two known back-edges: `report` reads the loaded `store::Profile` directly, and
+//! `sources::allocator` and `wire` share the allocator counters' record. `wire` is the message format the
+//! profiled Python process sends to the recorder; `fold` is the keep-or-fold rule that bounds a long run's
+//! markers (applied by the recorder and the loader); `breakdown` the what-the-memory-is record; `gpus` the
+//! GPU catalogue; `journey` the run's journey; `lines` the line profiler's record.
 
 pub mod analysis;
 pub mod breakdown;

@@ -43,12 +43,6 @@ pub fn size_key(stream: u16, size_bytes: u64, addr: u64) -> u128 {
     ((stream as u128) << 112) | ((size_bytes as u128) << 64) | addr as u128
 }
 
-/// Stream rank in a `size_key`.
-#[inline]
-pub fn key_stream(key: u128) -> u16 {
-    (key >> 112) as u16
-}
-
 /// Key of the unmapped set: stream rank, then address.
 #[inline]
 pub fn addr_key(stream: u16, addr: u64) -> u128 {

@@ -1,9 +1,10 @@
 //! torchmem-snapshot: a safe streaming reader for PyTorch allocator snapshots and their analysis.
 //!
-//! One file per concern: `pickle` (the unpickler, never executes anything), `decode` (pickle →
-//! model), `json` (JSON form), `model`, `replay` (trace replay: live blocks and levels over time),
-//! `summary` (totals, fragmentation, actions, ring buffer), `sites` (top allocation sites at a moment),
-//! `diff`, `html` (offline report), `oom` (OOM message parsing and diagnosis), `fmt` (byte formatting).
+//! One file per concern: `pickle` (the generic unpickler, never executes anything), `direct` (the fast
+//! schema-directed decoder: the main read path), `decode` (pickle → model through the generic reader),
+//! `json` (JSON form), `model`, `replay` (trace replay: live blocks and levels over time), `summary`
+//! (totals, fragmentation, actions, ring buffer), `sites` (top allocation sites at a moment), `diff`, `html`
+//! (offline report), `oom` (OOM message parsing and diagnosis), `fmt` (re-exports torchmem-units' formatters).
 //! Layering: model ← replay ← {summary, sites} ← {diff, html}.
 
 pub mod decode;

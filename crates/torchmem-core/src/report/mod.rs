@@ -33,8 +33,6 @@ pub enum Format {
 }
 
 impl Format {
-    pub const ALL: [Format; 5] = [Format::Table, Format::Json, Format::Csv, Format::Markdown, Format::Mermaid];
-
     pub fn as_str(self) -> &'static str {
         match self {
             Format::Table => "table",
@@ -43,14 +41,6 @@ impl Format {
             Format::Markdown => "markdown",
             Format::Mermaid => "mermaid",
         }
-    }
-
-    pub fn parse(s: &str) -> Option<Format> {
-        Format::ALL.into_iter().find(|f| f.as_str() == s.to_ascii_lowercase()).or(match s {
-            "text" | "txt" => Some(Format::Table),
-            "md" => Some(Format::Markdown),
-            _ => None,
-        })
     }
 }
 
@@ -75,19 +65,4 @@ pub fn render_svg(profile: &Profile) -> String {
 /// The self-contained HTML page of a profile (`torchmem plot`).
 pub fn render_html(profile: &Profile, summary: &Summary) -> String {
     html::render(profile, summary)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn formats_round_trip_their_names() {
-        for f in Format::ALL {
-            assert_eq!(Format::parse(f.as_str()), Some(f));
-        }
-        assert_eq!(Format::parse("md"), Some(Format::Markdown));
-        assert_eq!(Format::parse("JSON"), Some(Format::Json));
-        assert_eq!(Format::parse("xml"), None);
-    }
 }
