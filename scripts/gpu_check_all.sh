@@ -22,11 +22,12 @@ for spec in "$@"; do
     name=$(basename "${spec%% *}" .py); cmd="python3 scripts/$spec"
   fi
   t0=$(date +%s)
-  timeout 560 bash -c "$cmd" > "$RAW/$name.txt" 2>&1
+  timeout "${GPU_CHECK_TIMEOUT_S:-560}" bash -c "$cmd" > "$RAW/$name.txt" 2>&1
   rc=$?
   pass=$(grep -c '^PASS' "$RAW/$name.txt"); fail=$(grep -c '^FAIL' "$RAW/$name.txt")
   echo "$name rc=$rc $(( $(date +%s) - t0 ))s pass=$pass fail=$fail" | tee -a "$RAW/summary.txt"
+  # after each script (a call cut short keeps what ran): the device returns at most 8 files, so the summary
+  # and every output in one archive
+  cp "$RAW/summary.txt" "$OUT/summary.txt"
+  tar czf "$OUT/outputs.tgz" -C "$RAW" .
 done
-# the device returns at most 8 files: the summary, and every output in one archive
-cp "$RAW/summary.txt" "$OUT/summary.txt"
-tar czf "$OUT/outputs.tgz" -C "$RAW" .
