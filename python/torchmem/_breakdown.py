@@ -27,6 +27,7 @@ the period trades detail for cost; `breakdown_every=1` measures every step.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
@@ -167,9 +168,13 @@ class _SavedTracker:
         t, version = p.tensor, p.version
         now = t._version
         if now != version:
+            # `t.type()` is a torch function: outside any torch-function mode (the leak probe's reads of a
+            # graph's saves must not see torchmem's own hook as one that runs torch code).
+            with sys.modules["torch"]._C.DisableTorchFunction():
+                name = t.type()
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: [{t.type()} {list(t.shape)}] is at version {now}; expected version {version} "
+                f"operation: [{name} {list(t.shape)}] is at version {now}; expected version {version} "
                 f"instead. {_INPLACE_HINT}"
             )
         return t

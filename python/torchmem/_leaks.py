@@ -12,6 +12,13 @@ grows step after step. Only then does a **probe** run for a few steps (`probe_st
   and the `_saved_*` tensors, storage-unique, within a node budget), and `tracemalloc` takes a snapshot
   compared by line (Python objects: a dict or list that grows).
 
+What keeps a line's tensors: after the first probe step end, the containers (list, dict, deque) that refer to
+the live tensors are watched, and for the remaining probe steps a line tracer on the user's own frames (not
+torch's, not torchmem's) notes the line after which each container grew (`kept.append(out)`); at the end the
+container is named by the variable that holds it in the caller's frames (or the object attribute), and an
+in-place holder (`total_loss += loss`) by its variable. The probe's graph walk reads saved tensors through
+torchmem's own saved-tensor hook (`_breakdown.py`), which never runs torch code under the probe's mode.
+
 After the probe the per-line facts go to Rust (`_native.leak_findings`), which names the lines that keep
 memory alive; they are warned about (`MemoryGrowthWarning`, pointing at the line), kept for `Monitor.leaks()`,
 and sent to the recorder under `torchmem run` (the `leaks` blob, read by `torchmem report`). A healthy run
@@ -21,6 +28,8 @@ the backward pass of checkpointed models on torch 2.11).
 
 from __future__ import annotations
 
+import collections
+import gc
 import linecache
 import os
 import sys
@@ -150,11 +159,14 @@ class LeakDetector:
 
             top = found[0]
             more = f" ({len(found) - 1} more line(s): mon.leaks())" if len(found) > 1 else ""
+            # At the line that keeps the memory (`kept.append(out)`) when the probe saw it, else where it was made.
+            kept = top.get("kept_in") or {}
+            where = (kept["file"], kept["line"]) if kept.get("line") else (top["file"], top["line"])
             warnings.warn_explicit(
                 MemoryGrowthWarning(f"torchmem: memory grows every step: {top['message']}{more}"),
                 MemoryGrowthWarning,
-                top["file"],
-                top["line"],
+                where[0],
+                where[1],
                 registry={},
             )
 
@@ -191,6 +203,11 @@ class _Probe:
         self.prefixes = _internal_prefixes()
         self.unpacking = False  # inside a graph walk's unpack of a saved tensor
         self.unpack_ok = True  # False once an unpack ran torch code (saved-tensor hooks that recompute)
+        # What keeps the tensors: watched containers (id -> [container, length]) and the lines they grew at.
+        self.watched: dict[int, list[Any]] = {}
+        self.grew_at: dict[int, collections.Counter[tuple[str, int]]] = {}
+        self.last_line: tuple[str, int] | None = None
+        self.tracing = False
         self.started_tracemalloc = not tracemalloc.is_tracing()
         if self.started_tracemalloc:
             tracemalloc.start(1)
@@ -255,13 +272,122 @@ class _Probe:
     def step_end(self) -> None:
         self.busy = True
         try:
+            self._check_containers()
             self.records = [r for r in self.records if r[0]() is not None]
             self.seen = {k: r for k, r in self.seen.items() if r() is not None}
             self._walk_graphs()
             self._snapshot_python()
+            if self.step == 0 and self.steps > 2:
+                self._watch_containers()
         finally:
             self.busy = False
         self.step += 1
+
+    # --- what keeps the tensors ------------------------------------------------------------------------------
+
+    def _internal(self, code: Any) -> bool:
+        inside = self.internal.get(code)
+        if inside is None:
+            inside = self.internal[code] = code.co_filename.startswith(self.prefixes)
+        return inside
+
+    def _watch_containers(self) -> None:
+        """Watches the containers that refer to live recorded tensors, and traces the user's lines."""
+        tensors = [t for t in (r[0]() for r in self.records) if t is not None]
+        if not tensors:
+            return
+        kinds = (list, dict, collections.deque)
+        mine = {id(self.records), id(self.seen), id(self.holders), id(tensors)}
+        for c in gc.get_referrers(*tensors):
+            if type(c) in kinds and id(c) not in mine and len(self.watched) < 64:
+                self.watched[id(c)] = [c, len(c)]
+        del tensors
+        if not self.watched or sys.gettrace() is not None:  # a debugger or coverage tracer: leave it alone
+            return
+        self.tracing = True
+        sys.settrace(self._trace_call)
+        f = sys._getframe(1)
+        while f is not None:
+            if not self._internal(f.f_code):
+                f.f_trace = self._trace_line
+            f = f.f_back
+
+    def _trace_call(self, frame: Any, event: str, arg: Any) -> Any:
+        return None if self._internal(frame.f_code) else self._trace_line
+
+    def _trace_line(self, frame: Any, event: str, arg: Any) -> Any:
+        if event in ("line", "return"):
+            self._check_containers()
+            if event == "line":
+                self.last_line = (frame.f_code.co_filename, frame.f_lineno)
+        return self._trace_line
+
+    def _check_containers(self) -> None:
+        for cid, w in self.watched.items():
+            n = len(w[0])
+            if n > w[1] and self.last_line is not None:
+                self.grew_at.setdefault(cid, collections.Counter())[self.last_line] += 1
+            w[1] = n
+
+    def _stop_tracing(self) -> None:
+        if not self.tracing:
+            return
+        self.tracing = False
+        sys.settrace(None)
+        f = sys._getframe(1)
+        while f is not None:
+            if f.f_trace is not None and getattr(f.f_trace, "__self__", None) is self:
+                f.f_trace = None
+            f = f.f_back
+
+    def _names(self, obj: Any) -> str | None:
+        """The variable (in the user's frames on the stack, or the main module) or attribute bound to `obj`."""
+        f = sys._getframe(1)
+        while f is not None:
+            if not self._internal(f.f_code):
+                for scope in (f.f_locals, f.f_globals):
+                    for name, value in scope.items():
+                        if value is obj:
+                            return name
+            f = f.f_back
+        for ref in gc.get_referrers(obj):
+            if type(ref) is dict:
+                for owner in gc.get_referrers(ref):
+                    if getattr(owner, "__dict__", None) is ref:
+                        for name, value in ref.items():
+                            if value is obj:
+                                return f"{type(owner).__name__}.{name}"
+        return None
+
+    def _kept_in(self, site: int, steps: int) -> dict[str, Any] | None:
+        """What keeps `site`'s tensors from the earlier probe steps: a watched container (named, with the line
+        it grew at), or for an in-place holder (`total_loss += loss`) its variable."""
+        tensors = []
+        for ref, s, step in self.records:
+            t = ref() if s == site and step < steps - 1 else None
+            if t is not None:
+                tensors.append(t)
+        best, hits = None, 0
+        for cid, (c, _) in self.watched.items():
+            values = c.values() if isinstance(c, dict) else c
+            n = sum(1 for v in values for t in tensors if v is t)
+            if n > hits:
+                best, hits = cid, n
+        if best is not None:
+            c = self.watched[best][0]
+            row: dict[str, Any] = {"container": type(c).__name__, "name": self._names(c)}
+            lines = self.grew_at.get(best)
+            if lines:
+                (f, ln), _ = lines.most_common(1)[0]
+                row.update(file=f, line=ln, source=linecache.getline(f, ln).strip())
+            return row
+        for ref in self.holders.get(site, {}).values():
+            t = ref()
+            if t is not None:
+                name = self._names(t)
+                if name is not None:
+                    return {"container": "variable", "name": name}
+        return None
 
     def _live_holders(self) -> dict[int, list[Any]]:
         roots: dict[int, list[Any]] = {}
@@ -370,6 +496,8 @@ class _Probe:
     def close(self) -> dict[str, Any]:
         """Stops recording and returns the probe's facts (`analysis::leaks::ProbeData`)."""
         self.busy = True
+        self._check_containers()
+        self._stop_tracing()
         try:
             self.mode.__exit__(None, None, None)
         except Exception:
@@ -430,6 +558,8 @@ class _Probe:
                     "graph_truncated": site in self.graph_truncated,
                     "held_by": holder_of.get(site),
                     "inplace_live": sum(1 for r in self.holders.get(site, {}).values() if r() is not None),
+                    "graph_saves_unread": not self.unpack_ok,
+                    "kept_in": None if site in holder_of else self._kept_in(site, steps),
                 }
             )
         python = []
@@ -450,6 +580,7 @@ class _Probe:
                 )
         self.records.clear()
         self.holders.clear()
+        self.watched.clear()
         return {
             "probe_steps": steps,
             "first_step": self.first_step,

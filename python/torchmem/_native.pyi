@@ -370,6 +370,15 @@ def flush_events() -> bool:
     """Write the queued messages now. False when there is no recorder."""
 
 # --- leaks (crates/torchmem-py/src/leaks.rs; python/torchmem/_leaks.py drives them) ---
+class HeldRss:
+    """RSS less what glibc's malloc keeps freed, carried over torchmem's own `malloc_trim`s (a trim gives back
+    pages malloc still counts free: the series does not fall by them). The Monitor pushes each epoch end's
+    reading; the epoch growth warning judges this series, as the step detector does."""
+
+    def __init__(self) -> None: ...
+    def push(self, rss_bytes: int | None, malloc_free_bytes: int | None = None) -> int | None:
+        """The next value of the series (None without RSS)."""
+
 class StepGrowthDetector:
     """Step-level growth detection (torchmem_core::analysis::leaks): the Monitor pushes each step's end."""
 

@@ -565,9 +565,13 @@ class _Span:
         self.start = _record(kind, "start", name, index, self.entry, dev, extra)
         self.t0_ns: int = self.start["t_ns"]
 
-    def close(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    def close(self, extra: dict[str, Any] | None = None, held_rss: Any = None) -> dict[str, Any]:
+        """Ends the span. `held_rss`: a `_native.HeldRss` (the Monitor's epochs) adds RSS less malloc's free
+        bytes to the end's memory, the series the epoch growth warning judges."""
         peak_rss, peak_alloc, peak_reserved, rss, counters = _ledger.close_window(_torch(), self.window)
         exit_mem: dict[str, Any] = {"rss_bytes": rss, "peak_rss_bytes": peak_rss}
+        if held_rss is not None:
+            exit_mem["held_rss_bytes"] = held_rss.push(rss, _native.malloc_free_bytes())
         if self.dev is not None:
             c = counters or _ledger.NO_COUNTERS
             exit_mem["allocated_bytes"], exit_mem["reserved_bytes"] = c.allocated_bytes, c.reserved_bytes

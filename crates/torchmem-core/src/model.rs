@@ -230,6 +230,11 @@ pub struct MarkerMemory {
     pub peak_allocated_bytes: Option<u64>,
     pub peak_reserved_bytes: Option<u64>,
     pub peak_rss_bytes: Option<u64>,
+    /// At an epoch's End edge (the in-process Monitor): RSS less what glibc's malloc keeps freed, carried over
+    /// torchmem's own `malloc_trim`s (`analysis::leaks::HeldRss`, the series the step leak detector judges).
+    /// The epoch growth warning judges it instead of RSS. Not stored in the profile (None when loaded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_rss_bytes: Option<u64>,
 }
 
 /// A phase, step or epoch boundary, or a point mark, from the Python API.

@@ -853,6 +853,7 @@ fn load_tables(conn: &Connection, path: &Path, meta: RunMeta, version: i64) -> r
                 peak_allocated_bytes: get_opt(r, 8)?,
                 peak_reserved_bytes: get_opt(r, 9)?,
                 peak_rss_bytes: get_opt(r, 10)?,
+                held_rss_bytes: None,
             },
             origin: get_origin(r, 11)?,
             device: r.get(15)?,

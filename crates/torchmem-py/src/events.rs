@@ -249,6 +249,7 @@ fn emit_marker(
             peak_allocated_bytes: opt_u64(memory, "peak_allocated_bytes"),
             peak_reserved_bytes: opt_u64(memory, "peak_reserved_bytes"),
             peak_rss_bytes: opt_u64(memory, "peak_rss_bytes"),
+            held_rss_bytes: opt_u64(memory, "held_rss_bytes"),
         },
         device,
         breakdown: None,

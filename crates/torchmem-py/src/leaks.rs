@@ -1,6 +1,7 @@
 //! Bindings of the leak finder (`torchmem_core::analysis::leaks`) for `python/torchmem/_leaks.py`: the
 //! step-level growth detector the Monitor feeds at every step end (O(1), no allocation on the healthy path),
-//! the findings of a probe, and their table as text for `Monitor.summary()`.
+//! the epoch ends' RSS less malloc's free bytes (`HeldRss`, judged by the epoch growth warning), the findings
+//! of a probe, and their table as text for `Monitor.summary()`.
 
 use pyo3::prelude::*;
 use torchmem_core::analysis::leaks::{self, Leak, ProbeData};
@@ -57,6 +58,28 @@ impl StepGrowthDetector {
     }
 }
 
+/// RSS less what glibc's malloc keeps freed, carried over torchmem's own `malloc_trim`s: `push(rss_bytes,
+/// malloc_free_bytes)` at each epoch end gives the value the epoch growth warning judges (`leaks::HeldRss`,
+/// the step detector's series).
+#[pyclass(module = "torchmem._native")]
+pub struct HeldRss {
+    inner: leaks::HeldRss,
+}
+
+#[pymethods]
+impl HeldRss {
+    #[new]
+    fn new() -> Self {
+        HeldRss { inner: leaks::HeldRss::new() }
+    }
+
+    /// The next value (None without RSS).
+    #[pyo3(signature = (rss_bytes, malloc_free_bytes=None))]
+    fn push(&mut self, rss_bytes: Option<u64>, malloc_free_bytes: Option<u64>) -> Option<u64> {
+        self.inner.push(rss_bytes, malloc_free_bytes, self_proc::malloc_trims())
+    }
+}
+
 /// The findings of one probe (`leaks::ProbeData` as a dict in, `leaks::LeakReport` as a dict out).
 #[pyfunction]
 fn leak_findings<'py>(py: Python<'py>, probe: &Bound<'py, PyAny>) -> Result<Bound<'py, PyAny>> {
@@ -77,6 +100,7 @@ fn leaks_text(findings: &Bound<'_, PyAny>) -> Result<String> {
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<StepGrowthDetector>()?;
+    m.add_class::<HeldRss>()?;
     m.add_function(wrap_pyfunction!(leak_findings, m)?)?;
     m.add_function(wrap_pyfunction!(leaks_text, m)?)?;
     Ok(())

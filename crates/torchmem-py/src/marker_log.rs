@@ -34,6 +34,7 @@ fn plain_marker(obj: &Bound<'_, PyAny>) -> Option<Marker> {
             "peak_allocated_bytes" => mem.peak_allocated_bytes = v,
             "peak_reserved_bytes" => mem.peak_reserved_bytes = v,
             "peak_rss_bytes" => mem.peak_rss_bytes = v,
+            "held_rss_bytes" => mem.held_rss_bytes = v,
             _ => return None,
         }
     }

@@ -31,11 +31,19 @@ pub fn detect_growth(values: &[u64], min_bytes: i64) -> Option<i64> {
 
 const GROWTH_MIN_BYTES: i64 = 1 << 20;
 
-/// Growth warnings from the epoch rows of one process (GPU allocated first, CPU RSS otherwise).
+/// Growth warnings from the epoch rows of one process (GPU allocated first, CPU RSS otherwise). On the CPU
+/// the series is RSS less malloc's free bytes (`EpochRow::held_rss_bytes`) where every row has it, as the
+/// step leak detector judges: glibc's freed memory makes RSS creep in a healthy loop (`malloc_trim` gives it
+/// back), and a healthy CNN's RSS rose at 3 epoch ends in a row 2 runs in 10. Raw RSS otherwise (a profile).
 pub fn growth_warnings(rows: &[EpochRow], unit: &str) -> Vec<Growth> {
     let mut out = Vec::new();
     let alloc: Vec<u64> = rows.iter().filter_map(|r| r.allocated_bytes).collect();
-    let rss: Vec<u64> = rows.iter().filter_map(|r| r.rss_bytes).collect();
+    let held: Vec<u64> = rows.iter().filter_map(|r| r.held_rss_bytes).collect();
+    let rss: Vec<u64> = if held.len() == rows.len() && !held.is_empty() {
+        held
+    } else {
+        rows.iter().filter_map(|r| r.rss_bytes).collect()
+    };
     let candidates: [(&str, &Vec<u64>); 2] = [("GPU allocated", &alloc), ("CPU RSS", &rss)];
     for (what, values) in candidates {
         if values.len() != rows.len() {

@@ -94,6 +94,41 @@ pub fn chunk_growth(values: &[u64], stride: usize, min_per_step_bytes: i64) -> O
     (stretches_rise && per >= min_per_step_bytes && net * 2 >= up).then_some((per, rising))
 }
 
+/// RSS less what glibc's malloc keeps freed, as a series of readings (step ends, epoch ends): a reading with
+/// a `malloc_trim` of ours since the last one (`StepEnd::malloc_trims` moved) does not fall, because the
+/// trimmed pages stay counted free while RSS loses them: the series carries on from the last value (a rise
+/// in that reading still counts). The one rule for the step detector and the Monitor's epoch growth.
+#[derive(Debug, Clone, Default)]
+pub struct HeldRss {
+    /// Added to RSS less free bytes after each trim of ours that would have made the series fall.
+    offset_bytes: i64,
+    last_trims: u64,
+    last: Option<u64>,
+}
+
+impl HeldRss {
+    pub fn new() -> HeldRss {
+        HeldRss::default()
+    }
+
+    /// The next value of the series (None without RSS; free bytes None counts as 0).
+    pub fn push(&mut self, rss_bytes: Option<u64>, malloc_free_bytes: Option<u64>, malloc_trims: u64) -> Option<u64> {
+        let free = malloc_free_bytes.unwrap_or(0);
+        let mut held = rss_bytes.map(|rss| (rss.saturating_sub(free) as i64 + self.offset_bytes).max(0) as u64);
+        if malloc_trims != self.last_trims {
+            self.last_trims = malloc_trims;
+            if let (Some(h), Some(last)) = (held.as_mut(), self.last) {
+                if *h < last {
+                    self.offset_bytes += (last - *h) as i64;
+                    *h = last;
+                }
+            }
+        }
+        self.last = held;
+        held
+    }
+}
+
 /// Step-level growth detection, fed one step end at a time.
 #[derive(Debug, Clone)]
 pub struct StepGrowthDetector {
@@ -108,9 +143,8 @@ pub struct StepGrowthDetector {
     steps_seen: u64,
     allocated: VecDeque<u64>,
     rss: VecDeque<u64>,
-    /// Added to RSS less free bytes so that a step with a trim of ours does not fall (see `StepEnd::malloc_trims`).
-    rss_offset: i64,
-    last_trims: u64,
+    /// RSS less free bytes, carried over a trim of ours (see `StepEnd::malloc_trims`).
+    held: HeldRss,
 }
 
 /// Pushes `v` into a window of `keep` values; a missing value empties it (the window restarts).
@@ -137,8 +171,7 @@ impl StepGrowthDetector {
             steps_seen: 0,
             allocated: VecDeque::new(),
             rss: VecDeque::new(),
-            rss_offset: 0,
-            last_trims: 0,
+            held: HeldRss::new(),
         }
     }
 
@@ -160,19 +193,7 @@ impl StepGrowthDetector {
             return None;
         }
         let (keep, rss_keep) = (self.window_steps + 1, self.rss_window_steps + 1);
-        let free = end.malloc_free_bytes.unwrap_or(0);
-        let mut held_rss = end.rss_bytes.map(|rss| (rss.saturating_sub(free) as i64 + self.rss_offset).max(0) as u64);
-        if end.malloc_trims != self.last_trims {
-            self.last_trims = end.malloc_trims;
-            // A trim of ours gave back pages malloc still counts free: the series carries on from the last
-            // value where it fell (a rise in this step still counts).
-            if let (Some(held), Some(&last)) = (held_rss.as_mut(), self.rss.back()) {
-                if *held < last {
-                    self.rss_offset += (last - *held) as i64;
-                    *held = last;
-                }
-            }
-        }
+        let held_rss = self.held.push(end.rss_bytes, end.malloc_free_bytes, end.malloc_trims);
         push_window(&mut self.allocated, end.allocated_bytes, keep);
         push_window(&mut self.rss, held_rss, rss_keep);
         let steps_seen = self.steps_seen;
@@ -234,6 +255,45 @@ pub struct TensorSite {
     /// `file:line` with the full path).
     #[serde(default)]
     pub held_by: Option<String>,
+    /// A graph's saves were skipped because a saved-tensor hook ran torch code (recompute); else a graph
+    /// that holds 0 B had its saves freed (backward ran on it).
+    #[serde(default)]
+    pub graph_saves_unread: bool,
+    /// What keeps this line's tensors, where the probe saw it.
+    #[serde(default)]
+    pub kept_in: Option<KeptIn>,
+}
+
+/// What keeps a line's tensors alive: a container (named by the variable or attribute that holds it, with the
+/// line after which it grew during the probe: `kept.append(out)`), or the variable of an in-place holder.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct KeptIn {
+    /// "list", "dict", "deque" or "variable".
+    pub container: String,
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub file: Option<String>,
+    #[serde(default)]
+    pub line: Option<u32>,
+    #[serde(default)]
+    pub source: String,
+}
+
+impl KeptIn {
+    /// "list `kept` (put there at train.py:18 `kept.append(out)`)".
+    fn describe(&self) -> String {
+        let mut out = match &self.name {
+            Some(n) if self.container == "variable" => format!("the variable `{n}`"),
+            Some(n) => format!("{} `{n}`", self.container),
+            None => format!("a {}", self.container),
+        };
+        if let (Some(f), Some(l)) = (&self.file, self.line) {
+            let code = if self.source.is_empty() { String::new() } else { format!(" `{}`", self.source) };
+            out.push_str(&format!(" (put there at {}{code})", site_name(f, l)));
+        }
+        out
+    }
 }
 
 /// One line's Python allocations (`tracemalloc`) at each probe step end.
@@ -289,6 +349,9 @@ pub struct Leak {
     /// Other lines whose tensors are alive only as saved tensors of this line's graph.
     #[serde(default)]
     pub holds_tensors_of: Vec<String>,
+    /// What keeps them (the container and the line that put them there), where the probe saw it.
+    #[serde(default)]
+    pub kept_in: Option<KeptIn>,
     pub message: String,
 }
 
@@ -367,11 +430,24 @@ pub fn leak_findings(probe: &ProbeData) -> LeakReport {
             "{name}{code} keeps {kind}s alive: {} per step, {live_count} live from {steps_alive} of {judged} earlier probe steps",
             format_delta(per),
         );
-        if graph.is_some() {
+        let kept_tensors = kept && tensor_per_step >= TENSOR_MIN_PER_STEP_BYTES;
+        let nodes = s.graph_nodes_by_step.last().copied().unwrap_or(0);
+        if let Some(k) = &s.kept_in {
+            // "makes CPU tensors kept in list `kept` (put there at train.py:18 `kept.append(out)`)".
+            message = format!(
+                "{name}{code} makes {kind}s kept in {}: {} per step, {live_count} live from {steps_alive} of {judged} earlier probe steps",
+                k.describe(),
+                format_delta(per),
+            );
+        }
+        if graph.is_some() && (graph_per.is_some() || !kept_tensors) {
             let saved = s.graph_bytes_by_step.last().copied().unwrap_or(0);
             let grows = match graph_per {
                 Some(gp) => format!("{} per step", format_delta(gp)),
-                None => "its saved tensors could not be read (saved-tensor hooks), its nodes grow every step".into(),
+                None if s.graph_saves_unread => {
+                    "its saved tensors could not be read (a saved-tensor hook recomputes them), its nodes grow every step".into()
+                }
+                None => "its saved tensors were freed by backward, its nodes grow every step".into(),
             };
             let nodes = s.graph_nodes_by_step.last().copied().unwrap_or(0);
             message = format!(
@@ -382,6 +458,16 @@ pub fn leak_findings(probe: &ProbeData) -> LeakReport {
             if !holds_of.is_empty() {
                 message.push_str(&format!(" (the graph holds the tensors of {})", holds_of.join(", ")));
             }
+            if let Some(k) = &s.kept_in {
+                message.push_str(&format!("; kept in {}", k.describe()));
+            }
+        } else if s.kept_in.is_some() {
+            if graph.is_some() {
+                message.push_str(&format!(
+                    ", each with its autograd graph ({nodes} nodes; its saved tensors were freed by backward)"
+                ));
+            }
+            message.push_str("; drop old entries or keep `.item()`/`.detach().cpu()` of what you need");
         } else {
             message.push_str("; something (a list, dict or cache) keeps them: drop old entries or keep `.item()`/`.detach().cpu()` of what you need");
         }
@@ -402,6 +488,7 @@ pub fn leak_findings(probe: &ProbeData) -> LeakReport {
             graph_per_step_bytes: graph_per,
             graph_nodes: graph.map(|_| s.graph_nodes_by_step.last().copied().unwrap_or(0)),
             holds_tensors_of: holds_of,
+            kept_in: s.kept_in.clone(),
             message,
         });
     }
@@ -431,6 +518,7 @@ pub fn leak_findings(probe: &ProbeData) -> LeakReport {
             graph_per_step_bytes: None,
             graph_nodes: None,
             holds_tensors_of: Vec::new(),
+            kept_in: None,
             message: format!(
                 "{name}{code} keeps Python objects alive: {} per step ({} in {live_count} blocks allocated there since the probe began); a container grows every step",
                 format_delta(per),
@@ -659,6 +747,31 @@ mod tests {
             live_bytes_by_step: bytes,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn a_kept_line_names_the_container_and_the_line_that_filled_it() {
+        // `out = m(x)` at line 14, `kept.append(out)` at 18 after backward: each step's output and its
+        // graph's nodes stay (saves freed by backward: 0 B, not "could not be read").
+        let mut made = site(14, vec![1, 1, 1, 1, 1], vec![MIB; 5]);
+        made.source = "out = m(x)".into();
+        made.graph_bytes_by_step = vec![0; 5];
+        made.graph_nodes_by_step = vec![10, 20, 30, 40, 50];
+        made.kept_in = Some(KeptIn {
+            container: "list".into(),
+            name: Some("kept".into()),
+            file: Some("/x/train.py".into()),
+            line: Some(18),
+            source: "kept.append(out)".into(),
+        });
+        let r = leak_findings(&ProbeData { probe_steps: 5, tensors: vec![made], ..Default::default() });
+        let f = &r.findings[0];
+        assert_eq!((f.line, f.per_step_bytes), (14, MIB as i64));
+        assert_eq!(f.kept_in.as_ref().and_then(|k| k.line), Some(18));
+        for part in ["train.py:14 `out = m(x)`", "list `kept`", "train.py:18 `kept.append(out)`", "+1.0 MiB per step"] {
+            assert!(f.message.contains(part), "{part}: {}", f.message);
+        }
+        assert!(f.message.contains("freed by backward") && !f.message.contains("could not be read"), "{}", f.message);
     }
 
     #[test]

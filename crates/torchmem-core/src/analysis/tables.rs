@@ -27,6 +27,10 @@ pub struct EpochRow {
     pub peak_reserved_bytes: Option<u64>,
     pub rss_bytes: Option<u64>,
     pub peak_rss_bytes: Option<u64>,
+    /// End-of-epoch RSS less malloc's free bytes (`MarkerMemory::held_rss_bytes`): the series the growth
+    /// warning judges on the CPU when every epoch has it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub held_rss_bytes: Option<u64>,
     /// End-of-epoch allocated (GPU) minus the same process's previous epoch's; RSS on CPU-only runs.
     pub growth_allocated_bytes: Option<i64>,
     pub growth_rss_bytes: Option<i64>,
@@ -99,6 +103,7 @@ pub fn epoch_rows(spans: &[Span], kind: MarkerKind, torch: &[TorchSample], cpu: 
             peak_reserved_bytes: pr,
             rss_bytes: rss,
             peak_rss_bytes: prss,
+            held_rss_bytes: exit.and_then(|e| e.held_rss_bytes),
             growth_allocated_bytes: growth(allocated, prev.and_then(|p| p.allocated_bytes)),
             growth_rss_bytes: growth(rss, prev.and_then(|p| p.rss_bytes)),
         };

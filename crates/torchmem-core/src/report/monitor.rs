@@ -140,6 +140,49 @@ mod tests {
     }
 
     #[test]
+    fn epoch_growth_judges_rss_less_mallocs_free_bytes_where_the_monitor_read_it() {
+        // A healthy CNN's shape (issue 28 item 9): raw RSS rose at every epoch end by glibc's freed memory
+        // (+28 MiB per epoch), RSS less malloc's free bytes stayed flat: no warning.
+        let with_held = |e: i64, edge: Edge, rss: u64, held: u64| {
+            let mut m = epoch(e as u64 * 10 + (edge == Edge::End) as u64 * 5, edge, e, rss);
+            if edge == Edge::End {
+                m.memory.held_rss_bytes = Some(held);
+            }
+            m
+        };
+        let healthy: Vec<Marker> = (0..3)
+            .flat_map(|e| {
+                let rss = 900 * MIB + e as u64 * 28 * MIB;
+                [with_held(e, Edge::Start, rss, 0), with_held(e, Edge::End, rss + 28 * MIB, 770 * MIB)]
+            })
+            .collect();
+        let r = epoch_report(&healthy);
+        assert!(r.growth.is_empty(), "{:?}", r.growth);
+        assert_eq!(r.row.unwrap().growth_rss_bytes, Some(28 * MIB as i64), "the table still shows raw RSS");
+        // A real leak: the held series rises too, and warns by its own growth.
+        let leak: Vec<Marker> = (0..3)
+            .flat_map(|e| {
+                let rss = 900 * MIB + e as u64 * 28 * MIB;
+                [
+                    with_held(e, Edge::Start, rss, 0),
+                    with_held(e, Edge::End, rss + 28 * MIB, 770 * MIB + e as u64 * 20 * MIB),
+                ]
+            })
+            .collect();
+        let r = epoch_report(&leak);
+        assert!(r.growth[0].contains("+20.0 MiB per epoch"), "{:?}", r.growth);
+        // Markers without it (a profile): raw RSS, as before.
+        let raw: Vec<Marker> = healthy
+            .into_iter()
+            .map(|mut m| {
+                m.memory.held_rss_bytes = None;
+                m
+            })
+            .collect();
+        assert!(epoch_report(&raw).growth[0].contains("+28.0 MiB per epoch"));
+    }
+
+    #[test]
     fn views_of_a_log_of_python_markers() {
         let json = r#"[{"t_ns":1,"kind":"mark","edge":"point","name":"Device checked","index":null,"memory":{"rss_bytes":10}},
                        {"t_ns":2,"kind":"phase","edge":"start","name":"forward","index":null,"memory":{"rss_bytes":10}},
