@@ -16,7 +16,7 @@
 use std::fs;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
 use super::procfs::{page_size, parse_statm_rss_pages, parse_status_rss_and_peak};
@@ -226,40 +226,80 @@ pub const RSS_WATCH_INTERVAL: Duration = Duration::from_millis(5);
 
 /// torchmem's open peak windows (the watcher samples only while there is one).
 static OPEN_WINDOWS: AtomicUsize = AtomicUsize::new(0);
-/// The watcher thread and the process it runs in (a forked child has none: it starts its own).
-static WATCHER: Mutex<Option<(u32, std::thread::Thread)>> = Mutex::new(None);
+/// The process the watcher thread runs in (a forked child has none: it starts its own).
+static WATCHER_PID: Mutex<Option<u32>> = Mutex::new(None);
+/// Wakes the watcher when a window opens; it waits here while none is open.
+static WATCHER_WAKE: (Mutex<()>, Condvar) = (Mutex::new(()), Condvar::new());
 
 /// Tells the RSS watcher how many peak windows are open: with one or more, a thread samples
 /// `/proc/self/statm` every [`RSS_WATCH_INTERVAL`] into the current period's highest RSS (about a microsecond
-/// a read, no GIL); with none it sleeps. False where the thread cannot be started (windows then see their
+/// a read, no GIL); with none it waits. False where the thread cannot be started (windows then see their
 /// edges and the kernel's high-water mark only).
+///
+/// The thread is a bare pthread (a small stack, no Rust thread handle) whose loop never calls malloc: a
+/// thread that mallocs gets an arena of its own from glibc, 64 MiB of address space, which a program under
+/// `RLIMIT_AS` (e.g. a batch-size search under a cap) would see vanish from its budget.
 pub fn watch_rss(open_windows: usize) -> bool {
     OPEN_WINDOWS.store(open_windows, Ordering::Relaxed);
-    let mut w = WATCHER.lock().unwrap_or_else(|p| p.into_inner());
+    let mut w = WATCHER_PID.lock().unwrap_or_else(|p| p.into_inner());
     let pid = std::process::id();
-    if w.as_ref().is_none_or(|(owner, _)| *owner != pid) {
+    if *w != Some(pid) {
         if open_windows == 0 {
             return true;
         }
-        let spawned =
-            std::thread::Builder::new().name("torchmem-rss-watch".into()).stack_size(64 << 10).spawn(rss_watch_loop);
-        match spawned {
-            Ok(handle) => *w = Some((pid, handle.thread().clone())),
-            Err(_) => return false,
+        if !spawn_watcher() {
+            return false;
         }
+        *w = Some(pid);
     } else if open_windows > 0 {
-        if let Some((_, thread)) = w.as_ref() {
-            thread.unpark();
-        }
+        let _g = WATCHER_WAKE.0.lock().unwrap_or_else(|p| p.into_inner());
+        WATCHER_WAKE.1.notify_one();
     }
     true
 }
 
-fn rss_watch_loop() {
+/// Starts [`rss_watch_loop`] on a detached pthread with a stack of 128 KiB plus what glibc needs for static
+/// TLS (`__pthread_get_minstack`, as Rust's own threads add). True when it started.
+fn spawn_watcher() -> bool {
+    extern "C" fn start(_: *mut libc::c_void) -> *mut libc::c_void {
+        rss_watch_loop()
+    }
+    type MinStack = unsafe extern "C" fn(*const libc::pthread_attr_t) -> libc::size_t;
+    // SAFETY: plain pthread calls on an attribute object we own; `start` takes no argument and never
+    // unwinds (the loop has no panicking call: poisoned locks are taken as they are).
+    unsafe {
+        let mut attr: libc::pthread_attr_t = std::mem::zeroed();
+        if libc::pthread_attr_init(&mut attr) != 0 {
+            return false;
+        }
+        let sym = libc::dlsym(libc::RTLD_DEFAULT, c"__pthread_get_minstack".as_ptr());
+        let min_stack = if sym.is_null() {
+            libc::PTHREAD_STACK_MIN
+        } else {
+            std::mem::transmute::<*mut libc::c_void, MinStack>(sym)(&attr)
+        };
+        libc::pthread_attr_setstacksize(&mut attr, min_stack + (128 << 10));
+        libc::pthread_attr_setdetachstate(&mut attr, libc::PTHREAD_CREATE_DETACHED);
+        let mut tid: libc::pthread_t = std::mem::zeroed();
+        let rc = libc::pthread_create(&mut tid, &attr, start, std::ptr::null_mut());
+        libc::pthread_attr_destroy(&mut attr);
+        if rc == 0 {
+            libc::pthread_setname_np(tid, c"torchmem-rss".as_ptr());
+        }
+        rc == 0
+    }
+}
+
+/// The watcher's loop: no allocation anywhere in it (statm is read into a stack buffer through a descriptor
+/// opened with a stack path).
+fn rss_watch_loop() -> ! {
     let mut statm = SelfStatm::open();
     loop {
         if OPEN_WINDOWS.load(Ordering::Relaxed) == 0 {
-            std::thread::park();
+            let g = WATCHER_WAKE.0.lock().unwrap_or_else(|p| p.into_inner());
+            if OPEN_WINDOWS.load(Ordering::Relaxed) == 0 {
+                drop(WATCHER_WAKE.1.wait(g).unwrap_or_else(|p| p.into_inner()));
+            }
             continue;
         }
         std::thread::sleep(RSS_WATCH_INTERVAL);
