@@ -232,10 +232,16 @@ def test_data_dependent_and_device_only_calls_are_named(tmp_path):
     graphs.write_text("import torch\ng = torch.cuda.CUDAGraph()\n")
     p = _torchmem("estimate", "--", sys.executable, str(graphs))
     assert p.returncode != 0 and "torch.cuda.CUDAGraph" in p.stderr, p.stderr
+    # A program without an optimizer step is an inference estimate (tests/test_estimate_inference.py); one that
+    # never puts anything on the GPU has nothing to estimate.
     nostep = tmp_path / "nostep.py"
     nostep.write_text("import torch\nprint(torch.ones(3, device='cuda').sum().shape)\n")
     p = _torchmem("estimate", "--", sys.executable, str(nostep))
-    assert p.returncode != 0 and "without an optimizer step" in p.stderr, p.stderr
+    assert p.returncode == 0 and "inference (no optimizer step)" in p.stdout, p.stderr
+    nocuda = tmp_path / "nocuda.py"
+    nocuda.write_text("import torch\nprint(torch.ones(3).sum().shape)\n")
+    p = _torchmem("estimate", "--", sys.executable, str(nocuda))
+    assert p.returncode != 0 and "without putting anything on the GPU" in p.stderr, p.stderr
 
 
 def test_catalogue_and_bad_input():

@@ -1,6 +1,7 @@
-//! `torchmem estimate`: predicts a training program's GPU peak on a machine without that GPU. The unchanged
-//! program runs under the Python tracer (`torchmem.estimator._runner`, injected by a `sitecustomize.py` first
-//! on PYTHONPATH, as `torchmem run` injects its part) on an emulated CUDA device for N optimizer steps; its
+//! `torchmem estimate`: predicts a program's GPU peak on a machine without that GPU. The unchanged program runs
+//! under the Python tracer (`torchmem.estimator._runner`, injected by a `sitecustomize.py` first on PYTHONPATH,
+//! as `torchmem run` injects its part) on an emulated CUDA device for N optimizer steps (a training program) or
+//! to its end (inference, evaluation, generation: no optimizer step; `--forward-calls N` bounds it); its
 //! storage trace (an allocator snapshot) is replayed by the allocator simulator (`torchmem_sim`) for the peak
 //! allocated and reserved; the GPU catalogue (`torchmem_core::gpus`) adds the CUDA context NVML counts and
 //! says whether it fits.
@@ -31,6 +32,11 @@ pub struct EstimateArgs {
     /// Optimizer steps to trace before the program is stopped (the peak is usually in step 2).
     #[arg(long, value_name = "N", default_value_t = 3)]
     pub steps: u32,
+    /// Stop after N top-level forward calls (a call of the outermost module) or Hugging Face `generate` calls,
+    /// for a program without an optimizer (inference, evaluation, generation), which is otherwise traced to its
+    /// end. On a training program --steps usually comes first.
+    #[arg(long = "forward-calls", value_name = "N")]
+    pub forward_calls: Option<u32>,
     /// A PYTORCH_CUDA_ALLOC_CONF to simulate, e.g. "expandable_segments:True".
     #[arg(long = "alloc-conf", value_name = "CONF")]
     pub alloc_conf: Option<String>,
@@ -136,6 +142,9 @@ pub fn run(args: EstimateArgs) -> anyhow::Result<i32> {
     if args.steps == 0 {
         bail!("--steps must be at least 1");
     }
+    if args.forward_calls == Some(0) {
+        bail!("--forward-calls must be at least 1 (leave it out to trace the program to its end)");
+    }
     let target = target(&args)?;
     if let Some(trace) = &args.trace {
         let summary =
@@ -214,6 +223,7 @@ fn estimate_command(args: &EstimateArgs, target: &Target, command: &[String]) ->
         "summary": summary_path,
         "startup_error": startup_error_path,
         "steps": args.steps,
+        "forward_calls": args.forward_calls,
         "alloc_conf": args.alloc_conf.clone().unwrap_or_default(),
         "gpu": {"name": g.name, "cuda_total_bytes": target.cuda_total_bytes, "major": g.major, "minor": g.minor,
                 "sms": g.multi_processor_count},
@@ -250,19 +260,36 @@ fn estimate_command(args: &EstimateArgs, target: &Target, command: &[String]) ->
     let summary: Value = serde_json::from_str(&text)?;
     if summary["reason"] == "error" {
         bail!(
-            "the estimate stopped after {} optimizer step(s): {}",
-            summary["steps_traced"].as_u64().unwrap_or(0),
+            "the estimate stopped after {}: {}",
+            progress(&summary),
             summary["error"].as_str().unwrap_or("unknown error")
         );
     }
-    if summary["steps_traced"].as_u64().unwrap_or(0) == 0 {
+    if summary["requests"].as_u64() == Some(0) {
         bail!(
-            "`{}` ended without an optimizer step (torch.optim's step hooks never ran): nothing to estimate. Check \
-             that it trains on \"cuda\" with a torch.optim optimizer",
-            argv.join(" ")
+            "`{}` ended without putting anything on the GPU ({}, no CUDA tensor): nothing to estimate. Check that \
+             it moves its model and data to \"cuda\" (`model.to(\"cuda\")`)",
+            argv.join(" "),
+            progress(&summary)
         );
     }
     report(&trace, &summary, target, args.alloc_conf.as_deref())
+}
+
+/// What the trace covered: "3 optimizer step(s)", or for a program without an optimizer step "12 forward
+/// call(s), 1 generate call(s)".
+fn progress(summary: &Value) -> String {
+    let steps = summary["steps_traced"].as_u64().unwrap_or(0);
+    if steps > 0 || summary.get("forward_calls").is_none() {
+        return format!("{steps} optimizer step(s)");
+    }
+    let forwards = summary["forward_calls"].as_u64().unwrap_or(0);
+    let generates = summary["generate_calls"].as_u64().unwrap_or(0);
+    if generates > 0 {
+        format!("{forwards} forward call(s), {generates} generate call(s)")
+    } else {
+        format!("{forwards} forward call(s)")
+    }
 }
 
 /// Simulates the trace on the target and builds the report (the `--json` object).
@@ -288,6 +315,28 @@ fn report(trace: &Path, summary: &Value, target: &Target, alloc_conf: Option<&st
     let fits = d.oom.is_none() && nvml_bytes <= target.cuda_total_bytes;
     let margin = target.cuda_total_bytes as i64 - nvml_bytes as i64;
     let mut notes: Vec<Value> = summary["notes"].as_array().cloned().unwrap_or_default();
+    match summary["kind"].as_str() {
+        Some("inference") => notes.insert(
+            0,
+            json!(format!(
+                "inference estimate: no optimizer step was seen (no backward either); the program was traced {} \
+                 ({})",
+                if summary["reason"] == "forward calls" { "to the --forward-calls bound" } else { "to its end" },
+                progress(summary)
+            )),
+        ),
+        Some("backward without optimizer step") => notes.insert(
+            0,
+            json!(format!(
+                "no torch.optim optimizer step was seen, but {} backward pass(es) ran (a hand-written update?): \
+                 the program was traced {} ({})",
+                summary["backward_calls"].as_u64().unwrap_or(0),
+                if summary["reason"] == "forward calls" { "to the --forward-calls bound" } else { "to its end" },
+                progress(summary)
+            )),
+        ),
+        _ => {}
+    }
     if !measured {
         notes.push(json!(format!(
             "the CUDA context overhead of {} is not measured; the H200's ({}) is used",
@@ -314,7 +363,11 @@ fn report(trace: &Path, summary: &Value, target: &Target, alloc_conf: Option<&st
         "margin_bytes": margin,
         "num_alloc_retries": d.num_alloc_retries,
         "oom": d.oom.as_ref().map(|o| json!({"entry": o.entry, "frames": o.frames})),
+        "kind": summary.get("kind").cloned().unwrap_or_else(|| json!("training")),
         "steps_traced": summary["steps_traced"],
+        "forward_calls": summary["forward_calls"],
+        "generate_calls": summary["generate_calls"],
+        "traced": progress(summary),
         "phase_peak_bytes": summary["phase_peak_bytes"],
         "largest_at_peak": summary["largest_at_peak"],
         "trace_seconds": summary["trace_seconds"],
@@ -342,11 +395,19 @@ fn b(v: &Value) -> String {
 pub fn report_text(r: &Value) -> String {
     let mut s = String::new();
     let total = r["device_memory_bytes"].as_u64().unwrap_or(0);
+    let traced = match r["traced"].as_str() {
+        Some(t) => t.to_string(),
+        None => format!("{} optimizer step(s)", r["steps_traced"]),
+    };
+    let kind = match r["kind"].as_str() {
+        Some("inference") => "inference (no optimizer step), ",
+        Some("backward without optimizer step") => "no optimizer step, ",
+        _ => "",
+    };
     s += &format!(
-        "torchmem estimate: {} ({} usable by CUDA), {} optimizer step(s) traced in {:.1} s, {} requests\n",
+        "torchmem estimate: {} ({} usable by CUDA), {kind}{traced} traced in {:.1} s, {} requests\n",
         r["gpu"].as_str().unwrap_or("?"),
         b(&r["device_memory_bytes"]),
-        r["steps_traced"],
         r["trace_seconds"].as_f64().unwrap_or(0.0),
         r["requests"]
     );
@@ -576,5 +637,28 @@ mod tests {
         assert!(text.contains("warning: it fits only by flushing") && text.contains("7 time(s)"), "{text}");
         r["num_alloc_retries"] = json!(0);
         assert!(!report_text(&r).contains("warning"), "no retry, no warning");
+    }
+
+    #[test]
+    fn a_program_without_an_optimizer_step_is_reported_as_inference() {
+        let summary = json!({"kind": "inference", "steps_traced": 0, "forward_calls": 0, "generate_calls": 2});
+        assert_eq!(progress(&summary), "0 forward call(s), 2 generate call(s)");
+        let training = json!({"kind": "training", "steps_traced": 3, "forward_calls": 3, "generate_calls": 0});
+        assert_eq!(progress(&training), "3 optimizer step(s)");
+        let r = json!({
+            "gpu": "NVIDIA H200", "device_memory_bytes": 150_109_880_320u64, "kind": "inference",
+            "traced": progress(&summary), "steps_traced": 0, "trace_seconds": 2.0, "requests": 10,
+            "peak_allocated_bytes": 1u64 << 30, "peak_reserved_bytes": 1u64 << 30, "nvml_bytes": 2u64 << 30,
+            "context_bytes": 1u64 << 30, "context_measured": true, "fits": true, "margin_bytes": 1u64 << 36,
+            "num_alloc_retries": 0, "simulator_rules": "torch 2.11",
+        });
+        let text = report_text(&r);
+        assert!(
+            text.starts_with(
+                "torchmem estimate: NVIDIA H200 (139.80 GiB usable by CUDA), inference (no optimizer step), 0 \
+                 forward call(s), 2 generate call(s) traced in 2.0 s"
+            ),
+            "{text}"
+        );
     }
 }

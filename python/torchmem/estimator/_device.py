@@ -243,6 +243,39 @@ class _FakeEvent:
         return max(ms, 1e-3)
 
 
+class _FakeDeviceContext:
+    """`torch.cuda.device(i)` / `torch.cuda.device_of(t)` stand-in: the emulated device is the only one, so
+    switching to it changes nothing (the real one calls the CUDA runtime: "driver version is insufficient")."""
+
+    def __init__(self, device=None) -> None:
+        self.idx = 0
+        self.prev_idx = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+def _generator_class(original: type) -> type:
+    """`torch.Generator` whose `device="cuda"` generator is a CPU one: the real one initializes CUDA ("driver
+    version is insufficient"); the fake random kernels take a CPU generator for a CUDA tensor and compute
+    nothing. A subclass, so `isinstance(g, torch.Generator)` holds."""
+
+    class Generator(original):  # type: ignore[misc, valid-type]
+        def __new__(cls, device=None):
+            if device is None:
+                return original.__new__(cls)
+            if isinstance(device, int) or str(device).startswith("cuda"):
+                device = "cpu"
+            return original.__new__(cls, device)
+
+    Generator.__qualname__ = Generator.__name__ = "Generator"
+    Generator.__module__ = "torch"
+    return Generator
+
+
 def _rng_state():
     import torch
 
@@ -372,6 +405,13 @@ class CudaShim:
             "get_rng_state_all": lambda: [_rng_state()],
             "set_rng_state_all": lambda *_a, **_k: None,
             "initial_seed": lambda: 0,
+            "device": _FakeDeviceContext,
+            "device_of": _FakeDeviceContext,
+            "_exchange_device": lambda *_a, **_k: 0,
+            "_maybe_exchange_device": lambda *_a, **_k: 0,
+            # Asked by libraries before a CUDA-graph-only path (transformers' `is_tracing`): no capture here.
+            "is_current_stream_capturing": lambda: False,
+            "current_blas_handle": _needs_device("torch.cuda.current_blas_handle()"),
             "CUDAGraph": _needs_device_class("torch.cuda.CUDAGraph (CUDA graphs)"),
             "graph": _needs_device_class("torch.cuda.graph (CUDA graph capture)"),
             "memory_snapshot": _needs_device("torch.cuda.memory_snapshot()"),
@@ -396,6 +436,7 @@ class CudaShim:
         self._set(cmem, "_snapshot", _needs_device("torch.cuda.memory._snapshot()"))
         self._set(cmem, "_dump_snapshot", _needs_device("torch.cuda.memory._dump_snapshot()"))
         self._set(torch.backends.cuda, "is_built", lambda: True)
+        self._set(torch, "Generator", _generator_class(torch.Generator))
         # `tensor.record_stream(s)` keeps a block from reuse until the stream's work is done; the trace has one
         # stream, so there is nothing to wait for (the C binding would refuse our stand-in stream).
         self._set(torch.Tensor, "record_stream", lambda _tensor, _stream: None)

@@ -85,7 +85,9 @@ class CudaRules:
 
     # ------------------------------------------------------------------ dispatch-level rules
     def before(self, tracer, func, args, kwargs):
-        if func is torch.ops.aten._local_scalar_dense.default:
+        # Under `torch.inference_mode()` the read arrives as `aten.item` (decomposed inside the fake mode, below
+        # this one), elsewhere as `aten._local_scalar_dense`.
+        if func is torch.ops.aten._local_scalar_dense.default or func is torch.ops.aten.item.default:
             try:
                 return (func(*args, **kwargs),)  # the fake mode knows constants (CPU scalars such as `step`)
             except DataDependentOutputException:

@@ -1,9 +1,12 @@
 """Runs an unchanged training program under the estimator: `torchmem estimate -- COMMAND` puts a
 `sitecustomize.py` first on PYTHONPATH that calls `start_from_env()` before the program's own code. The program
-then runs on the emulated GPU until it has made N optimizer steps (or ends, or fails), and we write the trace
-(an allocator snapshot) and a summary JSON for the CLI, which simulates the allocator and reports.
+then runs on the emulated GPU until it has made N optimizer steps or M top-level forward / `generate` calls
+(`--forward-calls`, unset: no bound), or ends, or fails, and we write the trace (an allocator snapshot) and a
+summary JSON for the CLI, which simulates the allocator and reports. A program that ends without an optimizer
+step (inference, evaluation, generation) is estimated to its end: `kind` says which it was.
 
-Configuration comes in `TORCHMEM_ESTIMATE` (JSON: `trace`, `summary`, `steps`, `gpu`, `frames_min_bytes`).
+Configuration comes in `TORCHMEM_ESTIMATE` (JSON: `trace`, `summary`, `steps`, `forward_calls`, `gpu`,
+`frames_min_bytes`).
 """
 
 from __future__ import annotations
@@ -68,8 +71,18 @@ def summary(session, *, reason: str, seconds: float, error: str | None = None) -
     phases = {k: v for k, v in phase_of(tr.events).items() if k in ("forward", "backward", "optimizer")}
     import torch
 
+    if tr.step > 0:
+        kind = "training"
+    elif session.backward_calls > 0:
+        kind = "backward without optimizer step"
+    else:
+        kind = "inference"
     return {
+        "kind": kind,
         "steps_traced": tr.step,
+        "forward_calls": session.forwards.forward_calls,
+        "generate_calls": session.forwards.generate_calls,
+        "backward_calls": session.backward_calls,
         "reason": reason,
         "error": error,
         "notes": list(tr.notes.messages) + session.rules.conv_notes(),
@@ -94,8 +107,12 @@ class _ScriptRun:
         self.cfg = cfg
         self.t0 = time.perf_counter()
         spec = GpuSpec(g["name"], int(g["cuda_total_bytes"]), int(g["major"]), int(g["minor"]), int(g["sms"]))
+        forward_calls = cfg.get("forward_calls")
         self.session = Session(
-            spec, steps_limit=int(cfg.get("steps", 3)), frames_min_bytes=cfg.get("frames_min_bytes", 1 << 20)
+            spec,
+            steps_limit=int(cfg.get("steps", 3)),
+            forward_calls_limit=int(forward_calls) if forward_calls else None,
+            frames_min_bytes=cfg.get("frames_min_bytes", 1 << 20),
         )
         self.session.on_limit = self.limit_reached
         self.session._shim.alloc_conf = cfg.get("alloc_conf", "")
@@ -116,7 +133,9 @@ class _ScriptRun:
             json.dump(data, f)
 
     def limit_reached(self) -> None:
-        self.finish("steps")
+        s = self.session
+        steps_done = s.steps_limit is not None and s.tracer.step >= s.steps_limit
+        self.finish("steps" if steps_done else "forward calls")
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import (
 )
 
 from . import _device, _rules
+from ._inference import ForwardCounter, GenerationPatches
 from ._tracer import Tracer
 
 
@@ -86,11 +87,21 @@ def _new_mode() -> FakeTensorMode:
 
 class Session:
     """Enter to trace; `tracer` holds the events. `steps_limit` stops the program (StopTrace) after that many
-    optimizer steps; None never stops."""
+    optimizer steps, `forward_calls_limit` after that many top-level forward calls or `generate` calls
+    (`_inference.ForwardCounter`), whichever comes first; None never stops."""
 
-    def __init__(self, gpu: _device.GpuSpec, *, steps_limit: int | None = None, frames_min_bytes: int = 1 << 20):
+    def __init__(
+        self,
+        gpu: _device.GpuSpec,
+        *,
+        steps_limit: int | None = None,
+        forward_calls_limit: int | None = None,
+        frames_min_bytes: int = 1 << 20,
+    ):
         self.gpu = gpu
         self.steps_limit = steps_limit
+        self.forwards = ForwardCounter(forward_calls_limit, self._limit_reached)
+        self.backward_calls = 0
         self.rules = _rules.CudaRules(gpu)
         self.tracer = Tracer(frames_min_bytes=frames_min_bytes, rules=self.rules)
         self.mode: FakeTensorMode | None = None
@@ -101,9 +112,15 @@ class Session:
         self._in_backward = 0
         self._in_optimizer = 0
         self._warning_filter: tuple | None = None
+        self._generation = GenerationPatches(self.forwards, self.tracer.note)
         # Called once `steps_limit` steps are traced (the script runner writes the trace and exits); without
         # it the hook raises StopTrace.
         self.on_limit = None
+
+    def _limit_reached(self) -> None:
+        if self.on_limit is not None:
+            self.on_limit()
+        raise StopTrace
 
     # ------------------------------------------------------------------ patches
     def _patch(self, obj, name: str, value) -> None:
@@ -145,9 +162,15 @@ class Session:
         tr = self.tracer
         session = self
 
+        forwards = self.forwards
+
         def forward_pre(_module, _args):
+            forwards.forward_pre()
             if session._in_backward == 0 and session._in_optimizer == 0 and tr.phase != "forward":
                 session._set_phase("forward")
+
+        def forward_post(_module, _args, _out):
+            forwards.forward_post(in_backward=session._in_backward > 0)
 
         def opt_pre(_opt, _args, _kwargs):
             session._in_optimizer += 1
@@ -159,11 +182,11 @@ class Session:
                 tr.step += 1
                 session._set_phase("between steps")
                 if session.steps_limit is not None and tr.step >= session.steps_limit:
-                    if session.on_limit is not None:
-                        session.on_limit()
-                    raise StopTrace
+                    session._limit_reached()
 
         self._handles.append(torch.nn.modules.module.register_module_forward_pre_hook(forward_pre))
+        self._handles.append(torch.nn.modules.module.register_module_forward_hook(forward_post, always_call=True))
+        self._generation.install()
         self._handles.append(optim_mod.register_optimizer_step_pre_hook(opt_pre))
         self._handles.append(optim_mod.register_optimizer_step_post_hook(opt_post))
 
@@ -263,6 +286,7 @@ class Session:
         def run_backward(*args, **kwargs):
             session._in_backward += 1
             if session._in_backward == 1:
+                session.backward_calls += 1
                 session._set_phase("backward")
             try:
                 return original(*args, **kwargs)
@@ -286,6 +310,8 @@ class Session:
             self.tracer.annotations.clear()
             self.tracer.phase = "setup"
             self.tracer.step = 0
+            self.forwards.reset()
+            self.backward_calls = 0
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -303,6 +329,7 @@ class Session:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._generation.uninstall()
         for obj, name, old in reversed(self._patches):
             if isinstance(old, list) and name == "_foreach_supported_types":
                 getattr(obj, name)[:] = old

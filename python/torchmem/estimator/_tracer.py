@@ -175,6 +175,14 @@ class Tracer(TorchDispatchMode):
             replaced = rules.before(self, func, args, kwargs)
             if replaced is not None:
                 return replaced[0]
+        if _is_composite(func):
+            # Under `torch.inference_mode()` autograd is skipped, so composite operators (`aten.conv2d`,
+            # `aten.linear`, `aten.batch_norm`) reach this mode whole; decomposed here, as CUDA does, the rules see
+            # the operators that run (`aten.convolution`: cuDNN workspaces; `aten.addmm`: the cuBLAS workspace).
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         out = func(*args, **kwargs)
         if self.enabled:
             flat, _ = tree_flatten(out)
@@ -185,6 +193,21 @@ class Tracer(TorchDispatchMode):
             if rules is not None:
                 rules.after(self, func, args, kwargs, out)
         return out
+
+
+_COMPOSITE: dict[Any, bool] = {}
+
+
+def _is_composite(func) -> bool:
+    """Whether the operator is CompositeImplicitAutograd (decomposed into others before any kernel runs)."""
+    known = _COMPOSITE.get(func)
+    if known is None:
+        try:
+            known = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+        except (AttributeError, RuntimeError):
+            known = False
+        _COMPOSITE[func] = known
+    return known
 
 
 def phase_of(events: list[Event]) -> dict[str, Any]:
