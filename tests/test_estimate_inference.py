@@ -296,3 +296,24 @@ def test_cuda_calls_of_sampling_code_are_emulated_or_named(tmp_path):
     p = _estimate(script, "blas")
     assert p.returncode != 0, p.stderr
     assert "torch.cuda.current_blas_handle() needs a real CUDA device" in p.stderr and "sampling.py:12" in p.stderr
+
+
+def test_the_python_api_estimates_an_inference_step():
+    import torchmem
+    from torch import nn
+
+    state: dict = {}
+
+    def step():
+        if not state:
+            state["model"] = nn.Linear(1024, 1024).cuda().eval()
+        with torch.inference_mode():
+            state["model"](torch.randn(256, 1024, device="cuda"))
+
+    est = torchmem.estimate(step, gpu="H200", steps=2)
+    assert est.kind == "inference" and est.forward_calls == 2 and est.steps == 0, est
+    # Weights (4 MiB + 4 KiB of bias), the input and the output (1 MiB each) and the Linear's cuBLAS and cuBLASLt
+    # workspaces (32 + 1 MiB on Hopper): under inference_mode the Linear reaches the tracer as `aten.linear`,
+    # which missed the workspaces (6 MiB) before it was decomposed as CUDA does.
+    assert abs(est.peak_allocated_bytes - (4 * MIB + 4 * KIB + 2 * MIB + 33 * MIB)) <= 8 * KIB, est
+    assert "inference (no optimizer step), 2 forward call(s)" in str(est)

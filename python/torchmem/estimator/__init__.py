@@ -74,6 +74,10 @@ class Estimate:
     fits: bool
     margin_bytes: int
     steps: int
+    # "training" (optimizer steps seen), "inference" (no backward, no optimizer step) or "backward without
+    # optimizer step"; see docs/estimator.md §1.1.
+    kind: str = "training"
+    forward_calls: int = 0
     phases: dict[str, int] = field(default_factory=dict)
     largest_at_peak: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -95,6 +99,7 @@ def estimate(
 ) -> Estimate:
     """Runs `step()` `steps` times on an emulated `gpu` (CUDA tensors are fake: create the model, data and
     optimizer inside `step` or before the first call inside it, on "cuda") and predicts its peak memory there.
+    `step` may train or only run inference (`generate`, an evaluation batch): `kind` says which was seen.
 
     `alloc_conf` is a PYTORCH_CUDA_ALLOC_CONF to simulate, `device_memory` a capacity instead of the GPU's
     ("24GB" or bytes), `trace_path` keeps the trace (an allocator snapshot) for `torchmem simulate`."""
@@ -144,6 +149,8 @@ def estimate(
         fits=report["fits"],
         margin_bytes=report["margin_bytes"],
         steps=summary["steps_traced"],
+        kind=summary["kind"],
+        forward_calls=summary["forward_calls"],
         phases=summary["phase_peak_bytes"],
         largest_at_peak=summary["largest_at_peak"],
         notes=report.get("notes", []),
