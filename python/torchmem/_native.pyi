@@ -124,7 +124,7 @@ def rss_period_restart() -> SelfMemory | None:
 
 def watch_rss(open_windows: int) -> bool:
     """Tells the RSS watcher how many peak windows are open: while one is, a thread samples /proc/self/statm
-    every 5 ms into the current period (no GIL); with none it sleeps. False where the thread cannot
+    every 5 ms (every millisecond while RSS rises) into the current period (no GIL); with none it sleeps. False where the thread cannot
     start."""
 
 def malloc_trim() -> bool:

@@ -165,12 +165,12 @@ pub fn run(args: EstimateArgs) -> anyhow::Result<i32> {
         bail!("give the training program after --, e.g. `torchmem estimate --gpu A100-40GB -- python train.py`");
     }
     if let Some(keep) = &args.keep_trace {
-        crate::output_path::check_output(
+        torchmem_recorder::output_path::check_output(
             keep,
             &[],
             Some(args.force),
             "--keep-trace",
-            crate::output_path::OutputKind::Trace,
+            torchmem_recorder::output_path::OutputKind::Trace,
         )?;
     }
     if let Some(fit) = &args.fit {

@@ -12,7 +12,7 @@ use torchmem_core::report;
 use torchmem_core::units::escape_html;
 
 use crate::cmd_report::load_inputs;
-use crate::output_path::{self, OutputKind};
+use torchmem_recorder::output_path::{self, OutputKind};
 
 #[derive(Debug, clap::Args)]
 pub struct PlotArgs {

@@ -14,8 +14,8 @@ use std::path::PathBuf;
 use anyhow::Context;
 use torchmem_core::analysis::ranks::{is_distributed, RankReport};
 use torchmem_core::analysis::Summary;
+use torchmem_core::model::Profile;
 use torchmem_core::report::{self, cells::Table, Format};
-use torchmem_core::store::Profile;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum FormatArg {

@@ -25,20 +25,21 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail};
+use torchmem_core::model::Profile;
 use torchmem_core::model::{signal_name, RunMeta};
 use torchmem_core::sources::gpu::{GpuSource, NvmlSource};
-use torchmem_core::store::{Profile, ProfileWriter};
+use torchmem_core::store::ProfileWriter;
 use torchmem_core::units::format_bytes;
 
-use crate::oom_watch::OomWatch;
-use crate::output_path::{self, Existing};
-use crate::recorder::{Config, EventListener, Recorder};
-use crate::signals::Supervisor;
-use crate::sinks::live::LiveSink;
-use crate::sinks::{RunContext, Sinks};
 use crate::status_bar::StatusBar;
 use crate::tui::inline::{self, InlinePanel};
 use crate::tui::view::{INLINE_HEIGHT, NO_NVML};
+use torchmem_recorder::oom_watch::OomWatch;
+use torchmem_recorder::output_path::{self, Existing};
+use torchmem_recorder::recorder::{Config, EventListener, Recorder};
+use torchmem_recorder::signals::Supervisor;
+use torchmem_recorder::sinks::live::LiveSink;
+use torchmem_recorder::sinks::{RunContext, Sinks};
 
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
@@ -80,7 +81,7 @@ pub struct RunArgs {
     pub no_inject: bool,
     /// Live outputs besides the profile: --metrics, --metrics-textfile, --tensorboard (`crate::sinks`).
     #[command(flatten)]
-    pub sinks: crate::sinks::SinkArgs,
+    pub sinks: SinkArgs,
     /// Show a live status line in the terminal's bottom row (reserved, so it never mixes with the
     /// program's output). Off by default: only the summary at the end.
     #[arg(long, conflicts_with = "quiet")]
@@ -406,7 +407,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         started_unix_s: meta.started_unix_s,
         launch: place,
     };
-    let mut live_sinks = args.sinks.build(&sink_context)?;
+    let mut live_sinks = args.sinks.config().build(&sink_context)?;
     let gpu_note = match (&gpu, args.no_gpu) {
         (Some(_), _) => None,
         (None, true) => Some("not read (--no-gpu)".to_string()),
@@ -471,10 +472,10 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
     let interval = Duration::from_secs_f64(interval_ms / 1000.0);
     // Registered for `torchmem top` (and the state `--live` draws) as soon as the program runs, unless
     // TORCHMEM_LIVE=0.
-    let register = crate::sinks::live::registration_enabled();
+    let register = torchmem_recorder::sinks::live::registration_enabled();
     let live = (register || args.live).then(|| {
         let (mut live_sink, live) = if register {
-            LiveSink::start(&sink_context, &crate::sinks::live::live_dir(), child.id(), &output)
+            LiveSink::start(&sink_context, &torchmem_recorder::sinks::live::live_dir(), child.id(), &output)
         } else {
             LiveSink::unregistered(&sink_context, child.id(), &output)
         };
@@ -546,7 +547,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
                 }
             }
         }
-        if let Some(reaped) = crate::recorder::try_reap(child.id())? {
+        if let Some(reaped) = torchmem_recorder::recorder::try_reap(child.id())? {
             break reaped;
         }
         if let Some(b) = bar.as_mut() {
@@ -695,4 +696,48 @@ pub fn end_summary(profile: &Profile) -> String {
     }
     out.push_str(&table::render_growth(&s.growth));
     out
+}
+
+/// The command-line options that attach live sinks to `torchmem run`.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct SinkArgs {
+    /// Serve Prometheus metrics at http://HOST:PORT/metrics while the program runs (`:PORT` is
+    /// 127.0.0.1:PORT; port 0 picks a free one, printed at the start). Bytes, labels pid, rank, local_rank,
+    /// device and UUID (as DCGM's exporter, to join on UUID).
+    #[arg(long = "metrics", value_name = "HOST:PORT", value_parser = torchmem_recorder::sinks::http::parse_listen_address)]
+    pub metrics: Option<String>,
+    /// With --metrics, when one `torchmem run` runs per rank (`torchrun -m torchmem run …`, `srun
+    /// torchmem run …`): serve on PORT + this recorder's LOCAL_RANK (else SLURM_LOCALID; 0 when neither is
+    /// set), so the ranks of a node never ask for the same port. A recorder inside a launch whose port is
+    /// taken anyway serves on a free port (printed) rather than ending its rank.
+    #[arg(long = "metrics-port-offset", value_name = "WHAT", value_enum, requires = "metrics")]
+    pub metrics_port_offset: Option<PortOffset>,
+    /// Write the same metrics to PATH (a `*.prom` file in node_exporter's textfile-collector directory)
+    /// every few seconds, atomically (a temporary file renamed over it), and once more at the end.
+    #[arg(long = "metrics-textfile", value_name = "PATH")]
+    pub metrics_textfile: Option<PathBuf>,
+    /// Write TensorBoard event files into DIR (created if missing): memory scalars under `torchmem/`
+    /// (the highest value of each second, step = ms since the start) and per-step, per-phase peaks
+    /// (step = the program's step index).
+    #[arg(long = "tensorboard", value_name = "DIR")]
+    pub tensorboard: Option<PathBuf>,
+}
+
+/// What `--metrics-port-offset` adds to the port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PortOffset {
+    /// The recorder's LOCAL_RANK (else SLURM_LOCALID).
+    LocalRank,
+}
+
+impl SinkArgs {
+    /// The recorder's sink configuration these options ask for.
+    pub fn config(&self) -> torchmem_recorder::sinks::SinkConfig {
+        torchmem_recorder::sinks::SinkConfig {
+            metrics: self.metrics.clone(),
+            metrics_port_offset_local_rank: self.metrics_port_offset == Some(PortOffset::LocalRank),
+            metrics_textfile: self.metrics_textfile.clone(),
+            tensorboard: self.tensorboard.clone(),
+        }
+    }
 }

@@ -78,7 +78,7 @@ pub fn run(args: SnapshotArgs) -> anyhow::Result<i32> {
         .transpose()
         .map_err(|e| anyhow::anyhow!("--memory-limit: {e}"))?;
     if let Some(out) = &args.html {
-        crate::output_path::check_html_output(out, &[path], args.force, "--html")?;
+        torchmem_recorder::output_path::check_html_output(out, &[path], args.force, "--html")?;
     }
     let snap = load(path)?;
     let sum = summary::summarize(&snap);
@@ -92,7 +92,7 @@ pub fn run(args: SnapshotArgs) -> anyhow::Result<i32> {
         let opts = torchmem_sim::whatif::WhatIfOptions { memory_limit_bytes, ..Default::default() };
         let whatif = torchmem_sim::whatif::whatif(&snap, &opts);
         let page = html::render_with_whatif(&snap, &sum, &name, Some(&whatif));
-        crate::output_path::write_atomically(out, page.as_bytes())?;
+        torchmem_recorder::output_path::write_atomically(out, page.as_bytes())?;
         if !args.json {
             eprintln!("torchmem: wrote {} ({})", out.display(), bytes(page.len() as u64));
         }

@@ -5,7 +5,7 @@
 //! keep (`sinks::live`); the screen is drawn by `tui::view` from `tui::state::TopModel`.
 //!
 //! `torchmem top PROFILE` follows that profile's run while it is live, and shows a finished profile's last
-//! state (rebuilt from its records, `tui::state::replay_profile`). On a dumb terminal (`TERM=dumb`) or when
+//! state (rebuilt from its records, `torchmem_recorder::live_state::replay_profile`). On a dumb terminal (`TERM=dumb`) or when
 //! stdout is not a terminal it prints a plain text table every interval instead; `--once` prints one and
 //! exits. `q`, Esc, Ctrl-C or SIGTERM/SIGHUP end it with the terminal restored.
 
@@ -18,9 +18,10 @@ use anyhow::{bail, Context};
 use crossterm::event::{self, Event, KeyCode, KeyEventKind, KeyModifiers};
 use torchmem_core::sources::gpu::{GpuSource, NvmlSource};
 
-use crate::sinks::live;
-use crate::tui::state::{replay_profile, GpuDeviceNow, GpuPanel, LiveSnapshot, Source, TopModel};
+use crate::tui::state::{GpuDeviceNow, GpuPanel, Source, TopModel};
 use crate::tui::view::{plain_top, render_top};
+use torchmem_recorder::live_state::{replay_profile, LiveSnapshot};
+use torchmem_recorder::sinks::live;
 
 const KEYS_HELP: &str = "Keys: q, Esc or Ctrl-C quit; Up/Down (or k/j) select a process (its run's history is shown \
 below the table); 1 PID, 2 RSS, 3 PSS, 4 GPU (NVML), 5 ALLOC, 6 RESERVED, 7 PEAK ALLOC sort by that column \
@@ -77,7 +78,7 @@ fn canonical(p: &Path) -> String {
 }
 
 fn replay(path: &Path) -> anyhow::Result<LiveSnapshot> {
-    let profile = torchmem_core::store::Profile::open(path)
+    let profile = torchmem_core::model::Profile::open(path)
         .map_err(|e| anyhow::anyhow!("{}: cannot read it as a torchmem profile ({e})", path.display()))?;
     Ok(replay_profile(&profile))
 }

@@ -1,8 +1,8 @@
 //! The `torchmem` command line. `run(argv)` is the whole program; `main.rs` and the Python entry point
 //! (`torchmem._native.cli_main`) both call it, so the wheel and `cargo install` behave the same.
 //!
-//! One file per subcommand: `cmd_info`, `cmd_run` (with `recorder` doing the sampling and `sinks/` taking
-//! its records), `cmd_report`, `cmd_plot`, `cmd_snapshot` (snapshot + explain-oom), `cmd_simulate` (the
+//! One file per subcommand: `cmd_info`, `cmd_run` (its arguments; the recording engine is the
+//! `torchmem-recorder` crate), `cmd_report`, `cmd_plot`, `cmd_snapshot` (snapshot + explain-oom), `cmd_simulate` (the
 //! allocator simulator's what-ifs), `cmd_estimate` (the estimator: the program under the emulated device,
 //! its trace replayed by the simulator), `cmd_top` (the live view, drawn by `tui`).
 
@@ -19,11 +19,6 @@ pub mod cmd_run;
 pub mod cmd_simulate;
 pub mod cmd_snapshot;
 pub mod cmd_top;
-pub mod oom_watch;
-pub mod output_path;
-pub mod recorder;
-pub mod signals;
-pub mod sinks;
 pub mod status_bar;
 pub mod tui;
 

@@ -3,7 +3,7 @@
 //! Data flows mostly one way through the modules:
 //! `sources` (read /proc and NVML) → `model` (the narrow record types) → `store` (the SQLite profile
 //! file) → `analysis` (peaks, phases, epochs, leaks, journey) → `report` (text, JSON, CSV, Markdown,
-//! Mermaid, HTML). Two known back-edges: `report` reads the loaded `store::Profile` directly, and
+//! Mermaid, HTML). `record` is what the recorder writes (one enum). One known back-edge:
 //! `sources::allocator` and `wire` share the allocator counters' record. `wire` is the message format the
 //! profiled Python process sends to the recorder; `fold` is the keep-or-fold rule that bounds a long run's
 //! markers (applied by the recorder and the loader); `breakdown` the what-the-memory-is record; `gpus` the
@@ -18,6 +18,7 @@ pub mod gpus;
 pub mod journey;
 pub mod lines;
 pub mod model;
+pub mod record;
 pub mod report;
 pub mod sources;
 pub mod store;

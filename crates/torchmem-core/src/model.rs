@@ -518,7 +518,7 @@ pub fn signal_name(signal: i32) -> String {
     }
 }
 
-/// A whole profile, loaded for analysis and reports (by `store::Profile::open`; plain data, no SQLite here).
+/// A whole profile, loaded for analysis and reports (by `Profile::open` in `store`; plain data, no SQLite here).
 /// The markers are the kept ones; `aggregates` stand for the folded rest, so a long run loads in bounded
 /// memory.
 #[derive(Debug, Clone, Default)]

@@ -12,6 +12,7 @@ use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 
 use crate::error::{CoreError, Result};
 use crate::model::*;
+pub use crate::record::Record;
 
 pub const FORMAT_NAME: &str = "torchmem-profile";
 /// The schema this code writes. v2 added identity (pid, rank, local_rank, world_size) to markers, torch
@@ -70,31 +71,6 @@ CREATE TABLE breakdown_aggregates (pid INTEGER, rank INTEGER, local_rank INTEGER
     boundary TEXT NOT NULL, device TEXT NOT NULL, category TEXT NOT NULL, boundaries INTEGER NOT NULL,
     count INTEGER NOT NULL, sum_bytes INTEGER NOT NULL, max_bytes INTEGER NOT NULL);
 ";
-
-/// Everything the recorder writes, in one enum so one channel carries it.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Record {
-    Cpu(CpuSample),
-    Process(ProcessSample),
-    ProcessSeen(ProcessInfo),
-    Gpu(GpuSample),
-    Torch(TorchSample),
-    Marker(Marker),
-    /// A folded-spans row with its totals so far: replaces the previous row of the same key.
-    Aggregate(SpanAggregate),
-    /// A folded-breakdowns row with its totals so far: replaces the previous rows of the same key.
-    BreakdownAggregate(BreakdownAggregate),
-    LineProfile {
-        t_ns: u64,
-        origin: Origin,
-        data: serde_json::Value,
-    },
-    Blob {
-        t_ns: u64,
-        name: String,
-        data: serde_json::Value,
-    },
-}
 
 pub struct ProfileWriter {
     conn: Connection,
@@ -685,8 +661,6 @@ fn read_meta(conn: &Connection, path: &Path) -> Result<RunMeta> {
 }
 
 /// The loaded profile is plain data in `model`; `Profile::open` below reads it from a file.
-pub use crate::model::Profile;
-
 fn get_u64(row: &rusqlite::Row, i: usize) -> rusqlite::Result<u64> {
     Ok(row.get::<_, i64>(i)?.max(0) as u64)
 }

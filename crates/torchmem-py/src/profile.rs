@@ -11,8 +11,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 use serde_json::Value;
 use torchmem_core::analysis::Summary;
+use torchmem_core::model::Profile;
 use torchmem_core::report::json;
-use torchmem_core::store::Profile;
 
 use crate::convert::to_py;
 use crate::errors::{Error, Result};

@@ -17,8 +17,8 @@ use ratatui::backend::{Backend, CrosstermBackend};
 use ratatui::buffer::Buffer;
 use ratatui::layout::Rect;
 
-use super::state::LiveSnapshot;
 use super::view::render_inline;
+use torchmem_recorder::live_state::LiveSnapshot;
 
 /// The terminal's (rows, columns) on stderr, if it is one.
 fn size() -> Option<(u16, u16)> {

@@ -11,7 +11,8 @@ use ratatui::widgets::{
 };
 use torchmem_core::units::format_bytes;
 
-use super::state::{GpuPanel, LiveSnapshot, ProcessNow, SortKey, Source, TopModel};
+use super::state::{GpuPanel, SortKey, Source, TopModel};
+use torchmem_recorder::live_state::{LiveSnapshot, ProcessNow};
 
 /// Rows `run --live` keeps at the bottom of the terminal.
 pub const INLINE_HEIGHT: u16 = 4;
@@ -465,11 +466,11 @@ pub fn plain_top(m: &TopModel) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tui::state::tests::two_process_run;
     use crate::tui::state::{GpuDeviceNow, TopModel};
     use ratatui::backend::TestBackend;
     use ratatui::Terminal;
     use torchmem_core::sources::host::HostMemory;
+    use torchmem_recorder::live_state::fixtures::two_process_run;
 
     fn screen(width: u16, height: u16, draw: impl Fn(Rect, &mut Buffer)) -> Vec<String> {
         let mut t = Terminal::new(TestBackend::new(width, height)).unwrap();

@@ -6,7 +6,7 @@
 
 use crate::analysis::{EpochRow, Leak, PhaseRow, ProcessRow, Summary};
 use crate::journey::JourneyStage;
-use crate::store::Profile;
+use crate::model::Profile;
 use crate::units::{format_bytes, format_delta, format_duration, format_opt_bytes, format_secs};
 
 /// Shown under a table whose GPU columns were left out.

@@ -6,7 +6,7 @@
 //! gpuD_nvml_used_bytes`. An empty cell means "not measured": PSS/USS on ticks where they were not read (they
 //! are read at a slower rate), a GPU value before its first sample. A CPU-only run has no GPU columns.
 
-use crate::store::Profile;
+use crate::model::Profile;
 
 /// The GPU device indices in the run (PyTorch's and NVML's), sorted.
 pub fn devices(profile: &Profile) -> Vec<u32> {

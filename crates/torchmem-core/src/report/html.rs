@@ -12,11 +12,11 @@ use serde_json::json;
 use crate::analysis::Summary;
 use crate::journey;
 use crate::lines;
+use crate::model::Profile;
 use crate::report::cells::{self, Table};
 use crate::report::mermaid;
 use crate::report::svg::{esc, render_chart, Layout};
 use crate::report::timeline::Timeline;
-use crate::store::Profile;
 
 const STYLE: &str = r#"
 :root { color-scheme: light; }

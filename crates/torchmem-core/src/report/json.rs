@@ -6,7 +6,7 @@ use serde_json::{json, Value};
 
 use crate::analysis::Summary;
 use crate::lines;
-use crate::store::Profile;
+use crate::model::Profile;
 
 /// Bumped when a key changes meaning or disappears (adding keys does not bump it).
 pub const REPORT_VERSION: u64 = 1;

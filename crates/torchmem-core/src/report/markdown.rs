@@ -4,9 +4,9 @@
 use crate::analysis::Summary;
 use crate::journey;
 use crate::lines;
+use crate::model::Profile;
 use crate::report::cells::{self, Table};
 use crate::report::mermaid;
-use crate::store::Profile;
 
 /// Escapes text for a Markdown table cell.
 fn cell(s: &str) -> String {

@@ -3,7 +3,7 @@
 
 use crate::analysis::Summary;
 use crate::journey;
-use crate::store::Profile;
+use crate::model::Profile;
 
 /// The diagram's title: "Memory journey of <program>" (the script name when the command runs Python).
 pub fn title(profile: &Profile) -> String {

@@ -20,7 +20,7 @@ pub mod table;
 pub mod timeline;
 
 use crate::analysis::Summary;
-use crate::store::Profile;
+use crate::model::Profile;
 
 /// The formats of `torchmem report`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

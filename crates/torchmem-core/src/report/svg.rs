@@ -3,8 +3,8 @@
 //! axes in binary units and seconds, and a legend. `torchmem plot --svg` writes it alone; the HTML report
 //! embeds it and adds the hover read-out on top (the cursor elements are only in the HTML version).
 
+use crate::model::Profile;
 use crate::report::timeline::Timeline;
-use crate::store::Profile;
 
 /// Escapes text for XML/HTML content and attribute values.
 pub fn esc(s: &str) -> String {

@@ -4,8 +4,8 @@
 use crate::analysis::{EpochRow, Growth, PhaseRow, Summary};
 use crate::journey;
 use crate::lines;
+use crate::model::Profile;
 use crate::report::cells::{self, Table};
-use crate::store::Profile;
 
 /// Draws one table as aligned text: a title line, a header, a rule, the rows, its notes, then a blank line
 /// (so tables can be concatenated).

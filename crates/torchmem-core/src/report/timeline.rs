@@ -5,8 +5,8 @@
 
 use crate::analysis::{spans, Span};
 use crate::model::MarkerKind;
+use crate::model::Profile;
 use crate::report::csv::devices;
-use crate::store::Profile;
 
 /// Minimum and maximum of a series per time bucket (`None` where the bucket holds no sample).
 #[derive(Debug, Clone, PartialEq)]

@@ -4,8 +4,9 @@
 //! torchmem never resets the kernel's peak RSS (`VmHWM`, `ru_maxrss`: the program reads them as without
 //! torchmem). A peak window's RSS peak comes from torchmem's own counter ([`rss_period_peak`]): the
 //! kernel's high-water mark when it rose during the period (exact), else the highest RSS read at the
-//! window's edges and by a watcher thread that samples `/proc/self/statm` every 5 ms while a window
-//! is open ([`watch_rss`]).
+//! window's edges and by a watcher thread that samples `/proc/self/statm` while a window is open
+//! ([`watch_rss`]): every 5 ms, every millisecond while RSS rises. Such a sampled peak is a lower bound: a
+//! spike that was filled and freed between two samples is seen lower by what it grew since the last one.
 //!
 //! Files are opened once and re-read with `pread` (about half the cost of open+read+close). A forked child
 //! inherits the parent's descriptors, which still name the parent's /proc entries: a `pthread_atfork` child
@@ -221,8 +222,13 @@ pub fn rss_period_restart() -> Option<SelfMemory> {
     Some(SelfMemory { rss_bytes: m.rss_bytes, peak_rss_bytes: peak })
 }
 
-/// How often the watcher samples RSS while a window is open.
+/// How often the watcher samples RSS while a window is open and RSS is not rising.
 pub const RSS_WATCH_INTERVAL: Duration = Duration::from_millis(5);
+/// How often it samples while RSS rose since its last sample (a spike being paged in): a spike freed right
+/// after it was filled is then seen to within what it grew in its last millisecond.
+pub const RSS_WATCH_RISING_INTERVAL: Duration = Duration::from_millis(1);
+/// Growth between two samples that counts as rising (malloc's churn of a few pages does not).
+const RISING_BY_BYTES: u64 = 1 << 20;
 
 /// torchmem's open peak windows (the watcher samples only while there is one).
 static OPEN_WINDOWS: AtomicUsize = AtomicUsize::new(0);
@@ -232,7 +238,7 @@ static WATCHER_PID: Mutex<Option<u32>> = Mutex::new(None);
 static WATCHER_WAKE: (Mutex<()>, Condvar) = (Mutex::new(()), Condvar::new());
 
 /// Tells the RSS watcher how many peak windows are open: with one or more, a thread samples
-/// `/proc/self/statm` every [`RSS_WATCH_INTERVAL`] into the current period's highest RSS (about a microsecond
+/// `/proc/self/statm` every [`RSS_WATCH_INTERVAL`] (every [`RSS_WATCH_RISING_INTERVAL`] while RSS rises) into the current period's highest RSS (about a microsecond
 /// a read, no GIL); with none it waits. False where the thread cannot be started (windows then see their
 /// edges and the kernel's high-water mark only).
 ///
@@ -294,6 +300,8 @@ fn spawn_watcher() -> bool {
 /// opened with a stack path).
 fn rss_watch_loop() -> ! {
     let mut statm = SelfStatm::open();
+    let mut last_rss = 0u64;
+    let mut rising = false;
     loop {
         if OPEN_WINDOWS.load(Ordering::Relaxed) == 0 {
             let g = WATCHER_WAKE.0.lock().unwrap_or_else(|p| p.into_inner());
@@ -302,11 +310,13 @@ fn rss_watch_loop() -> ! {
             }
             continue;
         }
-        std::thread::sleep(RSS_WATCH_INTERVAL);
+        std::thread::sleep(if rising { RSS_WATCH_RISING_INTERVAL } else { RSS_WATCH_INTERVAL });
         // Read under the period's lock: a sample taken before a restart cannot land in the next period.
         let mut p = rss_period();
         if let Some(rss) = statm.rss_bytes() {
             p.max_seen_bytes = p.max_seen_bytes.max(rss);
+            rising = rss > last_rss + RISING_BY_BYTES;
+            last_rss = rss;
         }
     }
 }

@@ -1,5 +1,5 @@
 //! The live sink: every `torchmem run` registers itself for `torchmem top` by keeping a small state file,
-//! `<recorder pid>.json` (a `tui::state::LiveSnapshot`), in the live directory: `$TORCHMEM_LIVE_DIR` when
+//! `<recorder pid>.json` (a `live_state::LiveSnapshot`), in the live directory: `$TORCHMEM_LIVE_DIR` when
 //! set, else `$XDG_RUNTIME_DIR/torchmem/`, else `/tmp/torchmem-<uid>/` (made 0700 and checked to be ours).
 //! The file is rewritten atomically (a temporary file renamed over it) a few times a second from the
 //! record batches, and removed when the run ends. A recorder killed with SIGKILL leaves its file behind:
@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::{RecordBatch, RunContext, Sink};
-use crate::tui::state::{LiveSnapshot, LiveState, FORMAT};
+use crate::live_state::{LiveSnapshot, LiveState, FORMAT};
 
 /// How often the state file is rewritten.
 pub const WRITE_INTERVAL_MS: u64 = 250;
@@ -262,23 +262,27 @@ impl Drop for LiveSink {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tui::state::tests::{cpu, process};
+    use crate::live_state::fixtures::{cpu, process};
 
     #[test]
     fn a_run_registers_updates_and_unregisters() {
         let dir = tempfile::tempdir().unwrap();
         let live = dir.path().join("live");
+        // The program's pid: one that has exited (a live pid's /proc RSS would replace the batch's reading).
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let program = child.id();
+        child.wait().unwrap();
         let ctx = RunContext { command: vec!["t.py".into()], started_unix_s: 5.0, ..Default::default() };
-        let (mut sink, handle) = LiveSink::start(&ctx, &live, 77, Path::new("/no/such/p.sqlite"));
+        let (mut sink, handle) = LiveSink::start(&ctx, &live, program, Path::new("/no/such/p.sqlite"));
         let path = sink.path().unwrap().to_path_buf();
         assert_eq!(path, live.join(format!("{}.json", std::process::id())));
         assert_eq!(std::fs::metadata(&live).unwrap().permissions().mode() & 0o777, 0o700);
-        let mut records = process(77, "python t.py", 64);
+        let mut records = process(program, "python t.py", 64);
         records.push(cpu(64));
         sink.consume(&RecordBatch { records, t_ns: 1, ..Default::default() }).unwrap();
         let found = scan(std::slice::from_ref(&live));
         assert_eq!(found.len(), 1);
-        assert_eq!(found[0].program_pid, Some(77));
+        assert_eq!(found[0].program_pid, Some(program));
         assert_eq!(found[0].processes[0].rss_bytes, Some(64 << 20), "the first batch is written at once");
         assert_eq!(handle.snapshot().tree.rss_bytes, Some(64 << 20));
         assert_eq!(std::fs::read_dir(&live).unwrap().count(), 1, "no temporary file left");
@@ -320,7 +324,7 @@ mod tests {
     #[test]
     fn process_rss_is_read_fresh_from_proc() {
         let me = std::process::id();
-        let stale = crate::tui::state::ProcessNow { pid: me, rss_bytes: Some(1), ..Default::default() };
+        let stale = crate::live_state::ProcessNow { pid: me, rss_bytes: Some(1), ..Default::default() };
         let mut snap = LiveSnapshot { processes: vec![stale], ..Default::default() };
         let before = torchmem_core::sources::procfs::rss_bytes(me).unwrap();
         refresh_process_rss(&mut snap);

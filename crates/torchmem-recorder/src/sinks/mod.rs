@@ -2,7 +2,7 @@
 //! `Record`s and hands them, one `RecordBatch` per commit interval, to every `Sink`. The SQLite profile is
 //! one sink (`sqlite::SqliteSink`: it takes each batch last and by value, so the profile path costs one move
 //! per record and commits exactly where it always did); the live ones (`prometheus`, `tensorboard`) are
-//! built only when asked for (`SinkArgs`), and without them the recorder collects nothing extra. The one
+//! built only when asked for (`SinkConfig`), and without them the recorder collects nothing extra. The one
 //! live sink every run has is `live::LiveSink`: the run's state file for `torchmem top` (and `run --live`).
 
 use std::path::PathBuf;
@@ -156,48 +156,29 @@ impl Sinks {
     }
 }
 
-/// The command-line options that attach live sinks to `torchmem run`.
-#[derive(Debug, Clone, Default, clap::Args)]
-pub struct SinkArgs {
-    /// Serve Prometheus metrics at http://HOST:PORT/metrics while the program runs (`:PORT` is
-    /// 127.0.0.1:PORT; port 0 picks a free one, printed at the start). Bytes, labels pid, rank, local_rank,
-    /// device and UUID (as DCGM's exporter, to join on UUID).
-    #[arg(long = "metrics", value_name = "HOST:PORT", value_parser = http::parse_listen_address)]
+/// Which live sinks to attach to a run (built from `torchmem run`'s options).
+#[derive(Debug, Clone, Default)]
+pub struct SinkConfig {
+    /// Serve Prometheus metrics at this `HOST:PORT` (see [`http::parse_listen_address`]).
     pub metrics: Option<String>,
-    /// With --metrics, when one `torchmem run` runs per rank (`torchrun -m torchmem run …`, `srun
-    /// torchmem run …`): serve on PORT + this recorder's LOCAL_RANK (else SLURM_LOCALID; 0 when neither is
-    /// set), so the ranks of a node never ask for the same port. A recorder inside a launch whose port is
-    /// taken anyway serves on a free port (printed) rather than ending its rank.
-    #[arg(long = "metrics-port-offset", value_name = "WHAT", value_enum, requires = "metrics")]
-    pub metrics_port_offset: Option<PortOffset>,
-    /// Write the same metrics to PATH (a `*.prom` file in node_exporter's textfile-collector directory)
-    /// every few seconds, atomically (a temporary file renamed over it), and once more at the end.
-    #[arg(long = "metrics-textfile", value_name = "PATH")]
+    /// Add the recorder's local rank to the metrics port (one recorder per rank on a node).
+    pub metrics_port_offset_local_rank: bool,
+    /// Write the same metrics to this node_exporter textfile.
     pub metrics_textfile: Option<PathBuf>,
-    /// Write TensorBoard event files into DIR (created if missing): memory scalars under `torchmem/`
-    /// (the highest value of each second, step = ms since the start) and per-step, per-phase peaks
-    /// (step = the program's step index).
-    #[arg(long = "tensorboard", value_name = "DIR")]
+    /// Write TensorBoard event files into this directory.
     pub tensorboard: Option<PathBuf>,
 }
 
-/// What `--metrics-port-offset` adds to the port.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum PortOffset {
-    /// The recorder's LOCAL_RANK (else SLURM_LOCALID).
-    LocalRank,
-}
-
-impl SinkArgs {
+impl SinkConfig {
     /// Builds the sinks asked for; every way this can fail (port taken, directory not writable) is said
     /// here, before the program starts.
     pub fn build(&self, ctx: &RunContext) -> anyhow::Result<Vec<Box<dyn Sink>>> {
         let mut sinks: Vec<Box<dyn Sink>> = Vec::new();
-        let metrics = match (&self.metrics, self.metrics_port_offset) {
-            (Some(a), Some(PortOffset::LocalRank)) => {
+        let metrics = match &self.metrics {
+            Some(a) if self.metrics_port_offset_local_rank => {
                 Some(http::offset_port(a, ctx.launch.and_then(|l| l.local_rank).unwrap_or(0))?)
             }
-            (a, _) => a.clone(),
+            a => a.clone(),
         };
         if metrics.is_some() || self.metrics_textfile.is_some() {
             sinks.push(Box::new(prometheus::PrometheusSink::start(
