@@ -25,4 +25,10 @@ set +e
 .venv/bin/maturin develop -q --release 2>&1 | scripts/quiet-pip-markers.sh
 status=${PIPESTATUS[0]}
 set -e
+if [ "$status" -eq 0 ]; then
+  # The editable install runs torchmem's Python from python/: compile its bytecode once, as pip does for a
+  # wheel, so a profiled program does not compile torchmem's modules at its first step (42 ms on this VM
+  # where PYTHONDONTWRITEBYTECODE is set: the watch imports its modules at the first forward).
+  .venv/bin/python -m compileall -q python/torchmem >/dev/null
+fi
 exit "$status"
