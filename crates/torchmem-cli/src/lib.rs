@@ -4,7 +4,8 @@
 //! One file per subcommand: `cmd_info`, `cmd_run` (its arguments; the recording engine is the
 //! `torchmem-recorder` crate), `cmd_report`, `cmd_plot`, `cmd_snapshot` (snapshot + explain-oom), `cmd_simulate` (the
 //! allocator simulator's what-ifs), `cmd_estimate` (the estimator: the program under the emulated device,
-//! its trace replayed by the simulator), `cmd_top` (the live view, drawn by `tui`).
+//! its trace replayed by the simulator), `cmd_top` (the live view, drawn by `tui`), `cmd_view` (the interactive
+//! viewer: the `torchmem-viewer` crate).
 
 use std::ffi::OsString;
 use std::path::Path;
@@ -19,6 +20,7 @@ pub mod cmd_run;
 pub mod cmd_simulate;
 pub mod cmd_snapshot;
 pub mod cmd_top;
+pub mod cmd_view;
 pub mod status_bar;
 pub mod tui;
 
@@ -51,6 +53,9 @@ pub enum Command {
     /// Live full-screen view of everything running under `torchmem run` (or of one profile): GPUs, host
     /// RAM, processes with RSS/PSS, PyTorch's allocated/reserved, phase, step and epoch, with history.
     Top(cmd_top::TopArgs),
+    /// Interactive memory viewer in the browser (snapshot, estimate or simulation trace, run profile; two
+    /// files side by side), served from 127.0.0.1, or one offline page with -o.
+    View(cmd_view::ViewArgs),
 }
 
 /// Parses `argv` (program name first) and runs the subcommand; returns the process exit code.
@@ -73,6 +78,7 @@ pub fn run(argv: Vec<OsString>) -> i32 {
         Command::Simulate(a) => cmd_simulate::run(a),
         Command::Estimate(a) => cmd_estimate::run(a),
         Command::Top(a) => cmd_top::run(a),
+        Command::View(a) => cmd_view::run(a),
     };
     match result {
         Ok(code) => code,
