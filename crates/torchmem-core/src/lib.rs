@@ -6,15 +6,14 @@
 //! Mermaid, HTML). `record` is what the recorder writes (one enum). One known back-edge:
 //! `sources::allocator` and `wire` share the allocator counters' record. `wire` is the message format the
 //! profiled Python process sends to the recorder; `fold` is the keep-or-fold rule that bounds a long run's
-//! markers (applied by the recorder and the loader); `breakdown` the what-the-memory-is record; `gpus` the
-//! GPU catalogue; `journey` the run's journey; `lines` the line profiler's record.
+//! markers (applied by the recorder and the loader); `breakdown` the what-the-memory-is record (the GPU
+//! catalogue lives in torchmem-estimator); `journey` the run's journey; `lines` the line profiler's record.
 
 pub mod analysis;
 pub mod breakdown;
 pub mod clock;
 pub mod error;
 pub mod fold;
-pub mod gpus;
 pub mod journey;
 pub mod lines;
 pub mod model;

@@ -1,7 +1,7 @@
 //! The GPU catalogue of `torchmem estimate`: memory sizes, compute capability and SM count of common NVIDIA
 //! GPUs, and the CUDA context overhead (what NVML charges a torch process beyond torch's reserved memory)
-//! where it was measured. Shared by the CLI and, through `torchmem estimate --list-gpus --json`, the Python
-//! API, so there is one table.
+//! where it was measured. The one table and the one alias rule (`find`): the CLI and the Python API
+//! (`_native.gpu_catalogue`, `_native.find_gpu`) both look names up here.
 //!
 //! `nvml_total_bytes` is the total nvidia-smi shows; `cuda_total_bytes` is what CUDA reports as
 //! `totalGlobalMem` (torch's `get_device_properties().total_memory`), smaller by the driver's reservation:
@@ -9,6 +9,7 @@
 //! says which).
 
 use serde::Serialize;
+use torchmem_units::format_bytes;
 
 const MIB: u64 = 1 << 20;
 /// NVML total − CUDA total on the H200 (CUDA 13, driver 580): 143,771 MiB vs 150,109,880,320 B.
@@ -130,6 +131,27 @@ pub fn find(name: &str) -> Option<Gpu> {
 /// The keys, for error messages ("unknown GPU X; known: ...").
 pub fn keys() -> Vec<&'static str> {
     catalogue().iter().map(|g| g.key).collect()
+}
+
+/// The catalogue as a table (`torchmem estimate --list-gpus`).
+pub fn catalogue_text() -> String {
+    let mut s = format!("{:<12} {:<28} {:>12} {:>12}  {:>4}  context\n", "key", "name", "nvidia-smi", "CUDA", "sm");
+    for g in catalogue() {
+        let ctx = match g.context {
+            Some(c) => format!("{}-{} (measured)", format_bytes(c.base_bytes), format_bytes(c.convolution_bytes)),
+            None => "H200's assumed".into(),
+        };
+        s += &format!(
+            "{:<12} {:<28} {:>12} {:>12}  {:>2}.{}  {ctx}\n",
+            g.key,
+            g.name,
+            format_bytes(g.nvml_total_bytes),
+            format_bytes(g.cuda_total_bytes),
+            g.major,
+            g.minor
+        );
+    }
+    s
 }
 
 #[cfg(test)]

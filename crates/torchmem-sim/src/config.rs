@@ -4,7 +4,7 @@
 
 use serde::Serialize;
 
-use crate::rounding::{KB_BYTES, MB_BYTES};
+use crate::rounding::MB_BYTES;
 
 /// Number of `roundup_power2_divisions` intervals: [1 MiB, 2 MiB), …, [32 GiB, ∞) — index `log2(size) - 20`.
 pub const ROUNDUP_INTERVALS: usize = 16;
@@ -316,37 +316,8 @@ fn parse_roundup(v: &str) -> Result<[u64; ROUNDUP_INTERVALS], String> {
     Ok(t)
 }
 
-/// The smallest byte count accepted without a unit: `--memory-limit 12` is a forgotten `GiB`, not 12 bytes.
-pub const MIN_BARE_SIZE_BYTES: u64 = 1 << 20;
-
-/// Parses a memory size such as `80GiB`, `80GB`, `14.5 GiB`, `8000000000` (bytes) into bytes. A number
-/// without a unit is a byte count and must be at least 1 MiB (`12` is refused, naming `12GiB`).
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let x: f64 = num.parse().map_err(|_| format!("{s:?} is not a size (try 80GiB, 14.5GB or a byte count)"))?;
-    let mult = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "k" | "kib" => KB_BYTES as f64,
-        "kb" => 1e3,
-        "m" | "mib" => MB_BYTES as f64,
-        "mb" => 1e6,
-        "g" | "gib" => (1u64 << 30) as f64,
-        "gb" => 1e9,
-        "t" | "tib" => (1u64 << 40) as f64,
-        "tb" => 1e12,
-        other => return Err(format!("{s:?}: unknown unit {other:?} (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")),
-    };
-    let bytes = (x * mult).round() as u64;
-    if unit.trim().is_empty() && bytes < MIN_BARE_SIZE_BYTES {
-        return Err(format!(
-            "{s:?} has no unit, so it would mean {bytes} bytes: give the unit, e.g. {num}GiB or {num}MB (a bare \
-             number is a byte count of at least 1 MiB)"
-        ));
-    }
-    Ok(bytes)
-}
+/// The one size parser (`torchmem_units::parse_size`), re-exported for the simulator's callers.
+pub use torchmem_units::parse_size;
 
 #[cfg(test)]
 mod tests {

@@ -1,7 +1,9 @@
 //! The one place torchmem turns bytes, durations and text into what people read: binary byte units in the
 //! two styles torchmem prints (its reports' `64.0 MiB`, and the allocator's `64.00 MiB` that snapshot views
 //! share with PyTorch's own messages and `_memory_viz`), signed deltas, seconds, and the HTML/XML escaper of
-//! every page. Every crate uses these (core's `units` and the snapshot crate's `fmt` re-export them); no
+//! every page; and the one parser of sizes people type (`parse_size`: `14g`, `24GB`, `512MiB`, a byte count),
+//! which the CLI's flags, `torchmem.simulate()`, `torchmem.estimate()` and the pytest plugin's markers share
+//! (through `_native.parse_size`), so a size means the same everywhere. Every crate uses these (core's `units` and the snapshot crate's `fmt` re-export them); no
 //! crate keeps its own copy.
 
 /// How many decimals each binary unit gets.
@@ -102,9 +104,81 @@ pub fn format_duration(ns: u64) -> String {
     }
 }
 
+/// The smallest byte count accepted without a unit: `--memory-limit 12` is a forgotten `GiB`, not 12 bytes.
+pub const MIN_BARE_SIZE_BYTES: u64 = 1 << 20;
+
+/// Parses a size people type into bytes: `14g`, `14GiB`, `14.5 GiB` and `512MiB` are binary (1024-based);
+/// `24GB`, `24 MB` are decimal (1000-based); `100 B` is bytes; a number without a unit (`8000000000`) is a
+/// byte count and must be at least 1 MiB (`12` is refused, naming `12GiB`). Units are case-insensitive:
+/// B, K/KiB, M/MiB, G/GiB, T/TiB, P/PiB, KB, MB, GB, TB, PB. Fractions are rounded to the nearest byte. The
+/// error names the input and the accepted forms.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let x: f64 = num
+        .parse()
+        .ok()
+        .filter(|x: &f64| x.is_finite())
+        .ok_or_else(|| format!("{s:?} is not a size (try 80GiB, 14g, 14.5GB or a byte count)"))?;
+    const KI: f64 = 1024.0;
+    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kib" => KI,
+        "kb" => 1e3,
+        "m" | "mib" => KI * KI,
+        "mb" => 1e6,
+        "g" | "gib" => KI * KI * KI,
+        "gb" => 1e9,
+        "t" | "tib" => KI * KI * KI * KI,
+        "tb" => 1e12,
+        "p" | "pib" => KI * KI * KI * KI * KI,
+        "pb" => 1e15,
+        other => {
+            return Err(format!(
+                "{s:?}: unknown unit {other:?} (B, KiB, MiB, GiB, TiB, PiB or K, M, G, T, P: 1024-based; KB, MB, \
+                 GB, TB, PB: 1000-based)"
+            ))
+        }
+    };
+    let bytes = x * mult;
+    if bytes >= u64::MAX as f64 {
+        return Err(format!("{s:?} is too large a size"));
+    }
+    let bytes = bytes.round() as u64;
+    if unit.trim().is_empty() && bytes < MIN_BARE_SIZE_BYTES {
+        return Err(format!(
+            "{s:?} has no unit, so it would mean {bytes} bytes: give the unit, e.g. {num}GiB or {num}MB (a bare \
+             number is a byte count of at least 1 MiB)"
+        ));
+    }
+    Ok(bytes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sizes_people_type() {
+        assert_eq!(parse_size("14g").unwrap(), 14 << 30);
+        assert_eq!(parse_size("14G").unwrap(), 14 << 30);
+        assert_eq!(parse_size("80GiB").unwrap(), 80 << 30);
+        assert_eq!(parse_size("14.5 GiB").unwrap(), 29 << 29);
+        assert_eq!(parse_size("24GB").unwrap(), 24_000_000_000);
+        assert_eq!(parse_size("24 MB").unwrap(), 24_000_000);
+        assert_eq!(parse_size("512MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_size("512m").unwrap(), 512 << 20);
+        assert_eq!(parse_size("2 PiB").unwrap(), 2 << 50);
+        assert_eq!(parse_size("100 B").unwrap(), 100);
+        assert_eq!(parse_size("1024B").unwrap(), 1024);
+        assert_eq!(parse_size(" 8000000000 ").unwrap(), 8_000_000_000);
+        let e = parse_size("12").unwrap_err();
+        assert!(e.contains("12GiB") && e.contains("12 bytes"), "{e}");
+        for bad in ["lots", "", "-1 GiB", "two GiB", "1e9", "14 gigs", "1.2.3G", "99999999999999P"] {
+            assert!(parse_size(bad).is_err(), "{bad:?} was accepted");
+        }
+    }
 
     #[test]
     fn durations_pick_their_unit() {

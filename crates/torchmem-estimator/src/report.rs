@@ -1,0 +1,326 @@
+//! The estimate report: `estimate_trace` replays a tracer's trace on a `Target` through the allocator
+//! simulator and builds the typed `EstimateReport`; its serde form is `torchmem estimate --json` (and the
+//! dict `torchmem.estimate()` returns), `EstimateReport::text` the text report both print.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use torchmem_sim::{AllocConf, SimOptions};
+use torchmem_units::format_bytes;
+
+use crate::summary::{EstimateKind, LargestTensor, Summary};
+use crate::{EstimateError, Target};
+
+/// Where the simulated allocator ran out of memory: the trace entry and its frames.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OomAt {
+    pub entry: u32,
+    pub frames: Vec<String>,
+}
+
+/// The prediction for one traced program on one target. Bytes throughout.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EstimateReport {
+    /// The device name torch reports (`NVIDIA H200`).
+    pub gpu: String,
+    /// The catalogue key (`H200`).
+    pub gpu_key: String,
+    /// What CUDA can use on the target.
+    pub device_memory_bytes: u64,
+    /// The total nvidia-smi shows for the GPU.
+    pub nvml_total_bytes: u64,
+    pub peak_allocated_bytes: u64,
+    pub peak_reserved_bytes: u64,
+    pub peak_requested_bytes: u64,
+    /// The CUDA context and libraries NVML counts beyond torch's reserved memory.
+    pub context_bytes: u64,
+    /// Whether `context_bytes` was measured on this GPU (else the H200's is assumed).
+    pub context_measured: bool,
+    /// What nvidia-smi would show for the process: peak reserved + context.
+    pub nvml_bytes: u64,
+    pub fits: bool,
+    /// Device memory − `nvml_bytes` (negative: over).
+    pub margin_bytes: i64,
+    /// Times the simulated allocator freed its cache and retried.
+    pub num_alloc_retries: u64,
+    pub oom: Option<OomAt>,
+    pub kind: EstimateKind,
+    pub steps_traced: Option<u64>,
+    pub forward_calls: Option<u64>,
+    pub generate_calls: Option<u64>,
+    /// What the trace covered, in words ("3 optimizer step(s)").
+    pub traced: String,
+    pub phase_peak_bytes: Option<BTreeMap<String, u64>>,
+    pub largest_at_peak: Option<Vec<LargestTensor>>,
+    pub trace_seconds: Option<f64>,
+    pub requests: Option<u64>,
+    pub convolution_workspaces: serde_json::Value,
+    /// The PYTORCH_CUDA_ALLOC_CONF simulated ("" for the trace's own).
+    pub alloc_conf: String,
+    pub simulator_rules: String,
+    pub notes: Vec<String>,
+}
+
+/// Replays `trace` (the tracer's allocator snapshot) on `target`, under `alloc_conf` when given (else the
+/// settings the trace recorded), and builds the report from it and the tracer's `summary`.
+pub fn estimate_trace(
+    trace: &Path,
+    summary: &Summary,
+    target: &Target,
+    alloc_conf: Option<&str>,
+) -> Result<EstimateReport, EstimateError> {
+    let alloc_conf = alloc_conf.filter(|c| !c.is_empty());
+    let conf = alloc_conf.map(AllocConf::parse).transpose()?;
+    let snap = torchmem_sim::read_snapshot(trace)?;
+    let (ctx, measured) = target.gpu.context_or_assumed();
+    let context_bytes = ctx.for_run(summary.uses_half_precision, summary.uses_convolution);
+    let usable = target.cuda_total_bytes.saturating_sub(context_bytes);
+    let opts = SimOptions {
+        conf,
+        device_memory_bytes: Some(usable),
+        device_total_bytes: Some(target.cuda_total_bytes),
+        detailed: true,
+        frees_at_request: true,
+        driver_addresses: true,
+        ..SimOptions::default()
+    };
+    let result = torchmem_sim::simulate(&snap, &trace.display().to_string(), &opts);
+    let d = result
+        .devices
+        .first()
+        .ok_or_else(|| EstimateError::Input(format!("the trace {} has no device to simulate", trace.display())))?;
+    let nvml_bytes = d.peak_reserved_bytes + context_bytes;
+    let fits = d.oom.is_none() && nvml_bytes <= target.cuda_total_bytes;
+    let margin_bytes = target.cuda_total_bytes as i64 - nvml_bytes as i64;
+    let kind = summary.kind.unwrap_or_default();
+    let mut notes = summary.notes.clone();
+    match kind {
+        EstimateKind::Inference => notes.insert(
+            0,
+            format!(
+                "inference estimate: no optimizer step was seen (no backward either); the program was traced {} \
+                 ({})",
+                summary.traced_to(),
+                summary.progress()
+            ),
+        ),
+        EstimateKind::BackwardWithoutOptimizerStep => notes.insert(
+            0,
+            format!(
+                "no torch.optim optimizer step was seen, but {} backward pass(es) ran (a hand-written update?): \
+                 the program was traced {} ({})",
+                summary.backward_calls.unwrap_or(0),
+                summary.traced_to(),
+                summary.progress()
+            ),
+        ),
+        EstimateKind::Training => {}
+    }
+    if !measured {
+        notes.push(format!(
+            "the CUDA context overhead of {} is not measured; the H200's ({}) is used",
+            target.gpu.key,
+            format_bytes(context_bytes)
+        ));
+    }
+    notes.push(
+        "CUDA reduction kernels' temporary buffers outside convolutions are not modelled (transient: reserved \
+         may be slightly low; see docs/estimator.md)"
+            .to_string(),
+    );
+    Ok(EstimateReport {
+        gpu: target.gpu.name.to_string(),
+        gpu_key: target.gpu.key.to_string(),
+        device_memory_bytes: target.cuda_total_bytes,
+        nvml_total_bytes: target.gpu.nvml_total_bytes,
+        peak_allocated_bytes: d.peak_allocated_bytes,
+        peak_reserved_bytes: d.peak_reserved_bytes,
+        peak_requested_bytes: d.peak_requested_bytes,
+        context_bytes,
+        context_measured: measured,
+        nvml_bytes,
+        fits,
+        margin_bytes,
+        num_alloc_retries: d.num_alloc_retries,
+        oom: d.oom.as_ref().map(|o| OomAt { entry: o.entry, frames: o.frames.clone() }),
+        kind,
+        steps_traced: summary.steps_traced,
+        forward_calls: summary.forward_calls,
+        generate_calls: summary.generate_calls,
+        traced: summary.progress(),
+        phase_peak_bytes: summary.phase_peak_bytes.clone(),
+        largest_at_peak: summary.largest_at_peak.clone(),
+        trace_seconds: summary.trace_seconds,
+        requests: summary.requests,
+        convolution_workspaces: summary.convolution_workspaces.clone(),
+        alloc_conf: alloc_conf.unwrap_or("").to_string(),
+        simulator_rules: result.rules.to_string(),
+        notes,
+    })
+}
+
+impl EstimateReport {
+    /// The exit status of `torchmem estimate`: 0 when it fits, 1 when it does not.
+    pub fn exit_code(&self) -> i32 {
+        if self.fits {
+            0
+        } else {
+            1
+        }
+    }
+
+    /// The text report (`torchmem estimate` without `--json`, `str(torchmem.estimate(...))`).
+    pub fn text(&self) -> String {
+        let mut s = String::new();
+        let total = self.device_memory_bytes;
+        let kind = match self.kind {
+            EstimateKind::Inference => "inference (no optimizer step), ",
+            EstimateKind::BackwardWithoutOptimizerStep => "no optimizer step, ",
+            EstimateKind::Training => "",
+        };
+        let requests = self.requests.map(|r| r.to_string()).unwrap_or_else(|| "null".into());
+        s += &format!(
+            "torchmem estimate: {} ({} usable by CUDA), {kind}{} traced in {:.1} s, {requests} requests\n",
+            self.gpu,
+            format_bytes(self.device_memory_bytes),
+            self.traced,
+            self.trace_seconds.unwrap_or(0.0),
+        );
+        s += &format!("  peak allocated   {:>12}\n", format_bytes(self.peak_allocated_bytes));
+        s += &format!(
+            "  peak reserved    {:>12}   (caching allocator simulated, {})\n",
+            format_bytes(self.peak_reserved_bytes),
+            self.simulator_rules
+        );
+        s += &format!(
+            "  process (NVML)   {:>12}   (reserved + {} CUDA context and libraries{})\n",
+            format_bytes(self.nvml_bytes),
+            format_bytes(self.context_bytes),
+            if self.context_measured { ", measured" } else { ", assumed" }
+        );
+        let margin = self.margin_bytes;
+        if self.fits {
+            let pct = if total > 0 { 100.0 * margin as f64 / total as f64 } else { 0.0 };
+            s += &format!("  fits: yes, {} to spare ({pct:.0} % of the device)\n", format_bytes(margin as u64));
+            let retries = self.num_alloc_retries;
+            if retries > 0 {
+                s += &format!(
+                    "  warning: it fits only by flushing: the caching allocator ran out of memory {retries} \
+                     time(s), freed its cache and retried (num_alloc_retries {retries}). Each retry synchronizes \
+                     the GPU and slows the step; a little more memory (a larger batch, another GPU) will not fit\n"
+                );
+            }
+        } else if self.oom.is_some() {
+            s += &format!(
+                "  fits: NO, the allocator runs out of memory ({} short at the peak)\n",
+                format_bytes(margin.unsigned_abs())
+            );
+        } else {
+            s += &format!("  fits: NO, {} over\n", format_bytes(margin.unsigned_abs()));
+        }
+        if let Some(ph) = &self.phase_peak_bytes {
+            let parts: Vec<String> = ["forward", "backward", "optimizer"]
+                .iter()
+                .filter_map(|k| ph.get(*k).map(|v| format!("{k} {}", format_bytes(*v))))
+                .collect();
+            if !parts.is_empty() {
+                s += &format!("  peak per phase (live tensors): {}\n", parts.join(", "));
+            }
+        }
+        if let Some(top) = self.largest_at_peak.as_ref().filter(|t| !t.is_empty()) {
+            s += "  largest tensors live at the peak:\n";
+            for t in top.iter().take(8) {
+                let site = t
+                    .site
+                    .as_deref()
+                    .filter(|x| !x.is_empty())
+                    .unwrap_or("(no frame: kept for requests of 1 MiB or more)");
+                s += &format!(
+                    "    {:>10}  {:<9} {:<40} {}\n",
+                    format_bytes(t.size_bytes),
+                    t.phase.as_deref().unwrap_or(""),
+                    t.what.as_deref().unwrap_or(""),
+                    site
+                );
+            }
+        }
+        for n in &self.notes {
+            s += &format!("  note: {n}\n");
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// A report for the text tests: a fake made by hand (no trace behind it).
+    pub(crate) fn fake_report() -> EstimateReport {
+        EstimateReport {
+            gpu: "NVIDIA L4".into(),
+            gpu_key: "L4".into(),
+            device_memory_bytes: 23_580_639_232,
+            nvml_total_bytes: 23_034 << 20,
+            peak_allocated_bytes: 20 << 30,
+            peak_reserved_bytes: 21 << 30,
+            peak_requested_bytes: 20 << 30,
+            context_bytes: 1 << 28,
+            context_measured: true,
+            nvml_bytes: 22 << 30,
+            fits: true,
+            margin_bytes: 86_900_000,
+            num_alloc_retries: 7,
+            oom: None,
+            kind: EstimateKind::Training,
+            steps_traced: Some(3),
+            forward_calls: Some(3),
+            generate_calls: Some(0),
+            traced: "3 optimizer step(s)".into(),
+            phase_peak_bytes: None,
+            largest_at_peak: None,
+            trace_seconds: Some(1.0),
+            requests: Some(10),
+            convolution_workspaces: serde_json::Value::Null,
+            alloc_conf: String::new(),
+            simulator_rules: "torch 2.11".into(),
+            notes: vec![],
+        }
+    }
+
+    #[test]
+    fn a_fit_that_needs_alloc_retries_says_it_only_fits_by_flushing() {
+        let mut r = fake_report();
+        let text = r.text();
+        assert!(text.contains("fits: yes, 82.9 MiB to spare"), "{text}");
+        assert!(text.contains("warning: it fits only by flushing") && text.contains("7 time(s)"), "{text}");
+        r.num_alloc_retries = 0;
+        assert!(!r.text().contains("warning"), "no retry, no warning");
+        r.fits = false;
+        r.margin_bytes = -(1 << 30);
+        assert!(r.text().contains("fits: NO, 1.00 GiB over"), "{}", r.text());
+        assert_eq!(r.exit_code(), 1);
+    }
+
+    #[test]
+    fn a_program_without_an_optimizer_step_is_reported_as_inference() {
+        let mut r = fake_report();
+        r.gpu = "NVIDIA H200".into();
+        r.device_memory_bytes = 150_109_880_320;
+        r.kind = EstimateKind::Inference;
+        r.traced = "0 forward call(s), 2 generate call(s)".into();
+        r.trace_seconds = Some(2.0);
+        let text = r.text();
+        assert!(
+            text.starts_with(
+                "torchmem estimate: NVIDIA H200 (139.80 GiB usable by CUDA), inference (no optimizer step), 0 \
+                 forward call(s), 2 generate call(s) traced in 2.0 s, 10 requests"
+            ),
+            "{text}"
+        );
+        let json = serde_json::to_value(&r).unwrap();
+        assert_eq!(json["kind"], "inference");
+        assert_eq!(json["oom"], serde_json::Value::Null);
+    }
+}

@@ -1,0 +1,147 @@
+//! The tracer's summary: what `torchmem.estimator._runner.summary` writes next to the trace (`summary.json`
+//! for `torchmem estimate`, a dict for `torchmem.estimate()`), read into one typed record. Every field has a
+//! default, so a summary from an older tracer still reads.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::EstimateError;
+
+/// What the traced program did: trained (optimizer steps seen), only ran forward passes, or ran backward
+/// passes without a torch.optim step (a hand-written update).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum EstimateKind {
+    #[default]
+    #[serde(rename = "training")]
+    Training,
+    #[serde(rename = "inference")]
+    Inference,
+    #[serde(rename = "backward without optimizer step")]
+    BackwardWithoutOptimizerStep,
+}
+
+/// Why the trace stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StopReason {
+    /// The `--steps` bound (or `torchmem.estimate()`'s `steps` calls).
+    #[serde(rename = "steps")]
+    Steps,
+    /// The `--forward-calls` bound.
+    #[serde(rename = "forward calls")]
+    ForwardCalls,
+    #[serde(rename = "program ended")]
+    ProgramEnded,
+    /// The program raised; `Summary::error` says what.
+    #[serde(rename = "error")]
+    Error,
+    /// A reason this reader does not know (a newer tracer).
+    #[serde(other)]
+    Other,
+}
+
+/// One of the largest tensors live at the trace's peak.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LargestTensor {
+    pub size_bytes: u64,
+    /// forward, backward, optimizer, …
+    pub phase: Option<String>,
+    /// What the tensor is (the op or the parameter).
+    pub what: Option<String>,
+    /// `file:line (function)` of the first frame outside torch; empty when no frame was kept.
+    pub site: Option<String>,
+    pub step: Option<i64>,
+}
+
+/// The tracer's summary of one traced run.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Summary {
+    pub kind: Option<EstimateKind>,
+    pub steps_traced: Option<u64>,
+    pub forward_calls: Option<u64>,
+    pub generate_calls: Option<u64>,
+    pub backward_calls: Option<u64>,
+    pub reason: Option<StopReason>,
+    pub error: Option<String>,
+    pub notes: Vec<String>,
+    pub trace_peak_bytes: Option<u64>,
+    /// Peak live bytes per phase (forward, backward, optimizer).
+    pub phase_peak_bytes: Option<BTreeMap<String, u64>>,
+    pub largest_at_peak: Option<Vec<LargestTensor>>,
+    pub uses_half_precision: bool,
+    pub uses_convolution: bool,
+    /// The tracer's cuDNN workspace catalogue use (calls by match quality, unknown shapes, the catalogue's
+    /// header), passed into the report as the tracer wrote it.
+    pub convolution_workspaces: serde_json::Value,
+    /// Allocation requests in the trace.
+    pub requests: Option<u64>,
+    pub trace_seconds: Option<f64>,
+    pub torch_version: Option<String>,
+    pub gpu: Option<String>,
+}
+
+impl Summary {
+    /// Reads the summary JSON written with a trace; the error names the file and what to pass instead.
+    pub fn read(path: &Path) -> Result<Summary, EstimateError> {
+        let text =
+            std::fs::read_to_string(path).map_err(|source| EstimateError::Io { path: path.to_path_buf(), source })?;
+        serde_json::from_str(&text).map_err(|e| {
+            EstimateError::Input(format!(
+                "{} is not the summary JSON written with the trace ({e}); pass the file torchmem wrote",
+                path.display()
+            ))
+        })
+    }
+
+    /// What the trace covered: "3 optimizer step(s)", or for a program without an optimizer step "12 forward
+    /// call(s), 1 generate call(s)".
+    pub fn progress(&self) -> String {
+        let steps = self.steps_traced.unwrap_or(0);
+        if steps > 0 || self.forward_calls.is_none() {
+            return format!("{steps} optimizer step(s)");
+        }
+        let forwards = self.forward_calls.unwrap_or(0);
+        let generates = self.generate_calls.unwrap_or(0);
+        if generates > 0 {
+            format!("{forwards} forward call(s), {generates} generate call(s)")
+        } else {
+            format!("{forwards} forward call(s)")
+        }
+    }
+
+    /// "to the --forward-calls bound" or "to its end".
+    pub(crate) fn traced_to(&self) -> &'static str {
+        if self.reason == Some(StopReason::ForwardCalls) {
+            "to the --forward-calls bound"
+        } else {
+            "to its end"
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_tracers_summary_reads_and_says_what_was_traced() {
+        let s: Summary = serde_json::from_str(
+            r#"{"kind": "inference", "steps_traced": 0, "forward_calls": 0, "generate_calls": 2,
+                "reason": "program ended", "notes": ["n"], "largest_at_peak": [{"size_bytes": 5, "phase": "forward",
+                "what": "x", "site": "", "step": 0}], "convolution_workspaces": {"calls": {"exact": 0}}}"#,
+        )
+        .unwrap();
+        assert_eq!(s.kind, Some(EstimateKind::Inference));
+        assert_eq!(s.reason, Some(StopReason::ProgramEnded));
+        assert_eq!(s.progress(), "0 forward call(s), 2 generate call(s)");
+        let training: Summary =
+            serde_json::from_str(r#"{"kind": "training", "steps_traced": 3, "forward_calls": 3}"#).unwrap();
+        assert_eq!(training.progress(), "3 optimizer step(s)");
+        let odd: Summary = serde_json::from_str(r#"{"reason": "a newer reason"}"#).unwrap();
+        assert_eq!(odd.reason, Some(StopReason::Other));
+        assert_eq!(Summary::default().progress(), "0 optimizer step(s)");
+    }
+}
