@@ -272,6 +272,7 @@
       const x = p.xOf(+d.dataset.event);
       d.hidden = x < PADL || x > cv.width;
       d.style.left = x + 'px';
+      d.classList.toggle('left', x > cv.width - 260);
     }
     document.body.dataset.rendered = String((+document.body.dataset.rendered || 0) + 1);
   }
@@ -595,6 +596,7 @@
       if (p.type !== 'memory') continue;
       const r = await api('search', { doc: p.i, q: query });
       searchHits[p.i] = r.ids;
+      p.sec.dataset.searchTotal = r.total;
       box.appendChild(el('div', 'count', p.m.name + ': ' + r.total + ' allocation(s) match ' + JSON.stringify(query)));
       for (const id of r.ids.slice(0, 30)) {
         const b = await blockDetail(p, id);
@@ -610,7 +612,6 @@
         });
         box.appendChild(btn);
       }
-      p.sec.dataset.searchTotal = r.total;
       p.fetch();
     }
   });
