@@ -34,6 +34,7 @@ use torchmem_core::units::format_bytes;
 use crate::status_bar::StatusBar;
 use crate::tui::inline::{self, InlinePanel};
 use crate::tui::view::{INLINE_HEIGHT, NO_NVML};
+use torchmem_recorder::live_state::LiveSnapshot;
 use torchmem_recorder::oom_watch::OomWatch;
 use torchmem_recorder::output_path::{self, Existing};
 use torchmem_recorder::recorder::{Config, EventListener, Recorder};
@@ -473,7 +474,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
     // Registered for `torchmem top` (and the state `--live` draws) as soon as the program runs, unless
     // TORCHMEM_LIVE=0.
     let register = torchmem_recorder::sinks::live::registration_enabled();
-    let live = (register || args.live).then(|| {
+    // The run's live state: the state file, the --live panel and the status line all render it.
+    let live = (register || args.live || args.status).then(|| {
         let (mut live_sink, live) = if register {
             LiveSink::start(&sink_context, &torchmem_recorder::sinks::live::live_dir(), child.id(), &output)
         } else {
@@ -552,7 +554,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         }
         if let Some(b) = bar.as_mut() {
             if last_status.is_none_or(|t| t.elapsed() >= Duration::from_millis(250)) {
-                b.draw(&status_line(&rec, start_ns));
+                if let Some(live) = live.as_ref() {
+                    b.draw(&status_line(&live.snapshot()));
+                }
                 last_status = Some(Instant::now());
             }
         }
@@ -625,19 +629,25 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
     Ok(exit_code)
 }
 
-fn status_line(rec: &Recorder, start_ns: u64) -> String {
-    let l = &rec.latest;
-    let secs = (torchmem_core::clock::monotonic_ns() - start_ns) as f64 / 1e9;
-    let mut s =
-        format!("[torchmem] {secs:6.1} s  RSS {} (peak {})", format_bytes(l.rss_bytes), format_bytes(l.peak_rss_bytes));
-    if let (Some(a), Some(r)) = (l.allocated_bytes, l.reserved_bytes) {
+/// The one-line status (`--status`), from the run's live state: the tree's RSS, PyTorch's allocator summed
+/// over the tree's processes and devices, NVML's bytes of the tree.
+fn status_line(now: &LiveSnapshot) -> String {
+    let t = &now.tree;
+    let mut s = format!(
+        "[torchmem] {:6.1} s  RSS {} (peak {})",
+        (now.updated_unix_s - now.started_unix_s).max(0.0),
+        format_bytes(t.rss_bytes.unwrap_or(0)),
+        format_bytes(t.peak_rss_bytes.unwrap_or(0))
+    );
+    if let (Some(a), Some(r)) = (t.allocated_bytes, t.reserved_bytes) {
         s.push_str(&format!("  GPU alloc {} reserved {}", format_bytes(a), format_bytes(r)));
     }
-    if let Some(p) = l.peak_allocated_bytes {
+    if let Some(p) = t.peak_allocated_bytes {
         s.push_str(&format!(" (peak {})", format_bytes(p)));
     }
-    if let Some(n) = l.gpu_process_bytes {
-        s.push_str(&format!("  NVML {}", format_bytes(n)));
+    let nvml: Vec<u64> = now.gpus.iter().filter_map(|g| g.tree_bytes).collect();
+    if !nvml.is_empty() {
+        s.push_str(&format!("  NVML {}", format_bytes(nvml.iter().sum())));
     }
     s
 }

@@ -9,9 +9,10 @@
 //!
 //! A value never measured stays `None` (no CUDA: no allocator numbers, never 0).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
+use torchmem_core::analysis::ranks::IDENTITY_BLOB;
 use torchmem_core::model::{Edge, MarkerKind, Origin, Profile};
 use torchmem_core::store::Record;
 
@@ -153,27 +154,39 @@ impl LiveSnapshot {
     }
 }
 
+/// One process's spans as its markers opened them (markers without a pid: key None).
 #[derive(Debug, Clone, Default)]
-struct Spans {
-    step: Option<i64>,
+pub(crate) struct Spans {
+    pub(crate) step: Option<i64>,
     steps_started: i64,
-    epoch: Option<i64>,
+    pub(crate) epoch: Option<i64>,
     epochs_started: i64,
     /// Open phases, innermost last.
-    phases_open: Vec<String>,
+    pub(crate) phases_open: Vec<String>,
+    /// Every phase name seen (the metrics' 0/1 phase gauges).
+    pub(crate) phases_seen: BTreeSet<String>,
+    /// The last boundary's breakdown (`Marker::breakdown`), per device.
+    pub(crate) breakdown: Vec<torchmem_core::model::DeviceBreakdown>,
 }
 
-/// Folds record batches into a `LiveSnapshot`.
+/// Folds record batches into a run's latest state: the one fold behind every live output (`top`'s state
+/// file and `run --live` through `sinks::live`, the status line, the Prometheus sink's gauges). A
+/// `LiveSnapshot` is its serialisable view.
 #[derive(Debug, Default)]
 pub struct LiveState {
-    base: LiveSnapshot,
+    pub(crate) base: LiveSnapshot,
     device_names: BTreeMap<u32, String>,
-    processes: BTreeMap<u32, ProcessNow>,
-    identity: BTreeMap<u32, Origin>,
-    torch: BTreeMap<(Option<u32>, u32), TorchNow>,
-    spans: BTreeMap<Option<u32>, Spans>,
-    gpus: BTreeMap<u32, GpuNow>,
-    gpu_process: BTreeMap<(u32, u32), u64>,
+    /// NVML's UUID of each device (the metrics' `UUID` label, to join DCGM's series).
+    pub(crate) device_uuids: BTreeMap<u32, String>,
+    pub(crate) processes: BTreeMap<u32, ProcessNow>,
+    /// Each process's pid, rank, local rank and world size, from its hello, samples and markers.
+    pub(crate) identity: BTreeMap<u32, Origin>,
+    /// PyTorch's allocator per (pid, device); the peaks are the highest since the start.
+    pub(crate) torch: BTreeMap<(Option<u32>, u32), TorchNow>,
+    pub(crate) spans: BTreeMap<Option<u32>, Spans>,
+    pub(crate) gpus: BTreeMap<u32, GpuNow>,
+    /// NVML's per-process bytes per (device, pid), as the last tick read them.
+    pub(crate) gpu_process: BTreeMap<(u32, u32), u64>,
     next_history_ns: u64,
     t_ns: u64,
 }
@@ -196,6 +209,7 @@ impl LiveState {
     pub fn new(ctx: &RunContext, recorder_pid: u32, program_pid: Option<u32>, profile: Option<String>) -> Self {
         let mut st = Self::blank(&ctx.hostname, &ctx.command, ctx.started_unix_s, recorder_pid, program_pid, profile);
         st.device_names = ctx.devices.iter().map(|d| (d.index, d.name.clone())).collect();
+        st.device_uuids = ctx.devices.iter().map(|d| (d.index, d.uuid.clone())).collect();
         st
     }
 
@@ -272,18 +286,29 @@ impl LiveState {
                     },
                 );
             }
+            // A process's hello: its rank from its first series on, not from its first marker.
+            Record::Blob { name, data, .. } if name == IDENTITY_BLOB => {
+                if let Some(o) = serde_json::from_value::<Origin>(data.clone()).ok().filter(|o| o.pid.is_some()) {
+                    self.identity.insert(o.pid.unwrap_or_default(), o);
+                }
+            }
             Record::Torch(t) => {
                 if let Some(pid) = t.origin.pid {
                     self.identity.insert(pid, t.origin);
                 }
+                // A sample's peak is the allocator's since torchmem's last window reset (the ledger folds
+                // what a reset took into the next sample): the peak since the start is the highest of them,
+                // as the profile's peak is.
+                let before = self.torch.get(&(t.origin.pid, t.device));
+                let (peak_alloc, peak_res) = before.map_or((0, 0), |b| (b.peak_allocated_bytes, b.peak_reserved_bytes));
                 self.torch.insert(
                     (t.origin.pid, t.device),
                     TorchNow {
                         device: t.device,
                         allocated_bytes: t.allocated_bytes,
                         reserved_bytes: t.reserved_bytes,
-                        peak_allocated_bytes: t.peak_allocated_bytes,
-                        peak_reserved_bytes: t.peak_reserved_bytes,
+                        peak_allocated_bytes: t.peak_allocated_bytes.max(peak_alloc),
+                        peak_reserved_bytes: t.peak_reserved_bytes.max(peak_res),
                     },
                 );
                 let tree = &mut self.base.tree;
@@ -301,9 +326,12 @@ impl LiveState {
 
     fn apply_marker(&mut self, m: &torchmem_core::model::Marker) {
         if let Some(pid) = m.origin.pid {
-            self.identity.entry(pid).or_insert(m.origin);
+            self.identity.insert(pid, m.origin);
         }
         let s = self.spans.entry(m.origin.pid).or_default();
+        if let Some(b) = m.breakdown.as_ref().filter(|b| !b.is_empty()) {
+            s.breakdown = b.clone();
+        }
         match (m.kind, m.edge) {
             (MarkerKind::Step, Edge::Start) => {
                 s.step = Some(m.index.unwrap_or(s.steps_started));
@@ -313,7 +341,10 @@ impl LiveState {
                 s.epoch = Some(m.index.unwrap_or(s.epochs_started));
                 s.epochs_started += 1;
             }
-            (MarkerKind::Phase, Edge::Start) => s.phases_open.push(m.name.clone()),
+            (MarkerKind::Phase, Edge::Start) => {
+                s.phases_open.push(m.name.clone());
+                s.phases_seen.insert(m.name.clone());
+            }
             (MarkerKind::Phase, Edge::End) => {
                 if let Some(i) = s.phases_open.iter().rposition(|p| *p == m.name) {
                     s.phases_open.truncate(i);
@@ -380,6 +411,24 @@ impl LiveState {
     /// Says why there are no GPU readings.
     pub fn set_gpu_note(&mut self, note: Option<String>) {
         self.base.gpu_note = note;
+    }
+
+    /// The run ended and its per-process series with it (a metrics textfile left behind must not show a
+    /// finished job's memory as current): every process, allocator and span reading goes, and the tree's;
+    /// the devices' NVML readings stay.
+    pub fn end_of_run(&mut self) {
+        let pids: Vec<u32> = self.processes.keys().chain(self.identity.keys()).copied().collect();
+        for pid in pids {
+            self.exit(pid);
+        }
+        self.torch.clear();
+        self.spans.clear();
+        let tree = &mut self.base.tree;
+        tree.rss_bytes = None;
+        tree.pss_bytes = None;
+        tree.uss_bytes = None;
+        tree.allocated_bytes = None;
+        tree.reserved_bytes = None;
     }
 
     /// The run ended.

@@ -174,18 +174,6 @@ impl Drop for EventListener {
     }
 }
 
-/// The latest values, for the live status line and the end-of-run check.
-#[derive(Debug, Clone, Default)]
-pub struct Latest {
-    pub rss_bytes: u64,
-    pub peak_rss_bytes: u64,
-    pub allocated_bytes: Option<u64>,
-    pub peak_allocated_bytes: Option<u64>,
-    pub reserved_bytes: Option<u64>,
-    pub gpu_process_bytes: Option<u64>,
-    pub samples: u64,
-}
-
 pub struct Recorder {
     pub config: Config,
     /// Where the records go: the profile, and the live sinks asked for (`crate::sinks`).
@@ -216,7 +204,8 @@ pub struct Recorder {
     last_flush: Instant,
     last_gpu: BTreeMap<u32, (GpuSample, u64)>,
     last_torch: BTreeMap<(Option<u32>, u32), TorchSample>,
-    pub latest: Latest,
+    /// The tree's RSS at the last sample (when PSS is due again; the live outputs read `LiveState`).
+    latest_rss_bytes: u64,
     events: Option<EventListener>,
     folder: SpanFolder,
     pub bad_messages: u64,
@@ -322,7 +311,7 @@ impl Recorder {
             last_flush: Instant::now(),
             last_gpu: BTreeMap::new(),
             last_torch: BTreeMap::new(),
-            latest: Latest::default(),
+            latest_rss_bytes: 0,
             events,
             bad_messages: 0,
             not_the_programs: BTreeSet::new(),
@@ -376,7 +365,7 @@ impl Recorder {
         let since_pss_ms = self.last_pss.map(|l| l.elapsed().as_secs_f64() * 1000.0).unwrap_or(f64::INFINITY);
         let timer_due = Self::due(self.last_pss, self.pss_every_ms);
         let pss_due = timer_due
-            || pss_due_for_growth(self.rss_at_last_pss, self.latest.rss_bytes, since_pss_ms)
+            || pss_due_for_growth(self.rss_at_last_pss, self.latest_rss_bytes, since_pss_ms)
             || pss_due_for_tree_change(self.tree_len_at_last_pss, self.tree.len(), since_pss_ms, self.pss_every_ms);
         let mut slowest_walk_ms = 0.0f64;
         let gpu_readings: Vec<GpuReading> = self.gpu.as_ref().map(|g| g.read()).unwrap_or_default();
@@ -453,9 +442,7 @@ impl Recorder {
                 uss_bytes: pss_due.then_some(uss_total),
                 process_count: alive,
             };
-            self.latest.rss_bytes = rss_total;
-            self.latest.peak_rss_bytes = self.latest.peak_rss_bytes.max(rss_total);
-            self.latest.samples += 1;
+            self.latest_rss_bytes = rss_total;
             self.writer.push(Record::Cpu(sample));
             for s in per_pid {
                 self.writer.push(Record::Process(s));
@@ -471,9 +458,6 @@ impl Recorder {
                 total_bytes: r.total_bytes,
                 process_bytes: tree_bytes(r, pids.iter().copied()),
             };
-            if let Some(b) = sample.process_bytes {
-                self.latest.gpu_process_bytes = Some(b);
-            }
             let keep = match self.last_gpu.get(&r.index) {
                 Some((prev, prev_t)) => {
                     prev.used_bytes != sample.used_bytes
@@ -583,11 +567,6 @@ impl Recorder {
                 Record::Blob { t_ns, name: IDENTITY_BLOB.into(), data }
             }
             ChildMessage::Torch { t_ns, device, counters: c } => {
-                self.latest.allocated_bytes = Some(c.allocated_bytes);
-                self.latest.reserved_bytes = Some(c.reserved_bytes);
-                self.latest.peak_allocated_bytes = Some(
-                    self.latest.peak_allocated_bytes.unwrap_or(0).max(c.peak_allocated_bytes).max(c.allocated_bytes),
-                );
                 let sample = c.torch_sample(self.rel(t_ns), device, origin);
                 // An unchanged reading adds nothing to a step-function timeline: keep one a second.
                 if let Some(prev) = self.last_torch.get(&(origin.pid, device)) {

@@ -1,5 +1,6 @@
 //! The Prometheus sink (`torchmem run --metrics HOST:PORT`, `--metrics-textfile PATH`): keeps the latest
-//! value of every series from the record batches and, when scraped (or every few seconds for the textfile),
+//! value of every series from the record batches (folded by `LiveState`, the fold `top`, `--live` and the
+//! status line render too) and, when scraped (or every few seconds for the textfile),
 //! encodes them with the official `prometheus-client` crate. All gauges, in bytes (Prometheus base units);
 //! labels `pid`, `rank`, `local_rank` (when the process said), `device` (NVML index) and `UUID` (DCGM's
 //! label name, so `on(UUID)` joins with DCGM_FI_DEV_FB_USED work). A value never measured has no series
@@ -15,7 +16,6 @@
 //! boundary that carried a breakdown: parameters, gradients, optimizer_state, activations, inputs, other,
 //! cache, non_torch; `device` is the breakdown's own `cuda:N`/`cpu`; a category not measured has no series).
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use torchmem_core::model::{Edge, MarkerKind, Origin};
-use torchmem_core::store::Record;
+
+use crate::live_state::LiveState;
 
 use super::http::{MetricsServer, Render};
 use super::{RecordBatch, RunContext, Sink};
@@ -34,49 +34,11 @@ pub const TEXTFILE_INTERVAL_MS: u64 = 2000;
 
 type Labels = Vec<(&'static str, String)>;
 
-#[derive(Debug, Clone, Default)]
-struct ProcessState {
-    ppid: u32,
-    cmdline: String,
-    rss_bytes: Option<u64>,
-    pss_bytes: Option<u64>,
-    uss_bytes: Option<u64>,
-}
-
-#[derive(Debug, Clone, Default)]
-struct TorchState {
-    allocated_bytes: u64,
-    reserved_bytes: u64,
-    peak_allocated_bytes: u64,
-    peak_reserved_bytes: u64,
-}
-
-#[derive(Debug, Clone, Default)]
-struct SpanState {
-    step: Option<i64>,
-    steps_started: i64,
-    epoch: Option<i64>,
-    epochs_started: i64,
-    /// Open phases, innermost last.
-    phases_open: Vec<String>,
-    phases_seen: BTreeSet<String>,
-    /// The last boundary's breakdown (`Marker::breakdown`), per device.
-    breakdown: Vec<torchmem_core::model::DeviceBreakdown>,
-}
-
-/// The latest value of everything the sink exposes.
+/// What the sink exposes: the run's live state (`crate::live_state::LiveState`, the same fold as `top`'s
+/// state file and the status line), rendered as gauges.
 #[derive(Debug, Default)]
 pub struct MetricsState {
-    hostname: String,
-    uuids: BTreeMap<u32, String>,
-    identity: BTreeMap<u32, Origin>,
-    processes: BTreeMap<u32, ProcessState>,
-    torch: BTreeMap<(Option<u32>, u32), TorchState>,
-    gpu: BTreeMap<u32, (u64, u64)>,
-    gpu_process: BTreeMap<(u32, u32), u64>,
-    spans: BTreeMap<Option<u32>, SpanState>,
-    tree_rss_bytes: Option<u64>,
-    tree_pss_bytes: Option<u64>,
+    live: LiveState,
     /// `rank`/`local_rank` of the recorder itself when it runs as one rank (one `torchmem run` per rank):
     /// its tree-wide series carry them, so the ranks of a node stay apart.
     recorder: Labels,
@@ -85,8 +47,7 @@ pub struct MetricsState {
 impl MetricsState {
     pub fn new(ctx: &RunContext) -> Self {
         MetricsState {
-            hostname: ctx.hostname.clone(),
-            uuids: ctx.devices.iter().map(|d| (d.index, d.uuid.clone())).collect(),
+            live: LiveState::new(ctx, std::process::id(), None, None),
             recorder: ctx
                 .launch
                 .map(|l| {
@@ -96,117 +57,17 @@ impl MetricsState {
                         .collect()
                 })
                 .unwrap_or_default(),
-            ..Default::default()
-        }
-    }
-
-    fn learn(&mut self, origin: &Origin) {
-        if let Some(pid) = origin.pid {
-            self.identity.insert(pid, *origin);
         }
     }
 
     /// Folds one batch in.
     pub fn apply(&mut self, batch: &RecordBatch) {
-        for r in &batch.records {
-            match r {
-                Record::Cpu(s) => {
-                    self.tree_rss_bytes = Some(s.rss_bytes);
-                    if s.pss_bytes.is_some() {
-                        self.tree_pss_bytes = s.pss_bytes;
-                    }
-                }
-                Record::ProcessSeen(p) => {
-                    let e = self.processes.entry(p.pid).or_default();
-                    e.ppid = p.ppid;
-                    if !p.cmdline.is_empty() {
-                        e.cmdline = p.cmdline.clone();
-                    }
-                }
-                Record::Process(s) => {
-                    let e = self.processes.entry(s.pid).or_default();
-                    e.rss_bytes = Some(s.rss_bytes);
-                    e.pss_bytes = s.pss_bytes.or(e.pss_bytes);
-                    e.uss_bytes = s.uss_bytes.or(e.uss_bytes);
-                }
-                Record::Gpu(g) => {
-                    self.gpu.insert(g.device, (g.used_bytes, g.total_bytes));
-                }
-                // A process's hello: its rank labels from its first series on, not from its first marker.
-                Record::Blob { name, data, .. } if name == torchmem_core::analysis::ranks::IDENTITY_BLOB => {
-                    if let Ok(o) = serde_json::from_value::<Origin>(data.clone()) {
-                        self.learn(&o);
-                    }
-                }
-                Record::Torch(t) => {
-                    self.learn(&t.origin);
-                    // A sample's peak is the allocator's since torchmem's last window reset (the ledger
-                    // folds what a reset took into the next sample): the peak since the start is the
-                    // highest of them, as the profile's peak is.
-                    let before = self.torch.get(&(t.origin.pid, t.device));
-                    let (peak_alloc, peak_res) =
-                        before.map_or((0, 0), |b| (b.peak_allocated_bytes, b.peak_reserved_bytes));
-                    self.torch.insert(
-                        (t.origin.pid, t.device),
-                        TorchState {
-                            allocated_bytes: t.allocated_bytes,
-                            reserved_bytes: t.reserved_bytes,
-                            peak_allocated_bytes: t.peak_allocated_bytes.max(peak_alloc),
-                            peak_reserved_bytes: t.peak_reserved_bytes.max(peak_res),
-                        },
-                    );
-                }
-                _ => {}
-            }
-        }
-        for m in &batch.markers {
-            self.learn(&m.origin);
-            let s = self.spans.entry(m.origin.pid).or_default();
-            if let Some(b) = m.breakdown.as_ref().filter(|b| !b.is_empty()) {
-                s.breakdown = b.clone();
-            }
-            match (m.kind, m.edge) {
-                (MarkerKind::Step, Edge::Start) => {
-                    s.step = Some(m.index.unwrap_or(s.steps_started));
-                    s.steps_started += 1;
-                }
-                (MarkerKind::Epoch, Edge::Start) => {
-                    s.epoch = Some(m.index.unwrap_or(s.epochs_started));
-                    s.epochs_started += 1;
-                }
-                (MarkerKind::Phase, Edge::Start) => {
-                    s.phases_open.push(m.name.clone());
-                    s.phases_seen.insert(m.name.clone());
-                }
-                (MarkerKind::Phase, Edge::End) => {
-                    if let Some(i) = s.phases_open.iter().rposition(|p| *p == m.name) {
-                        s.phases_open.truncate(i);
-                    }
-                }
-                _ => {}
-            }
-        }
-        if !batch.gpu_processes.is_empty() {
-            self.gpu_process = batch.gpu_processes.iter().map(|g| ((g.device, g.pid), g.used_bytes)).collect();
-        }
-        for pid in &batch.exited_pids {
-            self.processes.remove(pid);
-            self.identity.remove(pid);
-            self.torch.retain(|(p, _), _| *p != Some(*pid));
-            self.gpu_process.retain(|(_, p), _| p != pid);
-            self.spans.remove(&Some(*pid));
-        }
+        self.live.apply(batch);
     }
 
-    /// The run ended: every process series ends with it (a textfile left behind must not show a finished
-    /// job's memory as current); the devices' NVML series stay.
+    /// The run ended: every process series ends with it; the devices' NVML series stay.
     pub fn end_of_run(&mut self) {
-        let pids: Vec<u32> = self.processes.keys().chain(self.identity.keys()).copied().collect();
-        self.apply(&RecordBatch { exited_pids: pids, ..Default::default() });
-        self.torch.clear();
-        self.spans.clear();
-        self.tree_rss_bytes = None;
-        self.tree_pss_bytes = None;
+        self.live.end_of_run();
     }
 
     /// pid, rank and local_rank, as far as known.
@@ -214,7 +75,7 @@ impl MetricsState {
         let mut l = Labels::new();
         if let Some(pid) = pid {
             l.push(("pid", pid.to_string()));
-            if let Some(o) = self.identity.get(&pid) {
+            if let Some(o) = self.live.identity.get(&pid) {
                 if let Some(r) = o.rank {
                     l.push(("rank", r.to_string()));
                 }
@@ -228,7 +89,7 @@ impl MetricsState {
 
     fn on_device(&self, mut l: Labels, device: u32) -> Labels {
         l.push(("device", device.to_string()));
-        if let Some(u) = self.uuids.get(&device).filter(|u| !u.is_empty()) {
+        if let Some(u) = self.live.device_uuids.get(&device).filter(|u| !u.is_empty()) {
             l.push(("UUID", u.clone()));
         }
         l
@@ -257,7 +118,7 @@ impl MetricsState {
             "torchmem_cuda_peak_reserved_bytes",
             "PyTorch's peak reserved bytes since the process started (the highest the allocator reached)",
         );
-        for ((pid, device), t) in &self.torch {
+        for ((pid, device), t) in &self.live.torch {
             let l = self.on_device(self.who(*pid), *device);
             set(&alloc, &l, t.allocated_bytes);
             set(&reserved, &l, t.reserved_bytes);
@@ -268,21 +129,21 @@ impl MetricsState {
             "torchmem_gpu_process_used_bytes",
             "GPU memory NVML counts for the process on the device (CUDA context included)",
         );
-        for ((device, pid), b) in &self.gpu_process {
+        for ((device, pid), b) in &self.live.gpu_process {
             set(&gpu_proc, &self.on_device(self.who(Some(*pid)), *device), *b);
         }
         let used = gauge("torchmem_gpu_used_bytes", "GPU memory used on the device, all processes (NVML)");
         let total = gauge("torchmem_gpu_total_bytes", "GPU memory on the device (NVML)");
-        for (device, (u, t)) in &self.gpu {
+        for (device, g) in &self.live.gpus {
             let l = self.on_device(Labels::new(), *device);
-            set(&used, &l, *u);
-            set(&total, &l, *t);
+            set(&used, &l, g.used_bytes);
+            set(&total, &l, g.total_bytes);
         }
         let rss = gauge("torchmem_process_rss_bytes", "Resident set size of the process");
         let pss = gauge("torchmem_process_pss_bytes", "Proportional set size of the process (shared pages split)");
         let uss = gauge("torchmem_process_uss_bytes", "Unique set size of the process (private pages)");
         let info = gauge("torchmem_process_info", "A process of the profiled tree (value 1)");
-        for (pid, p) in &self.processes {
+        for (pid, p) in &self.live.processes {
             let l = self.who(Some(*pid));
             for (f, v) in [(&rss, p.rss_bytes), (&pss, p.pss_bytes), (&uss, p.uss_bytes)] {
                 if let Some(v) = v {
@@ -291,23 +152,23 @@ impl MetricsState {
             }
             let mut l = l;
             l.push(("ppid", p.ppid.to_string()));
-            l.push(("host", self.hostname.clone()));
-            l.push(("command", p.cmdline.chars().take(200).collect()));
+            l.push(("host", self.live.base.hostname.clone()));
+            l.push(("command", p.command.chars().take(200).collect()));
             set(&info, &l, 1);
         }
         let tree_rss = gauge("torchmem_tree_rss_bytes", "Summed RSS of the whole profiled process tree");
         let tree_pss = gauge("torchmem_tree_pss_bytes", "Summed PSS of the whole profiled process tree");
-        if let Some(v) = self.tree_rss_bytes {
+        if let Some(v) = self.live.base.tree.rss_bytes {
             set(&tree_rss, &self.recorder, v);
         }
-        if let Some(v) = self.tree_pss_bytes {
+        if let Some(v) = self.live.base.tree.pss_bytes {
             set(&tree_pss, &self.recorder, v);
         }
         let breakdown = gauge(
             "torchmem_breakdown_bytes",
             "What the memory is at the last step or phase boundary, by category (counted by storage)",
         );
-        for (pid, s) in &self.spans {
+        for (pid, s) in &self.live.spans {
             for e in &s.breakdown {
                 for c in torchmem_core::breakdown::Category::STACKED {
                     if let Some(v) = e.get(c) {
@@ -322,7 +183,7 @@ impl MetricsState {
         let step = gauge("torchmem_step", "The program's current step index");
         let epoch = gauge("torchmem_epoch", "The program's current epoch index");
         let phase = gauge("torchmem_phase", "1 for the phase open now (innermost), 0 for the other phases seen");
-        for (pid, s) in &self.spans {
+        for (pid, s) in &self.live.spans {
             let l = self.who(*pid);
             if let Some(v) = s.step {
                 step.get_or_create(&l).set(v);
@@ -484,7 +345,10 @@ impl Sink for PrometheusSink {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use torchmem_core::model::{Marker, MarkerMemory, ProcessInfo, ProcessSample, TorchSample};
+    use torchmem_core::model::{
+        Edge, Marker, MarkerKind, MarkerMemory, Origin, ProcessInfo, ProcessSample, TorchSample,
+    };
+    use torchmem_core::record::Record;
     use torchmem_core::sources::gpu::GpuDevice;
 
     fn origin(pid: u32, rank: Option<u32>) -> Origin {
