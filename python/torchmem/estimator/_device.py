@@ -187,6 +187,9 @@ class _FakeStream:
 
     cuda_stream = 0
     device_index = 0
+    # `torch.Stream`'s fields (FSDP2's `record_grad_output_stream` passes them to a no-op custom op).
+    stream_id = 0
+    device_type = 1  # c10::DeviceType::CUDA
 
     def __init__(self, *_a, **_k) -> None:
         self.device = _torch_device()

@@ -21,6 +21,7 @@ from typing import Any
 
 from . import _snapshot
 from ._device import EstimateUnsupported, GpuSpec
+from ._distributed import world_from_env
 from ._tracer import round512
 
 _TOP = 12
@@ -96,7 +97,26 @@ def summary(session, *, reason: str, seconds: float, error: str | None = None) -
         "trace_seconds": round(seconds, 3),
         "torch_version": torch.__version__,
         "gpu": session.gpu.name,
+        "distributed": distributed_summary(session),
     }
+
+
+def distributed_summary(session) -> dict:
+    """The emulated world of the trace (`_distributed`): world size, traced rank, communicators, the NCCL model,
+    and the rank classes the traced rank stands for."""
+    emu = session.distributed
+    if emu is not None:
+        d = emu.summary()
+    else:
+        from ._distributed import World, nccl_model
+
+        w = session.world or World()
+        d = {**w.as_dict(), "process_group": None, "communicators": [], "ddp_modules": 0}
+        d["nccl"] = nccl_model([], world_size=w.world_size)
+    # Symmetric parallelisms (FSDP2, DDP, TP over whole meshes: every rank holds equal, padded shards and makes
+    # the same requests): the traced rank's numbers stand for every rank. One class; see docs/estimator.md.
+    d["rank_classes"] = [{"ranks": list(range(d["world_size"])), "traced_rank": d["rank"], "symmetric": True}]
+    return d
 
 
 class _ScriptRun:
@@ -108,11 +128,19 @@ class _ScriptRun:
         self.t0 = time.perf_counter()
         spec = GpuSpec(g["name"], int(g["cuda_total_bytes"]), int(g["major"]), int(g["minor"]), int(g["sms"]))
         forward_calls = cfg.get("forward_calls")
+        d = cfg.get("distributed") or {}
+        # The world the CLI asked for (--nnodes x --nproc-per-node, --rank), else WORLD_SIZE/RANK, else 1 rank.
+        world = world_from_env(
+            int(d["world_size"]) if d.get("world_size") else None,
+            int(d["rank"]) if d.get("rank") is not None else None,
+            int(d["nproc_per_node"]) if d.get("nproc_per_node") else None,
+        )
         self.session = Session(
             spec,
             steps_limit=int(cfg.get("steps", 3)),
             forward_calls_limit=int(forward_calls) if forward_calls else None,
             frames_min_bytes=cfg.get("frames_min_bytes", 1 << 20),
+            world=world,
         )
         self.session.on_limit = self.limit_reached
         self.session._shim.alloc_conf = cfg.get("alloc_conf", "")

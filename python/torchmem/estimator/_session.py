@@ -97,8 +97,12 @@ class Session:
         steps_limit: int | None = None,
         forward_calls_limit: int | None = None,
         frames_min_bytes: int = 1 << 20,
+        world=None,
     ):
         self.gpu = gpu
+        # The emulated distributed world (`_distributed.World`; None: from the environment) and its emulation.
+        self.world = world
+        self.distributed = None
         self.steps_limit = steps_limit
         self.forwards = ForwardCounter(forward_calls_limit, self._limit_reached)
         self.backward_calls = 0
@@ -223,41 +227,15 @@ class Session:
 
     def _patch_distributed(self) -> None:
         # A torchrun-style program (`init_process_group("nccl")`, WORLD_SIZE in the environment) waited forever
-        # for ranks that never come. Until the distributed estimate exists, the call ends the estimate at once.
-        try:
-            import torch.distributed as dist
-            import torch.distributed.distributed_c10d as c10d
-        except ImportError:
-            return
-        if not dist.is_available():
-            return
-        tr = self.tracer
+        # for ranks that never come: it runs as one rank of an emulated world (`_distributed`, torch's fake
+        # process group), the world given to the session or else WORLD_SIZE/RANK from the environment, else 1.
+        from ._distributed import Emulation, world_from_env
 
-        def refuse(name: str):
-            def init(*args, **kwargs):
-                backend = kwargs.get("backend", args[0] if args else None)
-                env = ", ".join(f"{k}={os.environ[k]}" for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in os.environ)
-                message = (
-                    f"the program calls {name}({'backend=' + repr(backend) if backend else ''})"
-                    f"{' with ' + env if env else ''}: a distributed run; `torchmem estimate` emulates one GPU in "
-                    "one process and the distributed estimate is not available yet. Estimate one rank's "
-                    "single-GPU program instead (run it without the process group)"
-                )
-                tr.note(message)  # said in the report too, should the program catch the error and go on
-                raise _device.EstimateUnsupported(message)
-
-            return init
-
-        self._patch(dist, "init_process_group", refuse("torch.distributed.init_process_group"))
-        self._patch(c10d, "init_process_group", refuse("torch.distributed.init_process_group"))
-        try:
-            import torch.distributed.device_mesh as mesh
-        except ImportError:
-            return
-        if hasattr(mesh, "init_device_mesh"):
-            self._patch(mesh, "init_device_mesh", refuse("torch.distributed.device_mesh.init_device_mesh"))
-        if hasattr(dist, "init_device_mesh"):
-            self._patch(dist, "init_device_mesh", refuse("torch.distributed.init_device_mesh"))
+        world = self.world if self.world is not None else world_from_env()
+        self.world = world
+        emulation = Emulation(world, self.tracer.note)
+        if emulation.install():
+            self.distributed = emulation
 
     def _patch_swap_tensors(self) -> None:
         # `module.to("cuda")` swaps fake parameters (torch >= 2.5 always swaps FakeTensors), and swapping refuses
@@ -336,6 +314,8 @@ class Session:
             else:
                 setattr(obj, name, old)
         self._patches.clear()
+        if self.distributed is not None:
+            self.distributed.uninstall()
         self._shim.uninstall()
         self.mode = None
         if self._warning_filter in warnings.filters:

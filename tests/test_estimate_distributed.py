@@ -1,0 +1,300 @@
+"""`torchmem estimate` of sharded training (issue 24, first slices): a torchrun-style program runs as one rank of an
+emulated world on torch's fake process group (`torchmem.estimator._distributed`), on this CPU-only machine, with
+real torch. Checked against what a real CPU run on the fake backend holds per rank (FSDP2's local shards), against
+what the shapes say (TP's colwise/rowwise shards, DDP's buckets), and that nothing waits for peers (a script
+calling `init_process_group("nccl")` without flags runs as one rank and ends; 1,024 ranks of a tiny FSDP2 model
+end well inside a minute)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+if torch.cuda.is_available():  # pragma: no cover - these tests are about machines without a GPU
+    pytest.skip("the estimator tests run on a machine without a GPU", allow_module_level=True)
+if not torch.distributed.is_available():  # pragma: no cover
+    pytest.skip("torch.distributed is not built into this torch", allow_module_level=True)
+
+MIB = 1024 * 1024
+
+# Runs an FSDP2 MLP (`fully_shard` per layer, then the root; AdamW; one step) as rank 0 of a world of N, either for
+# real on the CPU with torch's fake backend ("real") or under the estimator's emulated CUDA device ("estimate"),
+# and prints the bytes of the rank's local parameter, gradient and optimizer-state shards (storages, so FSDP2's
+# padding counts) and, under the estimator, the bytes the trace holds for those storages.
+FSDP_STATE_SCRIPT = """
+import json, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+
+mode, n = sys.argv[1], int(sys.argv[2])
+LAYERS, IN, OUT = 4, 128, 100   # 100 rows: padded to 104 at 8 ranks
+
+
+def build(device):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(IN if i == 0 else OUT, OUT) for i in range(LAYERS)]).to(device)
+    mesh = init_device_mesh(device, (n,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(8, IN, device=device)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def storages(model, opt):
+    ts = []
+    for p in model.parameters():
+        ts += [p.to_local(), p.grad.to_local()]
+    for st in opt.state.values():
+        ts += [v.to_local() if hasattr(v, "to_local") else v for k, v in st.items() if k != "step"]
+    return {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in ts}
+
+
+if mode == "real":
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
+    model, opt = build("cpu")
+    out = {"state_bytes": sum(storages(model, opt).values())}
+else:
+    from torchmem.estimator import GpuSpec
+    from torchmem.estimator._distributed import World
+    from torchmem.estimator._session import Session
+
+    h200 = GpuSpec("NVIDIA H200", 150_000_000_000, 9, 0, 132)
+    session = Session(h200, world=World(world_size=n, rank=0, nproc_per_node=8, explicit=True))
+    with session:
+        dist.init_process_group("nccl")
+        model, opt = build("cuda")
+        seen = storages(model, opt)
+        tracked = session.tracer._tracked
+        out = {
+            "state_bytes": sum(seen.values()),
+            "traced_bytes": sum(tracked[k][2] for k in seen if k in tracked),
+            "untraced": sum(1 for k in seen if k not in tracked),
+            "device": str(next(model.parameters()).device),
+        }
+out["param_shapes"] = [list(p.to_local().shape) for p in model.parameters()]
+print(json.dumps(out))
+"""
+
+
+def _python(script: Path, *args: str, timeout: int = 180) -> dict:
+    p = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout, cwd=script.parent
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _estimate(script: Path, *args: str, cli: tuple[str, ...] = (), env=None, timeout: int = 180):
+    e = dict(os.environ, TORCHMEM_PYTHON=sys.executable)
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        e.pop(k, None)
+    e.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "torchmem", "estimate", "--gpu", "H200", "--json", *cli, "--",
+         sys.executable, str(script), *args],
+        capture_output=True, text=True, cwd=script.parent, env=e, timeout=timeout,
+    )  # fmt: skip
+
+
+def _ok(p: subprocess.CompletedProcess) -> dict:
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout)
+
+
+def test_fsdp2_state_per_rank_is_the_real_fake_backend_runs_and_shrinks_as_one_over_n(tmp_path):
+    """The estimate's parameter + gradient + optimizer-state bytes of an FSDP2 rank equal, at world 1, 2 and 8, the
+    local shards a real CPU run with the fake backend holds (storage bytes, FSDP2's padding included), and every
+    one of them is in the trace; they shrink as 1/N plus the padding of 100 rows over 8 ranks (104/100)."""
+    script = tmp_path / "fsdp_state.py"
+    script.write_text(FSDP_STATE_SCRIPT)
+    est = {n: _python(script, "estimate", str(n)) for n in (1, 2, 8)}
+    real = {n: _python(script, "real", str(n)) for n in (1, 2, 8)}
+    for n in (1, 2, 8):
+        assert est[n]["device"].startswith("cuda"), est[n]
+        assert est[n]["untraced"] == 0, est[n]
+        assert est[n]["traced_bytes"] == est[n]["state_bytes"] == real[n]["state_bytes"], (n, est[n], real[n])
+        assert est[n]["param_shapes"] == real[n]["param_shapes"]
+    full = est[1]["state_bytes"]
+    # 4 layers: weights 128*100 + 3 * 100*100, biases 4 * 100; fp32; param + grad + exp_avg + exp_avg_sq.
+    assert full == (128 * 100 + 3 * 100 * 100 + 4 * 100) * 4 * 4
+    assert est[2]["state_bytes"] * 2 == full
+    assert est[8]["state_bytes"] * 8 == full * 104 // 100
+    assert est[8]["param_shapes"][0] == [13, 128]
+
+
+TP_SCRIPT = """
+import json
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torchmem.estimator import GpuSpec
+from torchmem.estimator._distributed import World
+from torchmem.estimator._session import Session
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(512, 2048)
+        self.down = torch.nn.Linear(2048, 512)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+h200 = GpuSpec("NVIDIA H200", 150_000_000_000, 9, 0, 132)
+session = Session(h200, world=World(world_size=4, rank=0, nproc_per_node=4, explicit=True))
+with session:
+    mesh = init_device_mesh("cuda", (4,))   # initializes the (emulated) default group itself
+    model = parallelize_module(MLP().cuda(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    opt = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        model(torch.randn(16, 512, device="cuda")).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    tracked = session.tracer._tracked
+    params = [p.to_local() for p in model.parameters()]
+    print(json.dumps({
+        "shapes": {n: list(p.to_local().shape) for n, p in model.named_parameters()},
+        "param_traced_bytes": sum(tracked[t.untyped_storage()._cdata][2] for t in params),
+        "steps": session.tracer.step,
+        "world": dist.get_world_size(),
+    }))
+"""
+
+
+def test_tensor_parallel_colwise_rowwise_shards(tmp_path):
+    """`parallelize_module` with ColwiseParallel / RowwiseParallel over an emulated mesh of 4: the up projection's
+    weight and bias are split by rows, the down projection's weight by columns (its bias replicated), the trace
+    holds a quarter of the sharded weights, and two training steps run."""
+    script = tmp_path / "tp.py"
+    script.write_text(TP_SCRIPT)
+    r = _python(script)
+    assert r["world"] == 4 and r["steps"] == 2
+    assert r["shapes"] == {
+        "up.weight": [512, 512],
+        "up.bias": [512],
+        "down.weight": [512, 512],
+        "down.bias": [512],
+    }
+    assert r["param_traced_bytes"] == (512 * 512 + 512 + 512 * 512 + 512) * 4
+
+
+DDP_SCRIPT = """
+import os, sys
+import torch, torch.nn as nn
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+as_view = sys.argv[1] == "view"
+local_rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local_rank)
+dist.init_process_group("nccl", init_method="env://")
+model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)]).cuda()
+ddp = DDP(model, device_ids=[local_rank], gradient_as_bucket_view=as_view)
+opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+for _ in range(3):
+    ddp(torch.randn(4, 2048, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_ddp_holds_model_gradients_and_buckets(tmp_path):
+    """DDP (its reducer emulated: buckets as DDP allocates them) as rank 0 of 2: the peak holds the model, its
+    gradients and the buckets (3 x 64 MiB of fp32 weights, SGD without state); with gradient_as_bucket_view the
+    gradients are the buckets, so backward's peak is lower by about the gradients (less the one gradient in
+    flight before it is copied into its bucket)."""
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT)
+    params = 4 * (2048 * 2048 + 2048) * 4
+    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    copy = _ok(_estimate(script, "copy", env=env))
+    view = _ok(_estimate(script, "view", env=env))
+    assert copy["peak_allocated_bytes"] >= 3 * params
+    assert copy["phase_peak_bytes"]["backward"] >= 3 * params
+    saved = copy["phase_peak_bytes"]["backward"] - view["phase_peak_bytes"]["backward"]
+    one_layer = (2048 * 2048 + 2048) * 4
+    assert params - one_layer - MIB <= saved <= params + MIB, (saved, params)
+    assert any("DistributedDataParallel is emulated" in n for n in copy["notes"]), copy["notes"]
+
+
+PLAIN_NCCL_SCRIPT = """
+import torch, torch.nn as nn
+import torch.distributed as dist
+
+dist.init_process_group("nccl")
+print("world", dist.get_world_size(), "rank", dist.get_rank(), flush=True)
+t = torch.ones(1024, device="cuda")
+dist.all_reduce(t)
+dist.barrier()
+out = torch.empty(1024 * dist.get_world_size(), device="cuda")
+dist.all_gather_into_tensor(out, t)
+m = nn.Linear(256, 256).cuda()
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for _ in range(3):
+    m(torch.randn(8, 256, device="cuda")).sum().backward()
+    opt.step()
+dist.destroy_process_group()
+"""
+
+
+def test_init_process_group_nccl_without_flags_runs_as_one_rank_and_ends(tmp_path):
+    """Failed before this issue: hung in `init_process_group` (then: refused at once). Without flags and without
+    WORLD_SIZE the program is one rank of a world of 1, its collectives run on the fake group, and it ends."""
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN_NCCL_SCRIPT)
+    p = _estimate(script, timeout=120)
+    r = _ok(p)
+    assert "world 1 rank 0" in p.stderr
+    assert any("emulated world of 1" in n for n in r["notes"]), r["notes"]
+    assert r["steps_traced"] == 3
+
+
+TINY_FSDP_SCRIPT = """
+import os
+import torch, torch.nn as nn
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+dist.init_process_group("nccl")
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+print("world", dist.get_world_size(), "rank", dist.get_rank(), "local", os.environ["LOCAL_RANK"],
+      "of", os.environ["LOCAL_WORLD_SIZE"], flush=True)
+model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(2)]).cuda()
+for layer in model:
+    fully_shard(layer)
+fully_shard(model)
+opt = torch.optim.AdamW(model.parameters())
+for _ in range(3):
+    model(torch.randn(8, 256, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_fsdp2_over_1024_ranks_ends_inside_a_minute(tmp_path):
+    """A world of 128 nodes x 8 processes (WORLD_SIZE=1024): the fake group, FSDP2's default mesh over all ranks
+    and three steps end within the 60 s the test allows."""
+    script = tmp_path / "tiny_fsdp.py"
+    script.write_text(TINY_FSDP_SCRIPT)
+    env = {"WORLD_SIZE": "1024", "RANK": "0", "LOCAL_WORLD_SIZE": "8"}
+    p = _estimate(script, env=env, timeout=60)
+    r = _ok(p)
+    assert "world 1024 rank 0 local 0 of 8" in p.stderr
+    assert r["steps_traced"] == 3
