@@ -9,7 +9,8 @@ import pytest
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    first = [it for it in items if it.nodeid.startswith("tests/test_estimate.py") or "test_estimate.py::" in it.nodeid]
+    in_process = ("test_estimate.py", "test_estimate_usecase.py")
+    first = [it for it in items if any(it.nodeid.startswith(f"tests/{f}") or f"{f}::" in it.nodeid for f in in_process)]
     if first:
         rest = [it for it in items if it not in first]
         items[:] = first + rest

@@ -310,6 +310,33 @@ def whatif(path: str, memory_limit_bytes: int | None = None, device_total_bytes:
     one line on why the trace cannot be simulated) and `text`. `memory_limit_bytes`: the per-process cap
     the run had. Raises SnapshotError."""
 
+# --- the estimate use case (crates/torchmem-py/src/estimate.rs) ---
+def parse_size(text: str) -> int:
+    """Bytes from a size as the CLI's flags take it (one parser: `--memory-limit 14g` means the same):
+    `14g`/`14GiB`/`14.5 GiB` (1024-based), `24GB`/`24 MB` (1000-based), `100 B`, or a bare byte count of at
+    least 1 MiB. Raises InputError (a ValueError) naming the accepted forms."""
+
+def gpu_catalogue() -> list[dict[str, Any]]:
+    """The estimator's GPU catalogue (`torchmem estimate --list-gpus --json`): per GPU `key`, `name`,
+    `nvml_total_bytes`, `cuda_total_bytes`, `cuda_total_measured`, `major`, `minor`, `multi_processor_count`,
+    `context` (the measured CUDA context overhead or None)."""
+
+def find_gpu(name: str) -> dict[str, Any]:
+    """The catalogue entry for `name` (case-insensitive; "H100" is the 80 GB SXM, "4090" the RTX 4090).
+    Raises InputError naming the known keys."""
+
+def estimate_report(
+    trace: str,
+    summary: dict[str, Any],
+    gpu: str = "H200",
+    device_memory_bytes: int | None = None,
+    alloc_conf: str | None = None,
+) -> dict[str, Any]:
+    """The estimate of a traced run, in-process (the code `torchmem estimate --trace T --summary S` runs):
+    the tracer's trace file and summary dict replayed on `gpu` (with `device_memory_bytes` instead of its
+    memory when given, under `alloc_conf` when given); the dict of `--json` plus `text`. Raises
+    SnapshotError (an unreadable trace), InputError (unknown GPU, bad alloc_conf or summary)."""
+
 # --- allocator snapshots (crates/torchmem-py/src/snapshot.rs) ---
 def snapshot_summary(path: str, top: int = 10, at_time_us: int | None = None) -> dict[str, Any]:
     """Summary (per-device reserved/allocated/active/requested bytes now and at the traced peak,

@@ -47,20 +47,6 @@ import pytest
 MARKERS = ("limit_memory", "limit_leaks")
 _KINDS_BY_DEVICE = {"cuda": ("allocated", "reserved"), "cpu": ("rss",)}
 _LEAK_KINDS = {"cuda": ("allocated",), "cpu": ("rss",)}
-_UNITS = {
-    "B": 1,
-    "KB": 1000,
-    "MB": 1000**2,
-    "GB": 1000**3,
-    "TB": 1000**4,
-    "PB": 1000**5,
-    "KIB": 1024,
-    "MIB": 1024**2,
-    "GIB": 1024**3,
-    "TIB": 1024**4,
-    "PIB": 1024**5,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]+)\s*$")
 _PROPERTY = "torchmem"
 
 _limits_key = pytest.StashKey[list]()
@@ -71,24 +57,21 @@ _result_key = pytest.StashKey[dict]()
 
 
 def parse_size(text: Any) -> int:
-    """Bytes from `"2 GiB"`, `"512MiB"`, `"24 MB"` (SI: 1000-based), `"100 B"`, or an int of bytes.
-    Raises ValueError naming the accepted forms."""
-    if isinstance(text, bool):
+    """Bytes from `"2 GiB"`, `"512MiB"`, `"2g"` (1024-based), `"24 MB"` (1000-based), `"100 B"`, or an int of
+    bytes: torchmem's one size parser (`_native.parse_size`), so a marker's size means what `--memory-limit`
+    means. Raises ValueError naming the accepted forms."""
+    if isinstance(text, bool) or not isinstance(text, (int, str)):
         raise ValueError(f"memory limit {text!r}: expected a size such as '2 GiB' or an int of bytes")
     if isinstance(text, int):
         if text < 0:
             raise ValueError(f"memory limit {text!r}: must not be negative")
         return text
-    if not isinstance(text, str):
-        raise ValueError(f"memory limit {text!r}: expected a size such as '2 GiB' or an int of bytes")
-    m = _SIZE_RE.match(text)
-    unit = m.group(2).upper() if m else None
-    if m is None or unit not in _UNITS:
-        raise ValueError(
-            f"memory limit {text!r}: expected <number> <unit>, e.g. '2 GiB', '512 MiB' (1024-based), "
-            "'24 MB' (1000-based) or '100 B'"
-        )
-    return int(float(m.group(1)) * _UNITS[unit])
+    from . import _native
+
+    try:
+        return _native.parse_size(text)
+    except ValueError as e:
+        raise ValueError(f"memory limit {text!r}: {e}") from None
 
 
 def _fmt(n: int | None) -> str:

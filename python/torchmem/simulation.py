@@ -20,21 +20,9 @@ from . import _native
 
 __all__ = ["Simulation", "simulate"]
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-}
-
 
 def _size(value: int | str | None, what: str) -> int | None:
+    """Bytes from a byte count or a size string (`14g`, `14GiB`, `80GB`, as the CLI's flags take it)."""
     if value is None:
         return None
     if isinstance(value, bool):
@@ -44,12 +32,11 @@ def _size(value: int | str | None, what: str) -> int | None:
             raise ValueError(f"{what} must be positive, got {value}")
         return value
     if isinstance(value, str):
-        text = value.strip().lower().replace(" ", "")
-        num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = text[len(num) :]
-        if unit not in _UNITS or not num:
-            raise ValueError(f"{what}: {value!r} is not a size (try 14GiB, 80GB or a byte count)")
-        return int(round(float(num) * _UNITS[unit]))
+        # The CLI's one parser: `memory_limit="14g"` means what `--memory-limit 14g` means.
+        try:
+            return _native.parse_size(value)
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from None
     raise TypeError(f"{what} must be a byte count or a size such as '14GiB', not {type(value).__name__}")
 
 

@@ -7,6 +7,7 @@ mod api;
 mod cli;
 mod convert;
 mod errors;
+mod estimate;
 mod events;
 mod leaks;
 mod line;
@@ -30,5 +31,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     snapshot::register(m)?;
     profile::register(m)?;
     simulate::register(m)?;
+    estimate::register(m)?;
     Ok(())
 }

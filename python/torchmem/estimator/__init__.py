@@ -7,15 +7,13 @@ allocator snapshot that the allocator simulator (`torchmem simulate`) replays fo
     est.peak_reserved_bytes, est.nvml_bytes, est.fits
 
 The report (fits, margins, phases, largest tensors) comes from the same Rust code as `torchmem estimate
---trace`, so the CLI and this function agree.
+--trace` (the torchmem-estimator crate), called in-process through `_native.estimate_report`: no CLI process
+is started, and the CLI and this function agree.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -27,33 +25,21 @@ from ._device import EstimateUnsupported, GpuSpec
 __all__ = ["Estimate", "EstimateUnsupported", "GpuSpec", "estimate", "gpu_catalogue", "gpu_spec"]
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torchmem", *args], capture_output=True, text=True)
-
-
-_CATALOGUE: list[dict] | None = None
-
-
 def gpu_catalogue() -> list[dict]:
-    """The GPU catalogue (one table, in Rust: `torchmem estimate --list-gpus --json`)."""
-    global _CATALOGUE
-    if _CATALOGUE is None:
-        p = _cli("estimate", "--list-gpus", "--json")
-        if p.returncode != 0:
-            raise EstimateUnsupported(f"cannot read torchmem's GPU catalogue: {p.stderr.strip()[-400:]}")
-        _CATALOGUE = json.loads(p.stdout)
-    return _CATALOGUE
+    """The GPU catalogue (one table, in Rust: the one `torchmem estimate --list-gpus --json` prints)."""
+    from .. import _native
+
+    return _native.gpu_catalogue()
 
 
 def _find_gpu(name: str) -> dict:
-    norm = name.upper().replace("_", "-").replace(" ", "-")
-    aliases = {"H100": "H100-80GB", "A100": "A100-80GB", "V100": "V100-32GB", "4090": "RTX-4090", "3090": "RTX-3090"}
-    norm = aliases.get(norm, norm)
-    for g in gpu_catalogue():
-        if g["key"].upper() == norm:
-            return g
-    keys = ", ".join(g["key"] for g in gpu_catalogue())
-    raise EstimateUnsupported(f"unknown GPU {name!r}. Known: {keys} (or give device_memory=)")
+    """The catalogue entry for `name`, by the CLI's alias rule (`--gpu`)."""
+    from .. import _native
+
+    try:
+        return _native.find_gpu(name)
+    except ValueError as e:
+        raise EstimateUnsupported(str(e)) from None
 
 
 def gpu_spec(name: str) -> GpuSpec:
@@ -103,12 +89,16 @@ def estimate(
 
     `alloc_conf` is a PYTORCH_CUDA_ALLOC_CONF to simulate, `device_memory` a capacity instead of the GPU's
     ("24GB" or bytes), `trace_path` keeps the trace (an allocator snapshot) for `torchmem simulate`."""
+    from .. import _native
+    from ..simulation import _size
     from . import _runner, _snapshot
     from ._session import Session, StopTrace, translate_error
 
     if steps < 1:
         raise ValueError("steps must be at least 1")
     spec = gpu_spec(gpu)
+    # The CLI's one size parser ("24GB", "14g", bytes), checked before the trace runs.
+    memory_bytes = _size(device_memory, "device_memory")
     t0 = time.perf_counter()
     session = Session(spec, steps_limit=None)
     try:
@@ -127,19 +117,12 @@ def estimate(
     with tempfile.TemporaryDirectory(prefix="torchmem-estimate-") as d:
         trace = Path(trace_path) if trace_path is not None else Path(d) / "trace.pickle"
         _snapshot.write(_snapshot.build(session.tracer, alloc_conf=alloc_conf), trace)
-        summary_path = Path(d) / "summary.json"
-        summary_path.write_text(json.dumps(summary))
-        args = ["estimate", "--trace", str(trace), "--summary", str(summary_path), "--gpu", gpu, "--json"]
-        if alloc_conf:
-            args += ["--alloc-conf", alloc_conf]
-        if device_memory is not None:
-            args += ["--device-memory", str(device_memory)]
-        p = _cli(*args)
-        if p.returncode not in (0, 1):
-            raise EstimateUnsupported(f"torchmem estimate --trace failed: {p.stderr.strip()[-600:]}")
-        report = json.loads(p.stdout)
-        text = _cli(*[a for a in args if a != "--json"]).stdout
-    report["text"] = text
+        try:
+            report = _native.estimate_report(
+                str(trace), summary, gpu=gpu, device_memory_bytes=memory_bytes, alloc_conf=alloc_conf or None
+            )
+        except ValueError as e:
+            raise EstimateUnsupported(f"the estimate's report failed: {e}") from e
     return Estimate(
         gpu=report["gpu"],
         device_memory_bytes=report["device_memory_bytes"],
