@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 
 use serde_json::json;
-use torchmem_sim::{config, render, replay, search, AllocConf, Prepared, SimOptions};
+use torchmem_sim::{render, replay, search, AllocConf, Prepared, SimOptions};
 
 #[derive(Debug, clap::Args)]
 pub struct SimulateArgs {
@@ -42,7 +42,7 @@ pub struct SimulateArgs {
 fn size_arg(flag: &str, v: &Option<String>) -> anyhow::Result<Option<u64>> {
     match v {
         None => Ok(None),
-        Some(s) => config::parse_size(s).map(Some).map_err(|e| anyhow::anyhow!("{flag}: {e}")),
+        Some(s) => torchmem_units::parse_size(s).map(Some).map_err(|e| anyhow::anyhow!("{flag}: {e}")),
     }
 }
 

@@ -74,7 +74,7 @@ pub fn run(args: SnapshotArgs) -> anyhow::Result<i32> {
     let memory_limit_bytes = args
         .memory_limit
         .as_deref()
-        .map(torchmem_sim::config::parse_size)
+        .map(torchmem_units::parse_size)
         .transpose()
         .map_err(|e| anyhow::anyhow!("--memory-limit: {e}"))?;
     if let Some(out) = &args.html {

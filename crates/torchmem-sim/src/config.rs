@@ -316,9 +316,6 @@ fn parse_roundup(v: &str) -> Result<[u64; ROUNDUP_INTERVALS], String> {
     Ok(t)
 }
 
-/// The one size parser (`torchmem_units::parse_size`), re-exported for the simulator's callers.
-pub use torchmem_units::parse_size;
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -358,16 +355,5 @@ mod tests {
         want[9] = 2;
         want[10] = 4;
         assert_eq!(t, want);
-    }
-
-    #[test]
-    fn sizes() {
-        assert_eq!(parse_size("80GiB").unwrap(), 80 << 30);
-        assert_eq!(parse_size("80GB").unwrap(), 80_000_000_000);
-        assert_eq!(parse_size("8000000000").unwrap(), 8_000_000_000);
-        assert_eq!(parse_size("1024B").unwrap(), 1024);
-        let e = parse_size("12").unwrap_err();
-        assert!(e.contains("12GiB") && e.contains("12 bytes"), "{e}");
-        assert!(parse_size("lots").is_err());
     }
 }
