@@ -86,8 +86,8 @@ pub fn load(path: &Path, device: Option<usize>) -> Result<Doc, String> {
             ));
         }
     }
-    let trace = Trace::build(snap, device);
-    let index = LodIndex::build(&trace.allocs, &trace.active_bytes);
+    let mut trace = Trace::build(snap, device);
+    let index = LodIndex::build(&trace.allocs, std::mem::take(&mut trace.active_bytes));
     Ok(Doc::Memory { name, kind: trace_kind(path), trace: Box::new(trace), index })
 }
 

@@ -18,9 +18,11 @@ pub const CELL_PX: usize = 4;
 pub struct LodIndex {
     /// Per chunk of `CHUNK` allocations (sorted by t0): the latest end among them.
     chunk_max_t1: Vec<u32>,
-    /// Max pyramid of the active level: `max_levels[k][i]` = max over events [i·2^k, (i+1)·2^k).
-    max_levels: Vec<Vec<u64>>,
-    min_levels: Vec<Vec<u64>>,
+    /// The active level after each event (level 0 of both pyramids).
+    level: Vec<u64>,
+    /// Max pyramid above it: `max_up[k - 1][i]` = max over events [i·2^k, (i+1)·2^k).
+    max_up: Vec<Vec<u64>>,
+    min_up: Vec<Vec<u64>>,
 }
 
 /// One band as the page draws it.
@@ -67,37 +69,43 @@ pub struct LodResult {
     pub overlapping: usize,
 }
 
+/// The levels above `base`, each half the one below (combined with `f`).
 fn pyramid(base: &[u64], f: fn(u64, u64) -> u64) -> Vec<Vec<u64>> {
-    let mut levels = vec![base.to_vec()];
-    while levels.last().is_some_and(|l| l.len() > 1) {
-        let prev = levels.last().expect("one level");
-        levels.push(prev.chunks(2).map(|c| c.iter().copied().reduce(f).unwrap_or(0)).collect());
+    let mut levels: Vec<Vec<u64>> = Vec::new();
+    loop {
+        let prev = levels.last().map(Vec::as_slice).unwrap_or(base);
+        if prev.len() <= 1 {
+            return levels;
+        }
+        let next = prev.chunks(2).map(|c| c.iter().copied().reduce(f).unwrap_or(0)).collect();
+        levels.push(next);
     }
-    levels
 }
 
-fn range_fold(levels: &[Vec<u64>], mut lo: usize, hi: usize, f: fn(u64, u64) -> u64, init: u64) -> u64 {
-    // [lo, hi) over level 0, combined from the largest aligned blocks.
+/// `f` over base[lo..hi], combined from the largest aligned blocks of the pyramid `up` above `base`.
+fn range_fold(base: &[u64], up: &[Vec<u64>], mut lo: usize, hi: usize, f: fn(u64, u64) -> u64, init: u64) -> u64 {
     let mut acc = init;
     while lo < hi {
         let mut k = 0;
-        while k + 1 < levels.len() && lo % (1 << (k + 1)) == 0 && lo + (1 << (k + 1)) <= hi {
+        while k < up.len() && lo % (1 << (k + 1)) == 0 && lo + (1 << (k + 1)) <= hi {
             k += 1;
         }
-        acc = f(acc, levels[k][lo >> k]);
+        acc = f(acc, if k == 0 { base[lo] } else { up[k - 1][lo >> k] });
         lo += 1 << k;
     }
     acc
 }
 
 impl LodIndex {
-    pub fn build(allocs: &[Alloc], active_bytes: &[u64]) -> LodIndex {
+    /// Indexes `allocs` (sorted by t0) and takes the active level after each event.
+    pub fn build(allocs: &[Alloc], level: Vec<u64>) -> LodIndex {
         let chunk_max_t1 = allocs.chunks(CHUNK).map(|c| c.iter().map(|a| a.t1).max().unwrap_or(0)).collect();
-        LodIndex {
-            chunk_max_t1,
-            max_levels: pyramid(active_bytes, u64::max),
-            min_levels: pyramid(active_bytes, u64::min),
-        }
+        LodIndex { chunk_max_t1, max_up: pyramid(&level, u64::max), min_up: pyramid(&level, u64::min), level }
+    }
+
+    /// The active level after event `e`.
+    pub fn level_at(&self, e: usize) -> Option<u64> {
+        self.level.get(e).copied()
     }
 
     /// Calls `f(id, alloc)` for every allocation alive at some event of [t0, t1).
@@ -201,7 +209,7 @@ impl LodIndex {
             }
         }
         let (mut level_max, mut level_min) = (Vec::with_capacity(cols), Vec::with_capacity(cols));
-        let n = self.max_levels[0].len();
+        let n = self.level.len();
         for c in 0..cols {
             let a = (t0 + c as f64 / px_per_event).floor() as usize;
             let b = ((t0 + (c + 1) as f64 / px_per_event).ceil() as usize).max(a + 1);
@@ -211,8 +219,8 @@ impl LodIndex {
                 level_min.push(0);
                 continue;
             }
-            level_max.push(range_fold(&self.max_levels, a, b, u64::max, 0));
-            level_min.push(range_fold(&self.min_levels, a, b, u64::min, u64::MAX));
+            level_max.push(range_fold(&self.level, &self.max_up, a, b, u64::max, 0));
+            level_min.push(range_fold(&self.level, &self.min_up, a, b, u64::min, u64::MAX));
         }
         LodResult { t0, t1, cols, rows, y0, y1, bands, dust, level_max, level_min, overlapping }
     }
@@ -256,7 +264,7 @@ mod tests {
     fn a_million_small_blocks_come_back_bounded_and_zoom_reaches_one_block() {
         let n = 1_000_000;
         let (allocs, level) = fake(n);
-        let idx = LodIndex::build(&allocs, &level);
+        let idx = LodIndex::build(&allocs, level);
         let y_max = (1 << 30) + 512;
         let whole = Window { t0: 0.0, t1: n as f64, y0: 0.0, y1: y_max as f64, cols: 1000, rows: 400 };
         let r = idx.query(&allocs, n, whole, &|_| false);
@@ -280,12 +288,12 @@ mod tests {
     #[test]
     fn level_envelope_is_exact_per_column() {
         let level: Vec<u64> = (0..1000u64).map(|i| (i * 7919) % 1000).collect();
-        let idx = LodIndex::build(&[], &level);
-        for (a, b) in [(0usize, 1000usize), (3, 17), (100, 101), (511, 513), (1, 999)] {
+        let idx = LodIndex::build(&[], level.clone());
+        for (a, b) in [(0usize, 1000usize), (3, 17), (100, 101), (511, 513), (1, 999), (0, 1), (999, 1000)] {
             let want_max = level[a..b].iter().max().copied().unwrap();
             let want_min = level[a..b].iter().min().copied().unwrap();
-            assert_eq!(range_fold(&idx.max_levels, a, b, u64::max, 0), want_max, "{a}..{b}");
-            assert_eq!(range_fold(&idx.min_levels, a, b, u64::min, u64::MAX), want_min, "{a}..{b}");
+            assert_eq!(range_fold(&idx.level, &idx.max_up, a, b, u64::max, 0), want_max, "{a}..{b}");
+            assert_eq!(range_fold(&idx.level, &idx.min_up, a, b, u64::min, u64::MAX), want_min, "{a}..{b}");
         }
     }
 }

@@ -51,8 +51,10 @@ pub struct Trace {
     pub allocs: Vec<Alloc>,
     /// Number of events (x axis: 0..events).
     pub events: u32,
-    /// Requested bytes alive after each event (exact, pre-history blocks included).
+    /// Requested bytes alive after each event (exact, pre-history blocks included); the LOD index takes it.
     pub active_bytes: Vec<u64>,
+    /// The segment events (event, action, address, bytes): the trace itself is dropped once read.
+    pub segment_events: Vec<(u32, Action, u64, u64)>,
     /// Height of the packed layout (≥ the peak of `active_bytes`).
     pub layout_bytes: u64,
     pub peak_bytes: u64,
@@ -179,9 +181,13 @@ impl Trace {
         let mut seen: BTreeSet<u64> = BTreeSet::new();
         let mut ooms = Vec::new();
         let mut time_us = Vec::with_capacity(entries.len());
+        let mut segment_events = Vec::new();
         for (i, e) in entries.iter().enumerate() {
             time_us.push(e.time_us);
             match e.action() {
+                a @ (Action::SegmentAlloc | Action::SegmentMap | Action::SegmentFree | Action::SegmentUnmap) => {
+                    segment_events.push((i as u32, a, e.addr, e.size_bytes))
+                }
                 Action::Alloc => {
                     let (site, category) = info(e.stack, &snap);
                     open.insert(e.addr, allocs.len());
@@ -272,8 +278,12 @@ impl Trace {
                 peak_event = t;
             }
         }
+        // The bands, levels and segment events hold what the viewer needs of the trace: free it.
+        let mut snap = snap;
+        snap.device_traces = Vec::new();
         Trace {
             layout_bytes: packer.top.max(1),
+            segment_events,
             snap,
             device,
             allocs,
@@ -321,7 +331,6 @@ impl Trace {
 
     /// The segments alive after event `t`, each with the allocations alive in it then (address order).
     pub fn segments_at(&self, t: u32) -> Vec<SegmentAt> {
-        let entries = device_trace(&self.snap, self.device);
         // Undo the segment events after `t`, from the dump's end state backwards.
         let mut segs: BTreeMap<u64, u64> = self
             .snap
@@ -330,24 +339,24 @@ impl Trace {
             .filter(|s| s.device == self.device as i64)
             .map(|s| (s.address, s.total_bytes))
             .collect();
-        for e in entries.iter().skip(t as usize + 1).rev() {
-            match e.action() {
+        let later = self.segment_events.partition_point(|s| s.0 <= t);
+        for &(_, action, addr, size) in self.segment_events[later..].iter().rev() {
+            match action {
                 Action::SegmentAlloc | Action::SegmentMap => {
                     // Undo a map: the mapped range leaves (an expandable segment shrinks).
-                    if segs.get(&e.addr) == Some(&e.size_bytes) {
-                        segs.remove(&e.addr);
-                    } else if let Some((&a, &len)) = segs.range(..=e.addr).next_back() {
-                        if a + len == e.addr + e.size_bytes && len > e.size_bytes {
-                            segs.insert(a, len - e.size_bytes);
+                    if segs.get(&addr) == Some(&size) {
+                        segs.remove(&addr);
+                    } else if let Some((&a, &len)) = segs.range(..=addr).next_back() {
+                        if a + len == addr + size && len > size {
+                            segs.insert(a, len - size);
                         } else {
-                            segs.remove(&e.addr);
+                            segs.remove(&addr);
                         }
                     }
                 }
-                Action::SegmentFree | Action::SegmentUnmap => {
-                    segs.insert(e.addr, e.size_bytes);
+                _ => {
+                    segs.insert(addr, size);
                 }
-                _ => {}
             }
         }
         let mut out: Vec<SegmentAt> =
@@ -387,6 +396,39 @@ pub struct SegmentAt {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Real H200 snapshots: the level's peak is the snapshot crate's traced peak, the bands never overlap,
+    /// and the blocks in the segments at any moment add up to the level then.
+    #[test]
+    fn real_snapshots_give_the_traced_peak_and_consistent_segments() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+        for name in
+            ["snapshots/snapshot_mlp_adam_pystacks.pickle", "sim-h200/gpt2_adamw_amp__replay__cap_oom.pickle.gz"]
+        {
+            let snap = torchmem_snapshot::read_path(&dir.join(name)).unwrap();
+            let want = torchmem_snapshot::replay::replay(&snap, 0);
+            let t = Trace::build(snap, Some(0));
+            assert_eq!(t.peak_bytes, want.peak_bytes, "{name}");
+            assert!(t.layout_bytes >= t.peak_bytes);
+            for e in [0, t.events / 3, t.peak_event, t.events - 1] {
+                let alive: u64 =
+                    t.allocs.iter().filter(|a| a.t0 <= e && (a.t1 == ALIVE || a.t1 > e)).map(|a| a.size_bytes).sum();
+                assert_eq!(alive, t.active_bytes[e as usize], "{name} @ {e}");
+                let in_segments: u64 = t.segments_at(e).iter().flat_map(|s| s.blocks.iter().map(|b| b.1)).sum();
+                assert_eq!(in_segments, alive, "{name} @ {e}");
+            }
+            // Bands alive at the same moment never overlap in the layout.
+            let mut at_peak: Vec<&Alloc> =
+                t.allocs.iter().filter(|a| a.t0 <= t.peak_event && (a.t1 == ALIVE || a.t1 > t.peak_event)).collect();
+            at_peak.sort_by_key(|a| a.y);
+            for w in at_peak.windows(2) {
+                assert!(w[0].y + w[0].size_bytes.max(1) <= w[1].y, "{name}: overlapping bands");
+            }
+        }
+        let snap =
+            torchmem_snapshot::read_path(&dir.join("sim-h200/gpt2_adamw_amp__replay__cap_oom.pickle.gz")).unwrap();
+        assert_eq!(Trace::build(snap, None).ooms.len(), 1);
+    }
 
     #[test]
     fn packer_never_overlaps_and_reuses_freed_gaps() {
