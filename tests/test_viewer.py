@@ -148,6 +148,16 @@ def test_hover_shows_the_whole_stack_of_a_known_allocation(page) -> None:
         page.wait("document.querySelector('.detail').textContent.includes('Pinned allocation')")
         assert frame_text(e["frames"][0]) in page.js("document.querySelector('.detail').textContent")
         page.wait("document.querySelector('.segsum').textContent.includes('free inside segments')")
+        # The record_function annotations (the optimizer's step) are a lane above the bands; hover names one.
+        names = {a["name"] for a in snap["external_annotations"] if a["stage"] == "START"}
+        spans = page.js("tmViewer.panels[0].spans")
+        assert {s["name"] for s in spans} == names
+        step = next(s for s in spans if s["name"].startswith("Optimizer.step"))
+        page.key("0")
+        x = page.js(f"tmViewer.panels[0].cv.getBoundingClientRect().left + tmViewer.panels[0].xOf({step['e0']})")
+        y = page.js("tmViewer.panels[0].cv.getBoundingClientRect().top + 9")
+        page.mouse("mouseMoved", x + 1, y)
+        page.wait("document.getElementById('tip').textContent.includes('Optimizer.step')")
 
 
 def test_search_highlights_matches_and_a_click_zooms_to_one_block(page) -> None:

@@ -166,12 +166,16 @@
     sec.appendChild(detail);
     root.appendChild(sec);
     Object.assign(p, { sec, cv, chart, legend, segSum, segCv, detail });
+    // record_function annotations (optimizer step, zero_grad, user ranges) as a lane above the bands
+    p.spans = m.annotations || [];
+    p.top = p.spans.length ? 18 : 0;
     p.plotW = () => Math.max(10, cv.width - PADL);
-    p.plotH = () => cv.height - PADB;
+    p.plotH = () => cv.height - PADB - p.top;
     p.xOf = (t) => PADL + (t - p.t0) / (p.t1 - p.t0) * p.plotW();
-    p.yOf = (b) => p.plotH() - (b - p.y0) / (p.y1 - p.y0) * p.plotH();
+    p.yOf = (b) => p.top + p.plotH() - (b - p.y0) / (p.y1 - p.y0) * p.plotH();
     p.tAt = (x) => p.t0 + (x - PADL) / p.plotW() * (p.t1 - p.t0);
-    p.bAt = (y) => p.y0 + (p.plotH() - y) / p.plotH() * (p.y1 - p.y0);
+    p.bAt = (y) => p.y0 + (p.top + p.plotH() - y) / p.plotH() * (p.y1 - p.y0);
+    p.spanAt = (t) => p.spans.find((s) => s.e0 <= t && t <= Math.max(s.e1, s.e0 + (p.t1 - p.t0) / p.plotW() * 3));
     p.full = () => { p.t0 = 0; p.t1 = m.events; p.y0 = 0; p.y1 = m.y_max; };
     p.clamp = () => {
       const span = Math.max(0.5, Math.min(m.events, p.t1 - p.t0));
@@ -190,7 +194,7 @@
       if (!b) return null;
       const r = cv.getBoundingClientRect();
       const x0 = Math.max(PADL, p.xOf(b.t0)), x1 = Math.min(cv.width, p.xOf(b.t1));
-      const yTop = Math.max(0, p.yOf(b.y + b.size)), yBot = Math.min(p.plotH(), p.yOf(b.y));
+      const yTop = Math.max(p.top, p.yOf(b.y + b.size)), yBot = Math.min(p.top + p.plotH(), p.yOf(b.y));
       return { left: r.left + x0, top: r.top + yTop, width: x1 - x0, height: yBot - yTop };
     };
     // OOM markers
@@ -211,12 +215,21 @@
     if (cv.width !== w) cv.width = w;
     g.clearRect(0, 0, cv.width, cv.height);
     g.fillStyle = '#fff';
-    g.fillRect(PADL, 0, p.plotW(), p.plotH());
+    g.fillRect(PADL, p.top, p.plotW(), p.plotH());
     const res = p.res;
     g.save();
     g.beginPath();
-    g.rect(PADL, 0, p.plotW(), p.plotH());
+    g.rect(PADL, 0, p.plotW(), p.top + p.plotH());
     g.clip();
+    g.font = '11px system-ui,sans-serif';
+    g.textAlign = 'left';
+    for (const s of p.spans) {
+      const x0 = p.xOf(s.e0), x1 = Math.max(x0 + 2, p.xOf(s.e1));
+      if (x1 < PADL || x0 > cv.width) continue;
+      g.fillStyle = PALETTE[(s.name.length * 5) % PALETTE.length];
+      g.fillRect(x0, 2, x1 - x0, p.top - 4);
+      if (x1 - x0 > 50) { g.fillStyle = '#fff'; g.fillText(s.name, Math.max(PADL, x0) + 2, p.top - 6, x1 - Math.max(PADL, x0) - 4); }
+    }
     if (res) {
       // merged small blocks, in the query's columns and cells
       g.fillStyle = 'rgba(120,120,120,0.45)';
@@ -280,7 +293,7 @@
   let lodTimer = null;
   function fetchLod(p) {
     const seq = ++p.seq;
-    const params = { doc: p.i, t0: p.t0, t1: p.t1, y0: p.y0, y1: p.y1, cols: Math.round(p.plotW()), rows: p.plotH() };
+    const params = { doc: p.i, t0: p.t0, t1: p.t1, y0: p.y0, y1: p.y1, cols: Math.round(p.plotW()), rows: Math.round(p.plotH()) };
     if (query) params.q = query;
     if (p.pin !== null) params.pin = p.pin;
     const started = performance.now();
@@ -317,7 +330,7 @@
     p.clamp(); syncFrom(p); refresh(p);
   }
   function zoomY(p, f, atY) {
-    const b = p.bAt(atY === undefined ? p.plotH() / 2 : atY);
+    const b = p.bAt(atY === undefined ? p.top + p.plotH() / 2 : atY);
     p.y0 = b - (b - p.y0) * f;
     p.y1 = b + (p.y1 - b) * f;
     p.clamp(); refresh(p);
@@ -419,8 +432,17 @@
         }
         return;
       }
-      if (x < PADL || y > p.plotH()) { tip.hidden = true; return; }
+      if (x < PADL || y > p.top + p.plotH()) { tip.hidden = true; return; }
       const t = p.tAt(x), by = p.bAt(y);
+      if (y < p.top) {
+        const s = p.spanAt(t);
+        if (!s) { tip.hidden = true; return; }
+        tip.replaceChildren(el('b', '', s.name), el('div', '', 'events ' + s.e0 + ' → ' + s.e1 + ' (record_function annotation)'));
+        tip.hidden = false;
+        tip.style.left = (ev.clientX + 14) + 'px';
+        tip.style.top = (ev.clientY + 14) + 'px';
+        return;
+      }
       const id = localHit(p, t, by);
       clearTimeout(hoverTimer);
       const show = (id2) => {

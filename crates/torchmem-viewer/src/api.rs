@@ -48,6 +48,7 @@ pub fn meta(docs: &[Doc]) -> Value {
                 "sites": t.sites,
                 "categories": CATEGORIES,
                 "ooms": t.ooms,
+                "annotations": &t.annotations[..t.annotations.len().min(20_000)],
                 "time_us": [t.time_us.first().copied().unwrap_or(0), t.time_us.last().copied().unwrap_or(0)],
             }),
             Doc::Profile { name, view } => json!({

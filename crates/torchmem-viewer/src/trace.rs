@@ -63,6 +63,36 @@ pub struct Trace {
     pub ooms: Vec<OomEvent>,
     /// `time_us` of every event (for the read-out).
     pub time_us: Vec<i64>,
+    /// `record_function` / `_set_memory_metadata` spans of this device, as event intervals.
+    pub annotations: Vec<AnnotationSpan>,
+}
+
+/// An annotation's START..END, mapped onto the event axis.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct AnnotationSpan {
+    pub name: String,
+    pub e0: u32,
+    pub e1: u32,
+}
+
+/// Pairs START/END annotations by name (innermost first) and maps their times to events.
+fn annotation_spans(snap: &Snapshot, device: usize, time_us: &[i64]) -> Vec<AnnotationSpan> {
+    let event_at = |t: i64| time_us.partition_point(|&x| x < t).min(time_us.len().saturating_sub(1)) as u32;
+    let mut open: HashMap<&str, Vec<i64>> = HashMap::new();
+    let mut out = Vec::new();
+    for a in snap.annotations.iter().filter(|a| a.device == device as i64 || a.device < 0) {
+        match a.stage.to_ascii_uppercase().as_str() {
+            "START" => open.entry(a.name.as_str()).or_default().push(a.time_us),
+            "END" => {
+                if let Some(t0) = open.get_mut(a.name.as_str()).and_then(Vec::pop) {
+                    out.push(AnnotationSpan { name: a.name.clone(), e0: event_at(t0), e1: event_at(a.time_us) });
+                }
+            }
+            _ => out.push(AnnotationSpan { name: a.name.clone(), e0: event_at(a.time_us), e1: event_at(a.time_us) }),
+        }
+    }
+    out.sort_by_key(|s| (s.e0, s.e1));
+    out
 }
 
 /// Packs intervals on a line (best fit by size, coalescing on free): bands never overlap and never move.
@@ -278,6 +308,7 @@ impl Trace {
                 peak_event = t;
             }
         }
+        let annotations = if time_us.is_empty() { Vec::new() } else { annotation_spans(&snap, device, &time_us) };
         // The bands, levels and segment events hold what the viewer needs of the trace: free it.
         let mut snap = snap;
         snap.device_traces = Vec::new();
@@ -294,6 +325,7 @@ impl Trace {
             sites: sites_v,
             ooms,
             time_us,
+            annotations,
         }
     }
 
