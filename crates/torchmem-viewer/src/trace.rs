@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use torchmem_snapshot::model::{Action, BlockState, Snapshot, StackId, NO_STACK};
+use torchmem_snapshot::model::{Action, BlockState, FxBuild, Snapshot, StackId, NO_STACK};
 use torchmem_snapshot::replay::device_trace;
 use torchmem_snapshot::sites;
 
@@ -187,9 +187,9 @@ impl Trace {
         });
         let entries = device_trace(&snap, device);
         let events = entries.len().max(1) as u32;
-        let mut site_ids: HashMap<String, u32> = HashMap::new();
+        let mut site_ids: HashMap<String, u32, FxBuild> = HashMap::default();
         let mut sites_v: Vec<String> = Vec::new();
-        let mut stack_info: HashMap<StackId, (u32, u8)> = HashMap::new();
+        let mut stack_info: HashMap<StackId, (u32, u8), FxBuild> = HashMap::default();
         let mut info = |stack: StackId, snap: &Snapshot| -> (u32, u8) {
             if let Some(&v) = stack_info.get(&stack) {
                 return v;
@@ -207,8 +207,7 @@ impl Trace {
         };
         // Pass 1: intervals (pre-history blocks start at event 0).
         let mut allocs: Vec<Alloc> = Vec::new();
-        let mut open: HashMap<u64, usize> = HashMap::new();
-        let mut seen: BTreeSet<u64> = BTreeSet::new();
+        let mut open: HashMap<u64, usize, FxBuild> = HashMap::default();
         let mut ooms = Vec::new();
         let mut time_us = Vec::with_capacity(entries.len());
         let mut segment_events = Vec::new();
@@ -221,7 +220,6 @@ impl Trace {
                 Action::Alloc => {
                     let (site, category) = info(e.stack, &snap);
                     open.insert(e.addr, allocs.len());
-                    seen.insert(e.addr);
                     allocs.push(Alloc {
                         t0: i as u32,
                         t1: ALIVE,
@@ -262,7 +260,8 @@ impl Trace {
         }
         for seg in snap.segments.iter().filter(|s| s.device == device as i64) {
             for b in seg.blocks.iter().filter(|b| b.state != BlockState::Inactive) {
-                if !open.contains_key(&b.address) && !seen.contains(&b.address) {
+                // Alive at the end but not by the trace: allocated before the recorded history.
+                if !open.contains_key(&b.address) {
                     let (site, _) = info(b.stack, &snap);
                     allocs.push(Alloc {
                         t0: 0,
@@ -281,26 +280,31 @@ impl Trace {
         allocs.sort_by_key(|a| (a.t0, !a.before_history));
         // Pass 2: packed offsets and the active level, in event order.
         let mut packer = Packer::default();
-        let mut ends: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
+        // Which allocation each event frees (a free_completed frees one block).
+        let mut freed_at = vec![u32::MAX; events as usize];
+        for (k, a) in allocs.iter().enumerate() {
+            if a.t1 != ALIVE {
+                freed_at[a.t1 as usize] = k as u32;
+            }
+        }
         let mut active = vec![0u64; events as usize];
         let mut level: u64 = 0;
         let mut next = 0usize;
         let (mut peak, mut peak_event) = (0u64, 0u32);
         for t in 0..events {
-            if let Some(ids) = ends.remove(&t) {
-                for k in ids {
-                    packer.give(allocs[k].y, allocs[k].size_bytes);
-                    level = level.saturating_sub(allocs[k].size_bytes);
-                }
-            }
             while next < allocs.len() && allocs[next].t0 == t {
                 let a = &mut allocs[next];
                 a.y = packer.take(a.size_bytes);
                 level += a.size_bytes;
-                if a.t1 != ALIVE {
-                    ends.entry(a.t1).or_default().push(next);
-                }
                 next += 1;
+            }
+            // Then the event's free (after the placing: a block from before the history may be freed by
+            // event 0, when it is placed).
+            let k = freed_at[t as usize];
+            if k != u32::MAX {
+                let a = &allocs[k as usize];
+                packer.give(a.y, a.size_bytes);
+                level = level.saturating_sub(a.size_bytes);
             }
             active[t as usize] = level;
             if level > peak {
