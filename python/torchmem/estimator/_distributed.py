@@ -178,9 +178,10 @@ class Emulation:
     """Installs the emulated world into torch.distributed for one session; `uninstall` restores everything and
     destroys the process groups it made."""
 
-    def __init__(self, world: World, note) -> None:
+    def __init__(self, world: World, tracer) -> None:
         self.world = world
-        self.note = note
+        self.tracer = tracer
+        self.note = tracer.note
         self._patches: list[tuple[Any, str, Any]] = []
         self.initialized = False
         self.group_sizes: list[int] = []  # every communicator this rank is a member of (NCCL model)
@@ -205,6 +206,7 @@ class Emulation:
         self._patch_init(dist, c10d)
         self._patch_groups(dist, c10d)
         self._patch_mesh()
+        self._patch_dtensor()
         self._patch_ddp()
         self._patch_cuda()
         return True
@@ -333,6 +335,27 @@ class Emulation:
 
             if hasattr(dist, "init_device_mesh"):
                 self._patch(dist, "init_device_mesh", wrapped)
+
+    # -- DTensor: its sharding propagation is not an allocation
+    def _patch_dtensor(self) -> None:
+        try:
+            from torch.distributed.tensor._sharding_prop import ShardingPropagator
+        except ImportError:
+            return
+        name = "_propagate_tensor_meta_non_cached"
+        original = vars(ShardingPropagator).get(name)
+        if original is None:
+            return
+        tracer = self.tracer
+
+        @functools.wraps(original)
+        def propagate(*args, **kwargs):
+            # Runs the op on fake tensors of the GLOBAL shape to learn the output's shape: on the emulated device
+            # those looked like allocations of the unsharded tensor.
+            with tracer.pause():
+                return original(*args, **kwargs)
+
+        self._patch(ShardingPropagator, name, propagate)
 
     # -- DDP
     def _patch_ddp(self) -> None:

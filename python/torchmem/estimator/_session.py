@@ -142,6 +142,7 @@ class Session:
             self._patches.append((optim_mod, "_foreach_supported_types", list(optim_mod._foreach_supported_types)))
             optim_mod._foreach_supported_types.append(FakeTensor)
         self._patch_swap_tensors()
+        self._patch_storage_resize()
         self._patch_backward()
         self._patch_distributed()
         # `copy.deepcopy` of a fake parameter reads its data pointer (torch's deepcopy checks for 0): torch warns
@@ -233,9 +234,24 @@ class Session:
 
         world = self.world if self.world is not None else world_from_env()
         self.world = world
-        emulation = Emulation(world, self.tracer.note)
+        emulation = Emulation(world, self.tracer)
         if emulation.install():
             self.distributed = emulation
+
+    def _patch_storage_resize(self) -> None:
+        # FSDP (fully_shard and FSDP1) frees unsharded parameters and all-gather outputs with
+        # `tensor.untyped_storage().resize_(0)` and brings them back with `resize_(size)`: no operator returns the
+        # storage, so without this the trace kept every unsharded parameter alive (an FSDP2 rank's peak then held
+        # the whole model).
+        original = torch.UntypedStorage.resize_
+        tracer = self.tracer
+
+        def resize_(storage, size):
+            out = original(storage, size)
+            tracer.storage_resized(storage)
+            return out
+
+        self._patch(torch.UntypedStorage, "resize_", resize_)
 
     def _patch_swap_tensors(self) -> None:
         # `module.to("cuda")` swaps fake parameters (torch >= 2.5 always swaps FakeTensors), and swapping refuses

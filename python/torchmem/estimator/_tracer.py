@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 _ADDR_BASE = 0x7F0000000000
@@ -89,6 +90,9 @@ class Tracer(TorchDispatchMode):
         self._live_bytes = 0
         self._peak_bytes = 0
         self.enabled = True
+        # > 0 while shapes are computed on the emulated device for bookkeeping only (DTensor's sharding
+        # propagation runs the op on global-shape fake tensors): nothing made then is an allocation.
+        self.paused = 0
         self.annotations: list[tuple[str, str, int]] = []  # (name, START|END, event index)
 
     # ------------------------------------------------------------------ counters (torch.cuda.* answers)
@@ -103,6 +107,19 @@ class Tracer(TorchDispatchMode):
 
     def note(self, message: str) -> None:
         self.notes.add(message)
+
+    def pause(self):
+        """A context in which operators' outputs are not recorded (their frees, never known, neither)."""
+        tracer = self
+
+        class _Paused:
+            def __enter__(self):
+                tracer.paused += 1
+
+            def __exit__(self, *exc):
+                tracer.paused -= 1
+
+        return _Paused()
 
     # ------------------------------------------------------------------ events
     def alloc(self, size_bytes: int, what: str, frames: list[dict] | None = None) -> int:
@@ -128,11 +145,34 @@ class Tracer(TorchDispatchMode):
 
     def _storage_died(self, key: int, _ref) -> None:
         entry = self._tracked.pop(key, None)
-        if entry is not None and self.enabled:
+        if entry is not None and self.enabled and entry[2] > 0:
             self.free(entry[1], entry[2])
 
+    def storage_resized(self, st) -> None:
+        """`UntypedStorage.resize_` (FSDP's free_storage / alloc_storage of unsharded parameters and all-gather
+        buffers): no operator returns the storage, so the dispatch mode never saw it. A resize is a new block of
+        the new size, then the old block's free (resize to 0: a free; from 0: an allocation). A storage at 0
+        bytes stays known, so its later growth is its own block again. Only storages the trace knows (a fake
+        tensor's storage is a meta storage: its CUDA-ness is the tensor's, seen when an operator made it)."""
+        if not self.enabled:
+            return
+        try:
+            nbytes = st.nbytes()
+            key = st._cdata
+        except (NotImplementedError, RuntimeError):
+            return
+        entry = self._tracked.get(key)
+        if entry is None or entry[2] == nbytes:
+            return
+        addr = self.alloc(nbytes, "storage.resize_") if nbytes > 0 else 0
+        if entry[2] > 0:
+            self.free(entry[1], entry[2])
+        self._tracked[key] = (entry[0], addr, nbytes)
+
     def track(self, t: torch.Tensor, what: str) -> None:
-        if t.device.type != "cuda":
+        if t.device.type != "cuda" or is_traceable_wrapper_subclass(t):
+            # A wrapper subclass (DTensor, FSDP's sharded parameters) owns no device memory: its storage's size is
+            # the global tensor's. Its local tensors are the allocations, recorded when the ops that make them run.
             return
         try:
             st = t.untyped_storage()
@@ -146,7 +186,8 @@ class Tracer(TorchDispatchMode):
                 return
             # Resized in place (out= variants, resize_): the allocator hands a new block, then frees the old one.
             addr = self.alloc(nbytes, what) if nbytes > 0 else 0
-            self.free(entry[1], entry[2])
+            if entry[2] > 0:
+                self.free(entry[1], entry[2])
             if nbytes > 0:
                 self._tracked[key] = (entry[0], addr, nbytes)
             else:
@@ -170,6 +211,14 @@ class Tracer(TorchDispatchMode):
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if any(t is not FakeTensor and issubclass(t, torch.Tensor) and t is not torch.Tensor for t in types):
+            flat, _ = tree_flatten((args, kwargs))
+            if any(is_traceable_wrapper_subclass(a) for a in flat):
+                # A wrapper subclass (DTensor, FSDP2's sharded parameters, a float8 tensor) runs its own dispatch on
+                # its local tensors: returning NotImplemented lets it run with this mode still on the stack, so
+                # the local allocations are recorded as they happen (a mode that ran the op itself would be off
+                # the stack while the subclass's inner ops ran: they were missed).
+                return NotImplemented
         rules = self.rules
         if rules is not None:
             replaced = rules.before(self, func, args, kwargs)
@@ -184,7 +233,7 @@ class Tracer(TorchDispatchMode):
             if out is not NotImplemented:
                 return out
         out = func(*args, **kwargs)
-        if self.enabled:
+        if self.enabled and not self.paused:
             flat, _ = tree_flatten(out)
             name = str(func)
             for t in flat:

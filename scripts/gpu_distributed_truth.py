@@ -1,0 +1,178 @@
+"""Records per-rank allocator truth of sharded training on ONE GPU (issue 24; run it on the H200; NOT RUN YET).
+
+Each config runs in a fresh process as rank R of a world of N on torch's `fake` process group
+(`torch.testing._internal.distributed.fake_pg`, a `FakeStore`): every collective allocates its real outputs on the
+GPU and sends nothing, so the caching allocator's peaks are rank R's peaks of the real N-GPU job, NCCL's own buffers
+excepted (../shared/docs/distributed-estimation.md). DDP's reducer does not run on the fake backend (its comm hook
+asserts), and its buckets do not depend on N: DDP configs run on a real 1-rank NCCL group (world 1, via a local
+TCP store); their NCCL buffers are then a 1-rank communicator's (none), which the estimate's NCCL model states
+apart anyway.
+
+Per config and step: `torch.cuda.memory_stats()` peaks (allocated, reserved, active, requested) after each optimizer
+step, and the number of parameter elements this rank holds. Output: `OUT/distributed-truth.json.gz` (one object:
+versions, device, configs). The estimate of each config is `torchmem estimate --nnodes 1 --nproc-per-node N --rank R
+--json -- python scripts/gpu_distributed_truth.py --child CONFIG` (the child runs the same code on the emulated device
+when it finds no GPU).
+
+Usage: `python scripts/gpu_distributed_truth.py OUT [--only NAME,...] [--steps 3]`
+       `python scripts/gpu_distributed_truth.py --child NAME` (one config in this process; prints JSON)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# name -> (kind, world size, rank, options). Sizes: a Llama-like MLP stack big enough to matter on an H200.
+CONFIGS: dict[str, tuple[str, int, int, dict]] = {}
+for n in (2, 8, 64, 1024):
+    CONFIGS[f"fsdp2-w{n}"] = ("fsdp2", n, 0, {})
+    CONFIGS[f"fsdp2-bf16-w{n}"] = ("fsdp2", n, 0, {"mp": "bf16"})
+CONFIGS["fsdp2-noreshard-w8"] = ("fsdp2", 8, 0, {"reshard_after_forward": False})
+CONFIGS["fsdp2-ckpt-w8"] = ("fsdp2", 8, 0, {"checkpoint": True})
+CONFIGS["fsdp2-w8-rank7"] = ("fsdp2", 8, 7, {})
+CONFIGS["hsdp-2x8"] = ("hsdp", 16, 0, {})
+CONFIGS["tp-w4"] = ("tp", 4, 0, {})
+CONFIGS["tp-w8"] = ("tp", 8, 0, {})
+CONFIGS["fsdp-tp-4x4"] = ("fsdp_tp", 16, 0, {})
+CONFIGS["ddp"] = ("ddp", 1, 0, {})
+CONFIGS["ddp-bucket-view"] = ("ddp", 1, 0, {"gradient_as_bucket_view": True})
+CONFIGS["ddp-static"] = ("ddp", 1, 0, {"static_graph": True})
+
+HIDDEN, LAYERS, BATCH, SEQ = 4096, 8, 8, 1024
+
+
+def _child(name: str, steps: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    kind, n, rank, opts = CONFIGS[name]
+    on_gpu = torch.cuda.is_available() and os.environ.get("TORCHMEM_ESTIMATE") is None
+    if kind == "ddp":
+        dist.init_process_group("nccl" if on_gpu else "gloo", init_method="tcp://127.0.0.1:29517", rank=0,
+                                world_size=1)  # fmt: skip
+    elif on_gpu:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=n)
+    else:  # under `torchmem estimate`: the emulated world
+        dist.init_process_group("nccl")
+    torch.cuda.set_device(0)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.Linear(HIDDEN, 4 * HIDDEN, bias=False)
+            self.down = nn.Linear(4 * HIDDEN, HIDDEN, bias=False)
+
+        def forward(self, x):
+            return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+    model = nn.Sequential(*[Block() for _ in range(LAYERS)]).cuda()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if kind in ("fsdp2", "hsdp", "fsdp_tp"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if kind == "hsdp":
+            mesh = init_device_mesh("cuda", (2, n // 2), mesh_dim_names=("replicate", "shard"))
+        elif kind == "fsdp_tp":
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            mesh2 = init_device_mesh("cuda", (4, n // 4), mesh_dim_names=("dp", "tp"))
+            for block in model:
+                parallelize_module(block, mesh2["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+            mesh = mesh2["dp"]
+        else:
+            mesh = init_device_mesh("cuda", (n,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if opts.get("mp") else None
+        kw = {"mesh": mesh, "reshard_after_forward": opts.get("reshard_after_forward", True)}
+        if mp is not None:
+            kw["mp_policy"] = mp
+        for block in model:
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
+    elif kind == "tp":
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cuda", (n,))
+        for block in model:
+            parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    elif kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, device_ids=[0], gradient_as_bucket_view=opts.get("gradient_as_bucket_view", False),
+                    static_graph=opts.get("static_graph", False))  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    per_step = []
+    for _ in range(steps):
+        x = torch.randn(BATCH, SEQ, HIDDEN, device="cuda")
+        if opts.get("checkpoint"):
+            from torch.utils.checkpoint import checkpoint
+
+            y = x
+            for block in model:
+                y = checkpoint(block, y, use_reentrant=False)
+        else:
+            y = model(x)
+        y.float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if on_gpu:
+            s = torch.cuda.memory_stats()
+            per_step.append({k: s.get(k, 0) for k in (
+                "allocated_bytes.all.peak", "reserved_bytes.all.peak", "active_bytes.all.peak",
+                "requested_bytes.all.peak", "allocated_bytes.all.current")})  # fmt: skip
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+    return {"name": name, "kind": kind, "world_size": n, "rank": rank, "options": opts, "steps": per_step,
+            "local_parameter_elements": local}  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", nargs="?")
+    ap.add_argument("--child")
+    ap.add_argument("--only")
+    ap.add_argument("--steps", type=int, default=3)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(_child(a.child, a.steps)))
+        return 0
+    if not a.out:
+        ap.error("give OUT (a folder)")
+    import torch
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = a.only.split(",") if a.only else list(CONFIGS)
+    results = []
+    for name in names:
+        t0 = time.time()
+        p = subprocess.run([sys.executable, __file__, "--child", name, "--steps", str(a.steps)], capture_output=True,
+                           text=True, timeout=1800)  # fmt: skip
+        r = {"name": name, "seconds": round(time.time() - t0, 1)}
+        if p.returncode == 0:
+            r.update(json.loads(p.stdout.strip().splitlines()[-1]))
+        else:
+            r["error"] = p.stderr[-3000:]
+        results.append(r)
+        print(name, "ok" if "error" not in r else "FAILED", r["seconds"], "s", flush=True)
+    doc = {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "configs": results,
+    }
+    with gzip.open(out / "distributed-truth.json.gz", "wt") as f:
+        json.dump(doc, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
