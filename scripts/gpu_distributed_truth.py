@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import subprocess
 import sys
 import time
@@ -54,7 +53,9 @@ def _child(name: str, steps: int) -> dict:
     import torch.nn as nn
 
     kind, n, rank, opts = CONFIGS[name]
-    on_gpu = torch.cuda.is_available() and os.environ.get("TORCHMEM_ESTIMATE") is None
+    session = sys.modules.get("torchmem.estimator._session")
+    under_estimate = session is not None and session._active is not None  # `torchmem estimate -- ... --child`
+    on_gpu = torch.cuda.is_available() and not under_estimate
     if kind == "ddp":
         dist.init_process_group("nccl" if on_gpu else "gloo", init_method="tcp://127.0.0.1:29517", rank=0,
                                 world_size=1)  # fmt: skip
