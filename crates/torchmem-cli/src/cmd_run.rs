@@ -351,6 +351,26 @@ impl Drop for InjectDir {
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<i32> {
+    let plan = plan(&args)?;
+    let mut session = launch(&args, plan)?;
+    let (reaped, exit_abs_ns) = record_until_exit(&mut session)?;
+    finish(session, reaped, exit_abs_ns, args.quiet)
+}
+
+/// What `run` checked before creating anything: the program, the intervals, where the profile goes.
+struct Plan {
+    interval_ms: f64,
+    pss_interval_ms: f64,
+    argv: Vec<String>,
+    program: PathBuf,
+    place: Option<torchmem_core::model::JobPlace>,
+    hostname: String,
+    output: PathBuf,
+    existing: Existing,
+}
+
+/// Checks everything about the command line and the output before anything is created or removed.
+fn plan(args: &RunArgs) -> anyhow::Result<Plan> {
     let (interval_ms, pss_interval_ms) = checked_intervals(args.interval_ms, args.pss_interval_ms)?;
     let module = args.module.as_deref();
     let argv = resolve_command(module, &args.command)?;
@@ -371,11 +391,34 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
             (default, Existing::Nothing)
         }
     };
+    Ok(Plan { interval_ms, pss_interval_ms, argv, program, place, hostname, output, existing })
+}
 
+/// A started run: the program under supervision, the recorder and its sinks, the terminal outputs.
+struct Session {
+    signals: Supervisor,
+    oom: OomWatch,
+    inject: Option<InjectDir>,
+    child: std::process::Child,
+    pidfd: Option<std::os::fd::OwnedFd>,
+    rec: Recorder,
+    live: Option<torchmem_recorder::sinks::live::LiveHandle>,
+    bar: Option<StatusBar>,
+    panel: Option<InlinePanel>,
+    interval: Duration,
+    output: PathBuf,
+}
+
+/// The launch step: signal supervision (its sentinel forks first), the OOM watch, the live outputs, the
+/// profile, the event socket, the injected `sitecustomize`, then the program itself. Every failure before
+/// the program starts leaves nothing behind.
+fn launch(args: &RunArgs, plan: Plan) -> anyhow::Result<Session> {
+    let Plan { interval_ms, pss_interval_ms, argv, program, place, hostname, output, existing } = plan;
+    let module = args.module.as_deref();
     // Before any thread starts (NVML, the event listener) and before any file is open: the sentinel
     // process forks here and must hold none of them.
     let mut signals = Supervisor::install().map_err(|e| anyhow!("cannot set up signal handling: {e}"))?;
-    let mut oom = OomWatch::start();
+    let oom = OomWatch::start();
     let base = temp_base();
     sweep_dead_runs(&base);
 
@@ -470,7 +513,6 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
     let child_pid = child.id() as libc::pid_t;
     let pidfd = program_pidfd(child_pid);
     let config = Config { interval_ms, pss_interval_ms, keep_spans: args.keep_spans, ..Config::default() };
-    let interval = Duration::from_secs_f64(interval_ms / 1000.0);
     // Registered for `torchmem top` (and the state `--live` draws) as soon as the program runs, unless
     // TORCHMEM_LIVE=0.
     let register = torchmem_recorder::sinks::live::registration_enabled();
@@ -487,8 +529,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
     });
     let mut rec = Recorder::new(config, Sinks::new(writer, live_sinks), gpu, child.id(), start_ns, Some(events));
     rec.set_not_the_programs(signals.sentinel_pid());
-    let mut bar = if args.status { StatusBar::start() } else { None };
-    let mut panel = if args.live {
+    let bar = if args.status { StatusBar::start() } else { None };
+    let panel = if args.live {
         match inline::unavailable(INLINE_HEIGHT) {
             Some(why) => {
                 eprintln!("torchmem: --live is off: {why} (`torchmem top` shows this run)");
@@ -499,21 +541,25 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
     } else {
         None
     };
+    let interval = Duration::from_secs_f64(interval_ms / 1000.0);
+    Ok(Session { signals, oom, inject, child, pidfd, rec, live, bar, panel, interval, output })
+}
+
+/// The session loop: a sample every interval, signals forwarded (or acted on: a terminal stop, a resize),
+/// the status line or panel redrawn, until the program ends (its pidfd wakes the wait). Returns how it
+/// ended and when.
+fn record_until_exit(s: &mut Session) -> anyhow::Result<(torchmem_recorder::recorder::Reaped, u64)> {
+    let Session { signals, child, pidfd, rec, live, bar, panel, interval, output, .. } = s;
+    let child_pid = child.id() as libc::pid_t;
+    let interval = *interval;
     let mut last_status: Option<Instant> = None;
     let mut next = Instant::now();
-    let say_write_failure = |e: &torchmem_core::CoreError| {
-        let why = if torchmem_core::store::is_disk_full(e) { "the disk is full".to_string() } else { e.to_string() };
-        eprintln!(
-            "torchmem: warning: cannot write the profile {} any more ({why}). The program runs on; what was written is kept, and the end says how many samples were lost",
-            output_path::shell_quoted(&output)
-        );
-    };
     let reaped = loop {
         // A signal or the program's end ends the wait early; samples still come at the interval.
         if Instant::now() >= next {
             if let Err(e) = rec.tick() {
                 // Said once: the profile sink stops writing after its first failure.
-                say_write_failure(&e);
+                say_write_failure(output, &e);
             }
             next += interval;
             let now = Instant::now();
@@ -572,12 +618,24 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
         }
         signals.wait(timeout, pidfd.as_ref().map(|f| f.as_raw_fd()));
     };
-    let exit_abs_ns = torchmem_core::clock::monotonic_ns();
+    Ok((reaped, torchmem_core::clock::monotonic_ns()))
+}
+
+/// The end: the last samples and messages, how the program ended (exit code, signal, the kernel's OOM
+/// killer), the profile finished, the summary. Returns the program's exit code whatever became of the
+/// profile.
+fn finish(
+    s: Session,
+    reaped: torchmem_recorder::recorder::Reaped,
+    exit_abs_ns: u64,
+    quiet: bool,
+) -> anyhow::Result<i32> {
+    let Session { signals, mut oom, inject, child, pidfd, mut rec, bar, panel, output, .. } = s;
     drop(pidfd);
     drop(bar);
     drop(panel);
     if let Err(e) = rec.program_ended(exit_abs_ns, reaped) {
-        say_write_failure(&e);
+        say_write_failure(&output, &e);
     }
     rec.drain_until_closed(Duration::from_millis(500));
     let status = std::process::ExitStatus::from_raw(reaped.status);
@@ -620,13 +678,22 @@ pub fn run(args: RunArgs) -> anyhow::Result<i32> {
     } else if let Some(n) = &oom_note {
         eprintln!("torchmem: warning: {n}");
     }
-    if !args.quiet {
+    if !quiet {
         eprint!("{}", end_summary(&profile));
         eprintln!(
             "torchmem: profile written to {quoted} (see `torchmem report {quoted}` and `torchmem plot {quoted}`)"
         );
     }
     Ok(exit_code)
+}
+
+/// Said once, at the first failure: the profile sink stops writing after it.
+fn say_write_failure(output: &Path, e: &torchmem_core::CoreError) {
+    let why = if torchmem_core::store::is_disk_full(e) { "the disk is full".to_string() } else { e.to_string() };
+    eprintln!(
+        "torchmem: warning: cannot write the profile {} any more ({why}). The program runs on; what was written is kept, and the end says how many samples were lost",
+        output_path::shell_quoted(output)
+    );
 }
 
 /// The one-line status (`--status`), from the run's live state: the tree's RSS, PyTorch's allocator summed
