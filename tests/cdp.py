@@ -22,7 +22,7 @@ class Page:
 
     def __init__(self, width: int = 1400, height: int = 1000) -> None:
         assert CHROMIUM is not None
-        self._profile = tempfile.TemporaryDirectory(prefix="tm-cdp-")
+        self._profile = tempfile.TemporaryDirectory(prefix="tm-cdp-", ignore_cleanup_errors=True)
         to_chrome_r, self._to_chrome = os.pipe()
         self._from_chrome, from_chrome_w = os.pipe()
 
