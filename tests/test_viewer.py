@@ -30,6 +30,7 @@ MLP = FIX / "snapshots" / "snapshot_mlp_adam_pystacks.pickle"
 GPT2 = FIX / "sim-h200" / "gpt2_adamw_amp__recorded.pickle.gz"
 CAP_OOM = FIX / "sim-h200" / "gpt2_adamw_amp__replay__cap_oom.pickle.gz"
 PROFILE = FIX / "profile_v1.sqlite"
+ESTIMATE = FIX / "estimator-h200" / "gpt2_adamw_amp_b8__estimator.pickle.gz"
 XSS = "</script><img src=x onerror=alert(1)>"
 
 
@@ -361,6 +362,25 @@ def test_a_run_profile_shows_series_and_lanes(page) -> None:
         assert any(v is not None for s in res["series"] for v in s["max"])
         legend = page.js("tmViewer.panels[0].legend.textContent")
         assert "CPU RSS" in legend
+
+
+def test_an_estimate_trace_and_a_simulation_trace_side_by_side(page) -> None:
+    # The estimator's trace of GPT-2 (AdamW, AMP, batch 8) next to the simulator's replay of the real recording.
+    replay = FIX / "sim-h200" / "gpt2_adamw_amp__replay__default.pickle.gz"
+    with served(ESTIMATE, replay) as url:
+        open_view(page, url)
+        kinds = page.js("tmViewer.panels.map(p => p.m.kind)")
+        assert kinds == ["estimate trace", "simulation trace"]
+        for doc, path in enumerate([ESTIMATE, replay]):
+            trace = load_pickle(path)["device_traces"][0]
+            assert page.js(f"tmViewer.panels[{doc}].m.events") == len(trace)
+            assert page.js(f"tmViewer.panels[{doc}].res.bands.length") > 0
+            peak = page.js(f"tmViewer.panels[{doc}].m.peak_bytes")
+            assert fmt_gib(peak) in page.js(f"tmViewer.panels[{doc}].sec.querySelector('.meta').textContent")
+
+
+def fmt_gib(b: int) -> str:
+    return f"{b / (1 << 30):.2f} GiB"
 
 
 def test_bad_input_is_a_clear_error(tmp_path: Path) -> None:
