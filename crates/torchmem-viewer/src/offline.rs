@@ -151,6 +151,30 @@ mod tests {
     }
 
     #[test]
+    fn the_budget_bounds_the_embedded_detail_largest_first() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/sim-h200/gpt2_adamw_amp__recorded.pickle.gz");
+        let docs = vec![crate::load(&path, None).unwrap()];
+        let Doc::Memory { trace, .. } = &docs[0] else { panic!("a trace") };
+        let all = data(&docs, DEFAULT_BUDGET_BYTES);
+        assert_eq!(all["docs"][0]["left_out"], 0);
+        assert_eq!(all["docs"][0]["allocs"].as_array().unwrap().len(), trace.allocs.len());
+        let small = data(&docs, 20_000);
+        let kept = small["docs"][0]["allocs"].as_array().unwrap();
+        assert!(!kept.is_empty() && kept.len() < trace.allocs.len());
+        assert_eq!(small["docs"][0]["left_out"].as_u64().unwrap() as usize, trace.allocs.len() - kept.len());
+        assert!(json_for_html(&small).len() < 20_000 + 200_000, "level and segments are extra, but bounded");
+        // The first kept allocation covers the most of the chart (bytes x lifetime).
+        let cover = |a: &crate::trace::Alloc| {
+            let end = if a.t1 == ALIVE { trace.events } else { a.t1 };
+            a.size_bytes as f64 * end.saturating_sub(a.t0).max(1) as f64
+        };
+        let best = trace.allocs.iter().map(cover).fold(0.0, f64::max);
+        let first = kept[0][0].as_u64().unwrap() as usize;
+        assert_eq!(cover(&trace.allocs[first]), best);
+    }
+
+    #[test]
     fn offline_page_has_the_hash_csp_and_no_network() {
         let page = render(&[], DEFAULT_BUDGET_BYTES);
         assert!(page.starts_with("<!DOCTYPE html>") && page.contains("<title>torchmem"));
