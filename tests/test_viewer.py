@@ -138,6 +138,17 @@ def test_hover_shows_the_whole_stack_of_a_known_allocation(page) -> None:
         open_view(page, url)
         meta = page.js("JSON.stringify(tmViewer.panels[0].m)")
         assert json.loads(meta)["events"] == len(trace)
+        # The icicle of the peak holds the traced peak's bytes; hovering its widest frame below the root names
+        # a frame of the user's script.
+        page.wait("tmViewer.panels[0].iceRects && tmViewer.panels[0].iceRects.length > 1")
+        assert int(page.js("tmViewer.panels[0].iceSum.dataset.bytes")) == json.loads(meta)["peak_bytes"]
+        node = page.js(
+            "(() => { const p = tmViewer.panels[0], r = p.iceCv.getBoundingClientRect();"
+            " const q = p.iceRects.filter(q => q.y > 0 && q.n.name.includes('probe.py')).sort((a, b) => b.w - a.w)[0];"
+            " return {x: r.left + q.x + q.w / 2, y: r.top + q.y + 5, name: q.n.name}; })()"
+        )
+        page.mouse("mouseMoved", node["x"], node["y"])
+        page.wait(f"document.getElementById('tip').textContent.includes({json.dumps(node['name'])})")
         tip = hover_band(page, 0, band_for(page, 0, i, e["size"]))
         for f in e["frames"]:
             assert frame_text(f) in tip

@@ -78,6 +78,7 @@
       return null;
     },
     segments: (p) => Object.assign({ offline_note: 'the offline page holds the segments at the peak only' }, OFF.docs[p.doc].segments_at_peak),
+    icicle: (p) => OFF.docs[p.doc].icicle_at_peak,
     search: (p) => { const ids = [...searchIds(+p.doc, p.q)]; return { q: p.q, ids: ids.slice(0, 10000), total: ids.length }; },
     profile: (p) => OFF.docs[p.doc].query,
   };
@@ -162,10 +163,29 @@
     const segChart = el('div', 'chart');
     segChart.appendChild(segCv);
     sec.appendChild(segChart);
+    sec.appendChild(el('h2', '', 'Composition at that moment (icicle of Python stacks, outermost frame on top)'));
+    const iceSum = el('div', 'segsum icesum', '');
+    sec.appendChild(iceSum);
+    const iceCv = el('canvas');
+    iceCv.height = 240;
+    const iceChart = el('div', 'chart');
+    iceChart.appendChild(iceCv);
+    sec.appendChild(iceChart);
     const detail = el('div', 'detail');
     sec.appendChild(detail);
     root.appendChild(sec);
-    Object.assign(p, { sec, cv, chart, legend, segSum, segCv, detail });
+    Object.assign(p, { sec, cv, chart, legend, segSum, segCv, iceSum, iceCv, detail });
+    iceCv.addEventListener('mousemove', (ev) => {
+      const r = iceCv.getBoundingClientRect(), x = ev.clientX - r.left, y = ev.clientY - r.top;
+      const hit = (p.iceRects || []).find((q) => x >= q.x && x < q.x + q.w && y >= q.y && y < q.y + q.h);
+      if (!hit) { tip.hidden = true; return; }
+      const total = p.iceRects[0].n.bytes || 1;
+      tip.replaceChildren(el('b', '', fmtB(hit.n.bytes) + ' (' + (100 * hit.n.bytes / total).toFixed(1) + '%)'), el('div', 'frames', hit.n.name));
+      tip.hidden = false;
+      tip.style.left = Math.min(window.innerWidth - 660, ev.clientX + 14) + 'px';
+      tip.style.top = (ev.clientY + 14) + 'px';
+    });
+    iceCv.addEventListener('mouseleave', () => { tip.hidden = true; });
     // record_function annotations (optimizer step, zero_grad, user ranges) as a lane above the bands
     p.spans = m.annotations || [];
     p.top = p.spans.length ? 18 : 0;
@@ -393,6 +413,33 @@
       x += w + 2;
     }
   }
+  async function showIcicle(p, t) {
+    const r = await api('icicle', t === undefined ? { doc: p.i } : { doc: p.i, t: Math.floor(t) });
+    const cv = p.iceCv, g = cv.getContext('2d');
+    cv.width = cv.clientWidth || 800;
+    g.clearRect(0, 0, cv.width, cv.height);
+    g.font = '11px system-ui,sans-serif';
+    g.textAlign = 'left';
+    const rowH = 18, total = r.root.bytes || 1;
+    p.iceRects = [];
+    const draw = (n, x, w, depth) => {
+      if (w < 0.5 || (depth + 1) * rowH > cv.height) return;
+      const y = depth * rowH;
+      g.fillStyle = depth === 0 ? '#888' : n.name === '(smaller)' ? '#ccc' : PALETTE[(n.name.length * 7 + depth) % PALETTE.length];
+      g.fillRect(x, y, Math.max(0.5, w - 1), rowH - 1);
+      p.iceRects.push({ x, y, w, h: rowH, n });
+      if (w > 60) {
+        g.fillStyle = '#fff';
+        const label = depth === 0 ? 'all: ' + fmtB(n.bytes) : n.name.replace(/^.*\//, '');
+        g.fillText(label, x + 3, y + 13, w - 6);
+      }
+      let cx = x;
+      for (const c of n.children) { const cw = w * c.bytes / Math.max(1, n.bytes); draw(c, cx, cw, depth + 1); cx += cw; }
+    };
+    draw(r.root, 0, cv.width, 0);
+    p.iceSum.textContent = 'After event ' + r.t + ': ' + fmtB(total) + ' alive' + (OFF ? ' (the offline page holds the peak only)' : '') + '; hover a frame for its bytes.';
+    p.iceSum.dataset.bytes = total;
+  }
   function updateLegend(p) {
     const counts = new Map();
     for (const b of p.res.bands) {
@@ -463,6 +510,7 @@
       if (id === null) { const b = await api('hit', { doc: p.i, t, y: by }); id = b ? b.id : null; if (b) p.blocks.set(b.id, b); }
       pin(p, id);
       showSegments(p, t);
+      showIcicle(p, t);
     });
     cv.addEventListener('dblclick', async () => {
       if (p.pin === null) return;
@@ -652,7 +700,7 @@
     }
     META.docs.forEach((m, i) => panels.push(m.type === 'memory' ? MemoryPanel(i, m, root) : ProfilePanel(i, m, root)));
     await Promise.all(panels.map((p) => { p.draw(); return p.fetch(); }));
-    for (const p of panels) if (p.type === 'memory') await showSegments(p, p.m.peak_event);
+    for (const p of panels) if (p.type === 'memory') { await showSegments(p, p.m.peak_event); await showIcicle(p); }
     document.body.dataset.ready = '1';
   }
   // Test and automation hooks (read-only views of the state).

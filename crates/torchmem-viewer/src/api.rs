@@ -154,6 +154,16 @@ pub fn segments_json(t: &Trace, e: u32) -> Value {
     json!({"t": e, "reserved_bytes": reserved, "allocated_bytes": used, "segments": shown})
 }
 
+/// The composition of the memory alive after event `t` (the peak by default) as an icicle of Python stacks.
+pub fn icicle(docs: &[Doc], q: &HashMap<String, String>) -> Result<Value, ApiError> {
+    let Doc::Memory { trace: t, .. } = memory(docs, q)? else { unreachable!() };
+    let e = match param(q, "t") {
+        Some(_) => num::<f64>(q, "t")?.floor().clamp(0.0, t.events.saturating_sub(1) as f64) as u32,
+        None => t.peak_event,
+    };
+    Ok(json!({"t": e, "root": t.icicle_at(e, 0.005, 24)}))
+}
+
 /// Allocations whose stack matches a `file:line` or op substring.
 pub fn search(docs: &[Doc], q: &HashMap<String, String>) -> Result<Value, ApiError> {
     let Doc::Memory { trace: t, .. } = memory(docs, q)? else { unreachable!() };
@@ -177,6 +187,7 @@ pub fn handle(docs: &[Doc], route: &str, q: &HashMap<String, String>) -> Result<
         "block" => block(docs, q),
         "hit" => hit(docs, q),
         "segments" => segments(docs, q),
+        "icicle" => icicle(docs, q),
         "search" => search(docs, q),
         "profile" => profile(docs, q),
         _ => Err((404, format!("no endpoint {route}"))),

@@ -87,6 +87,7 @@ fn memory_data(t: &Trace, index: &crate::lod::LodIndex, budget: usize) -> Value 
         "level_max": full.level_max,
         "level_min": full.level_min,
         "segments_at_peak": api::segments_json(t, t.peak_event),
+        "icicle_at_peak": {"t": t.peak_event, "root": t.icicle_at(t.peak_event, 0.005, 24)},
         "time_us": [t.time_us.first().copied().unwrap_or(0), t.time_us.last().copied().unwrap_or(0)],
     })
 }

@@ -421,6 +421,79 @@ impl Trace {
     }
 }
 
+/// A node of the icicle: a frame (outermost first from the root) and the bytes alive under it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct IcicleNode {
+    pub name: String,
+    pub bytes: u64,
+    pub children: Vec<IcicleNode>,
+}
+
+impl Trace {
+    /// The composition of the memory alive after event `t` as a tree of Python stacks, outermost frame at
+    /// the root (C++-only stacks under their site); children below `min_share` of the total are merged into
+    /// "(smaller)", at most `max_depth` levels.
+    pub fn icicle_at(&self, t: u32, min_share: f64, max_depth: usize) -> IcicleNode {
+        struct N {
+            name: String,
+            bytes: u64,
+            children: HashMap<String, usize>,
+        }
+        let mut nodes = vec![N { name: "all".into(), bytes: 0, children: HashMap::new() }];
+        let mut paths: HashMap<StackId, Vec<String>, FxBuild> = HashMap::default();
+        for a in self.allocs.iter().filter(|a| a.t0 <= t && (a.t1 == ALIVE || a.t1 > t)) {
+            let path = paths.entry(a.stack).or_insert_with(|| {
+                let frames = self.snap.stack(a.stack);
+                let py: Vec<String> = frames
+                    .iter()
+                    .rev()
+                    .filter(|&&f| self.snap.str(self.snap.frames[f as usize].filename).ends_with(".py"))
+                    .map(|&f| self.snap.frame_text(f))
+                    .collect();
+                if py.is_empty() {
+                    vec![self.sites.get(a.site as usize).cloned().unwrap_or_default()]
+                } else {
+                    py
+                }
+            });
+            let mut cur = 0;
+            nodes[0].bytes += a.size_bytes;
+            for name in path.iter().take(max_depth) {
+                let next = match nodes[cur].children.get(name) {
+                    Some(&k) => k,
+                    None => {
+                        nodes.push(N { name: name.clone(), bytes: 0, children: HashMap::new() });
+                        let k = nodes.len() - 1;
+                        nodes[cur].children.insert(name.clone(), k);
+                        k
+                    }
+                };
+                nodes[next].bytes += a.size_bytes;
+                cur = next;
+            }
+        }
+        let min_bytes = (nodes[0].bytes as f64 * min_share) as u64;
+        fn build(nodes: &[N], k: usize, min_bytes: u64) -> IcicleNode {
+            let mut kids: Vec<usize> = nodes[k].children.values().copied().collect();
+            kids.sort_by_key(|&c| std::cmp::Reverse(nodes[c].bytes));
+            let mut children = Vec::new();
+            let mut small = 0;
+            for c in kids {
+                if nodes[c].bytes >= min_bytes.max(1) {
+                    children.push(build(nodes, c, min_bytes));
+                } else {
+                    small += nodes[c].bytes;
+                }
+            }
+            if small > 0 {
+                children.push(IcicleNode { name: "(smaller)".into(), bytes: small, children: Vec::new() });
+            }
+            IcicleNode { name: nodes[k].name.clone(), bytes: nodes[k].bytes, children }
+        }
+        build(&nodes, 0, min_bytes)
+    }
+}
+
 /// One segment at a moment: its blocks as (offset, requested bytes, allocation id).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct SegmentAt {
