@@ -183,7 +183,7 @@ def main() -> None:
         bd.measure(dev)
     measure_us = (time.perf_counter() - t0) / n * 1e6
     # Where one boundary's time goes (each part alone, n times; the caches as in a step's later boundaries).
-    from torchmem import _ledger, api
+    from torchmem import _devices, _ledger
 
     def per_call_us(f: Any) -> float:
         t0 = time.perf_counter()
@@ -198,7 +198,7 @@ def main() -> None:
         "optimizer": per_call_us(bd._optimizer_state),
         "saves": per_call_us(bd.saved.live) if bd.saved is not None else 0.0,
         "allocator": per_call_us(lambda: _ledger.counters(torch, dev)) if dev is not None else 0.0,
-        "nvml": per_call_us(lambda: api._nvml(torch, dev)) if dev is not None else 0.0,
+        "nvml": per_call_us(lambda: _devices.nvml_reading(torch, dev)) if dev is not None else 0.0,
         "rss": per_call_us(torchmem._native.self_rss_bytes),
     }
     split = ", ".join(f"{k} {v:.0f}" for k, v in parts.items())

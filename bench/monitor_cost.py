@@ -119,7 +119,7 @@ def _profile(mon: torchmem.Monitor, block, device: str) -> None:  # noqa: ANN001
     import pstats
     import timeit
 
-    from torchmem import api
+    from torchmem import _devices, _markers
 
     prof = cProfile.Profile()
     with mon.epoch():
@@ -128,17 +128,18 @@ def _profile(mon: torchmem.Monitor, block, device: str) -> None:  # noqa: ANN001
         prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     dev = 0 if device.startswith("cuda") else None
+    torch_now = _devices.imported_torch
     reads = {
         "self_memory (/proc/self/status)": _native.self_memory,
         "self_rss_bytes (statm)": _native.self_rss_bytes,
         "rss_period_restart (own peak counter)": _native.rss_period_restart,
-        "ledger open+close": lambda: _ledger.close_window(api._torch(), _ledger.open_window(api._torch(), dev)[0]),
-        "_Span open+close (phase)": lambda: api._Span("phase", "x", None, dev).close(),
+        "ledger open+close": lambda: _ledger.close_window(torch_now(), _ledger.open_window(torch_now(), dev)[0]),
+        "_Span open+close (phase)": lambda: _markers.Span("phase", "x", None, dev).close(),
         "mon._dev()": mon._dev,
     }
     if dev is not None:
         reads["_cuda_memoryStats"] = lambda: torch._C._cuda_memoryStats(0)
-        reads["_counters"] = lambda: api._counters(torch, 0)
+        reads["_counters"] = lambda: _devices.counters(torch, 0)
         reads["_cuda_resetPeakMemoryStats"] = lambda: torch._C._cuda_resetPeakMemoryStats(0)
     for name, fn in reads.items():
         n = 2000

@@ -474,9 +474,9 @@ def main() -> int:
         )
 
         def span():
-            from torchmem import api
+            from torchmem import _markers
 
-            s = api._Span("phase", "x", None, 0)
+            s = _markers.Span("phase", "x", None, 0)
             s.close()
 
         sp = time_us(span, n=1000)

@@ -618,9 +618,9 @@ def _cuda_totals(torch: Any, dev: int, entry: dict[str, Any], counted_bytes: int
     entry["allocated_bytes"], entry["reserved_bytes"] = allocated, reserved
     entry["other_bytes"] = allocated - counted_bytes
     entry["cache_bytes"] = reserved - allocated
-    from . import api
+    from . import _devices
 
-    nv = api._nvml(torch, dev)
+    nv = _devices.nvml_reading(torch, dev)
     if nv is not None:
         mine = nv.process_bytes if nv.process_bytes is not None else nv.used_bytes
         entry["non_torch_bytes"] = mine - reserved

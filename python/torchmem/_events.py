@@ -97,10 +97,10 @@ def _nvml_index(device: int) -> int:
     """The NVML index of torch's CUDA device `device` (the GPU rows' key), torch's own where NVML cannot say."""
     index = _nvml_of.get(device)
     if index is None:
-        from . import api
+        from . import _devices
 
-        torch: Any = api._torch()
-        found = api._nvml_index(torch, device) if torch is not None else None
+        torch: Any = _devices.imported_torch()
+        found = _devices.nvml_index(torch, device) if torch is not None else None
         index = _nvml_of[device] = device if found is None else found
     return index
 

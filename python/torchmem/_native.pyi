@@ -124,8 +124,8 @@ def rss_period_restart() -> SelfMemory | None:
 
 def watch_rss(open_windows: int) -> bool:
     """Tells the RSS watcher how many peak windows are open: while one is, a thread samples /proc/self/statm
-    every 5 ms (every millisecond while RSS rises) into the current period (no GIL); with none it sleeps. False where the thread cannot
-    start."""
+    every 5 ms (every millisecond while RSS rises) into the current period (no GIL); with none it sleeps.
+    False where the thread cannot start."""
 
 def malloc_trim() -> bool:
     """glibc malloc_trim(0): returns freed heap pages to the kernel; True when something was released."""

@@ -17,107 +17,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import os
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-from . import _events, _ledger, _native, _rank
-
-# --- reading torch without importing it ----------------------------------------------------------------
-
-
-def _torch() -> Any:
-    """The torch module when the program imported it (torchmem never imports it itself)."""
-    torch = sys.modules.get("torch")
-    if torch is None or not hasattr(torch, "cuda") or not hasattr(torch, "_C"):
-        return None  # absent, or still being imported
-    return torch
-
-
-_cuda_available: bool | None = None
-
-
-def _cuda_available_now(torch: Any) -> bool:
-    """torch.cuda.is_available(), asked once (it does not create a context)."""
-    global _cuda_available
-    if _cuda_available is None:
-        try:
-            _cuda_available = bool(torch.cuda.is_available())
-        except Exception:
-            _cuda_available = False
-    return _cuda_available
-
-
-_cuda_initialized = _ledger.cuda_initialized
-
-
-def _cuda_index(device: Any, torch: Any) -> int | None:
-    """The CUDA device index `device` names, or None for the CPU / a machine without CUDA / no torch."""
-    kind, index = "cuda", None
-    if device is None:
-        pass
-    elif isinstance(device, int) and not isinstance(device, bool):
-        index = device
-    elif isinstance(device, str):
-        kind, _, rest = device.partition(":")
-        if rest and not rest.isdigit():
-            raise ValueError(f"device {device!r}: expected 'cuda', 'cuda:N' or 'cpu'")
-        index = int(rest) if rest else None
-    elif hasattr(device, "type"):
-        kind, index = device.type, device.index
-    else:
-        raise TypeError(f"device must be None, an int, 'cuda[:N]', 'cpu' or a torch.device, not {device!r}")
-    if kind == "cpu":
-        return None
-    if kind != "cuda":
-        raise ValueError(f"device {device!r}: torchmem reads CUDA devices and the CPU, not {kind!r}")
-    if torch is None or not _cuda_available_now(torch):
-        return None
-    if index is None:
-        return int(torch.cuda.current_device()) if _cuda_initialized(torch) else 0
-    return int(index)
-
-
-#: Device `dev`'s `_native.AllocatorCounters` as the allocator holds them (its own binding, never the program's
-#: view), or None before CUDA is initialised.
-_counters = _ledger.counters
-
-
-_nvml_index_cache: dict[int, int] = {}
-
-
-def _nvml_index(torch: Any, dev: int) -> int | None:
-    """The NVML index of CUDA device `dev` (they differ under CUDA_VISIBLE_DEVICES), by the extension's one rule
-    (`_native.nvml_index_of_device`: torch's UUID of the device, else its CUDA_VISIBLE_DEVICES entry, else
-    `dev`), the one the allocator sampler keys its rows by."""
-    if dev in _nvml_index_cache:
-        return _nvml_index_cache[dev]
-    if _native.nvml_error() is not None:
-        return None
-    uuid: str | None = None
-    if _cuda_initialized(torch):
-        try:
-            uuid = str(torch.cuda.get_device_properties(dev).uuid)
-        except Exception:
-            uuid = None
-    index = _native.nvml_index_of_device(dev, uuid)
-    if index is not None and uuid is not None:
-        _nvml_index_cache[dev] = index
-    return index
-
-
-def _nvml(torch: Any, dev: int) -> _native.NvmlReading | None:
-    """NVML's reading of CUDA device `dev` (`process_bytes`: this process's), or None without NVML."""
-    index = _nvml_index(torch, dev)
-    if index is None:
-        return None
-    try:
-        return _native.nvml_read(index, os.getpid())
-    except _native.TorchmemError:
-        return None
-
+from . import _devices, _ledger, _markers, _native, _rank
 
 # --- device_info ------------------------------------------------------------------------------------------
 
@@ -140,14 +45,13 @@ def device_info(device: Any = None) -> dict[str, Any]:
         found = read()
         info["torch_version"] = found["torch_version"]
         info["torch_cuda_version"] = found["torch_cuda_version"]
-    info["torch_cuda_available"] = _cuda_available_now(torch) if _torch() is not None else None
+    info["torch_cuda_available"] = _devices.cuda_available_now(torch) if _devices.imported_torch() is not None else None
     if device is not None:
-        torch = _torch()
-        dev = _cuda_index(device, torch) if torch is not None else (device if isinstance(device, int) else None)
-        index = _nvml_index(torch, dev) if (torch is not None and dev is not None) else dev
+        torch = _devices.imported_torch()
+        dev = _devices.cuda_index(device, torch) if torch is not None else (device if isinstance(device, int) else None)
+        index = _devices.nvml_index(torch, dev) if (torch is not None and dev is not None) else dev
         info["devices"] = [d for d in info["devices"] if d["index"] == index]
-    global _last_device_check
-    _last_device_check = _mark("Device checked")
+    _markers.last_device_check = _markers.mark_now("Device checked")
     return info
 
 
@@ -291,12 +195,12 @@ def stats(device: Any = None, *, uss: bool = False) -> Stats:
     device), NVML's view of the process, and the CPU's RSS (and USS/PSS with `uss=True`). Cheap by default
     (microseconds); `uss=True` reads /proc/self/smaps_rollup, which takes milliseconds on a process of several
     GiB (otherwise `uss_bytes`/`pss_bytes` are None: not measured)."""
-    torch = _torch()
-    dev = _cuda_index(device, torch)
+    torch = _devices.imported_torch()
+    dev = _devices.cuda_index(device, torch)
     t_ns = time.monotonic_ns()
     gpu: dict[str, int | None] = dict.fromkeys(GPU_FIELDS)
     if dev is not None:
-        c = _counters(torch, dev) or _ledger.NO_COUNTERS
+        c = _devices.counters(torch, dev) or _ledger.NO_COUNTERS
         acc_alloc, acc_reserved = _ledger.gpu_acc.get(dev, (0, 0))
         gpu.update(
             allocated_bytes=c.allocated_bytes,
@@ -308,7 +212,7 @@ def stats(device: Any = None, *, uss: bool = False) -> Stats:
             num_alloc_retries=c.num_alloc_retries,
             num_ooms=c.num_ooms,
         )
-        nv = _nvml(torch, dev)
+        nv = _devices.nvml_reading(torch, dev)
         if nv is not None:
             mine = nv.process_bytes
             gpu.update(device_total_bytes=nv.total_bytes, device_free_bytes=nv.free_bytes, nvml_process_bytes=mine)
@@ -341,8 +245,8 @@ def reset_peak(device: Any = None) -> None:
     torchmem's own period: open `with peak()` / `track` windows keep their exact peaks, and what the program
     reads (`torch.cuda.max_memory_allocated()`, `ru_maxrss`) does not change. To reset PyTorch's peak for the
     program, call `torch.cuda.reset_peak_memory_stats()` as usual (torchmem's readers keep theirs)."""
-    torch = _torch()
-    _ledger.reset_torchmem_peak(torch, _cuda_index(device, torch))
+    torch = _devices.imported_torch()
+    _ledger.reset_torchmem_peak(torch, _devices.cuda_index(device, torch))
 
 
 @dataclasses.dataclass
@@ -374,12 +278,12 @@ class Peak:
         return f"peak: {gpu}CPU RSS {_fmt(self.rss_bytes)}"
 
     def __enter__(self) -> Peak:
-        self._window, _, _ = _ledger.open_window(_torch(), self.device)
+        self._window, _, _ = _ledger.open_window(_devices.imported_torch(), self.device)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._window is not None:
-            rss, alloc, reserved, _, _ = _ledger.close_window(_torch(), self._window)
+            rss, alloc, reserved, _, _ = _ledger.close_window(_devices.imported_torch(), self._window)
             self.rss_bytes, self.allocated_bytes, self.reserved_bytes = rss, alloc, reserved
             self._window = None
 
@@ -387,14 +291,14 @@ class Peak:
 def peak(device: Any = None) -> Peak:
     """Peak since the last `reset_peak()` (or process start): GPU allocated/reserved of `device`, CPU RSS.
     `with torchmem.peak() as p:` gives the peak inside the block instead."""
-    torch = _torch()
-    dev = _cuda_index(device, torch)
+    torch = _devices.imported_torch()
+    dev = _devices.cuda_index(device, torch)
     with _ledger.lock:
         mem = _native.rss_period_peak()
         rss = max(_ledger.rss_acc, mem.peak_rss_bytes) if mem else None
         alloc = reserved = None
         if dev is not None:
-            c = _counters(torch, dev) or _ledger.NO_COUNTERS
+            c = _devices.counters(torch, dev) or _ledger.NO_COUNTERS
             a, r = _ledger.gpu_acc.get(dev, (0, 0))
             alloc, reserved = max(a, c.peak_allocated_bytes), max(r, c.peak_reserved_bytes)
     return Peak(dev, alloc, reserved, rss)
@@ -457,133 +361,37 @@ def empty_cache(device: Any = None) -> CacheRelease:
     """Releases PyTorch's cached, unused GPU blocks (`torch.cuda.empty_cache()`, when CUDA is initialised)
     and glibc's free heap pages (`malloc_trim`), and returns what was really released, measured before and
     after. Also records a "Cache emptied" mark for the journey."""
-    torch = _torch()
-    dev = _cuda_index(device, torch)
+    torch = _devices.imported_torch()
+    dev = _devices.cuda_index(device, torch)
     reserved_before = reserved_after = nvml_before = nvml_after = None
     if dev is not None:
-        c = _counters(torch, dev)
+        c = _devices.counters(torch, dev)
         reserved_before = c.reserved_bytes if c is not None else 0
-        nv = _nvml(torch, dev)
+        nv = _devices.nvml_reading(torch, dev)
         nvml_before = nv.process_bytes if nv is not None else None
     rss_before = _native.self_rss_bytes()
-    if dev is not None and _cuda_initialized(torch):
+    if dev is not None and _devices.cuda_initialized(torch):
         with torch.cuda.device(dev):
             torch.cuda.empty_cache()
     _native.malloc_trim()
     if dev is not None:
-        c = _counters(torch, dev)
+        c = _devices.counters(torch, dev)
         reserved_after = c.reserved_bytes if c is not None else 0
-        nv = _nvml(torch, dev)
+        nv = _devices.nvml_reading(torch, dev)
         nvml_after = nv.process_bytes if nv is not None else None
     rss_after = _native.self_rss_bytes()
-    _mark("Cache emptied", dev)
+    _markers.mark_now("Cache emptied", dev)
     return CacheRelease(dev, reserved_before, reserved_after, nvml_before, nvml_after, rss_before, rss_after)
-
-
-# --- markers (shared with the Monitor) -------------------------------------------------------------------
-
-#: The "Device checked" mark of the last `device_info()` call (a Monitor made later starts its journey there).
-_last_device_check: dict[str, Any] | None = None
-
-#: Callables that receive every marker this process records (the open Monitors).
-_sinks: list[Callable[[dict[str, Any]], None]] = []
-
-
-def _memory_now(dev: int | None) -> dict[str, Any]:
-    """MarkerMemory fields read now: RSS (statm) and, with CUDA in use, allocated and reserved."""
-    mem: dict[str, Any] = {"rss_bytes": _native.self_rss_bytes()}
-    torch = _torch() if dev is not None else None
-    if torch is not None:
-        c = _counters(torch, dev) or _ledger.NO_COUNTERS  # type: ignore[arg-type]
-        mem["allocated_bytes"], mem["reserved_bytes"] = c.allocated_bytes, c.reserved_bytes
-    return mem
-
-
-def _record(
-    kind: str,
-    edge: str,
-    name: str,
-    index: int | None,
-    memory: dict[str, Any],
-    dev: int | None = None,
-    extra: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """One marker in `model::Marker` form: sent to the recorder under `torchmem run` (with `dev`, the CUDA device
-    `memory` read) and to open Monitors. `extra`: more marker keys (the Monitor's `"breakdown"`)."""
-    marker = {
-        "t_ns": time.monotonic_ns(),
-        "kind": kind,
-        "edge": edge,
-        "name": name,
-        "index": index,
-        "memory": memory,
-    }
-    if extra:
-        marker.update(extra)
-    if _events._on:
-        if extra:
-            _events.emit_marker_with(marker, dev)
-        else:
-            _events.emit_marker(marker["t_ns"], kind, edge, name, index, memory, dev)
-    for sink in list(_sinks):
-        sink(marker)
-    return marker
-
-
-def _mark(name: str, dev: int | None | str = "current") -> dict[str, Any]:
-    """A point mark (journey stage) with the memory at this moment."""
-    if dev == "current":
-        torch = _torch()
-        dev = _cuda_index(None, torch) if torch is not None and _cuda_initialized(torch) else None
-    return _record("mark", "point", name, None, _memory_now(dev), dev)  # type: ignore[arg-type]
 
 
 def mark(name: str, device: Any = None) -> dict[str, Any]:
     """Records a named point (e.g. "Model initialised") with the memory now, for the journey and profile."""
-    torch = _torch()
-    dev = _cuda_index(device, torch) if torch is not None and _cuda_initialized(torch) else None
-    return _mark(name, dev)
+    torch = _devices.imported_torch()
+    dev = _devices.cuda_index(device, torch) if torch is not None and _devices.cuda_initialized(torch) else None
+    return _markers.mark_now(name, dev)
 
 
 # --- track ------------------------------------------------------------------------------------------------
-
-
-class _Span:
-    """One open span (phase, step, epoch, track): entry memory and its peak window."""
-
-    __slots__ = ("kind", "name", "index", "dev", "window", "entry", "t0_ns", "start")
-
-    def __init__(
-        self, kind: str, name: str, index: int | None, dev: int | None, extra: dict[str, Any] | None = None
-    ) -> None:
-        self.kind, self.name, self.index, self.dev = kind, name, index, dev
-        self.window, rss, counters = _ledger.open_window(_torch(), dev)
-        self.entry: dict[str, Any] = {"rss_bytes": rss}
-        if dev is not None:
-            c = counters or _ledger.NO_COUNTERS
-            self.entry["allocated_bytes"], self.entry["reserved_bytes"] = c.allocated_bytes, c.reserved_bytes
-        self.start = _record(kind, "start", name, index, self.entry, dev, extra)
-        self.t0_ns: int = self.start["t_ns"]
-
-    def close(self, extra: dict[str, Any] | None = None, held_rss: Any = None) -> dict[str, Any]:
-        """Ends the span. `held_rss`: a `_native.HeldRss` (the Monitor's epochs) adds RSS less malloc's free
-        bytes to the end's memory, the series the epoch growth warning judges."""
-        peak_rss, peak_alloc, peak_reserved, rss, counters = _ledger.close_window(_torch(), self.window)
-        exit_mem: dict[str, Any] = {"rss_bytes": rss, "peak_rss_bytes": peak_rss}
-        if held_rss is not None:
-            exit_mem["held_rss_bytes"] = held_rss.push(rss, _native.malloc_free_bytes())
-        if self.dev is not None:
-            c = counters or _ledger.NO_COUNTERS
-            exit_mem["allocated_bytes"], exit_mem["reserved_bytes"] = c.allocated_bytes, c.reserved_bytes
-            exit_mem["peak_allocated_bytes"], exit_mem["peak_reserved_bytes"] = peak_alloc, peak_reserved
-        return _record(self.kind, "end", self.name, self.index, exit_mem, self.dev, extra)
-
-
-def _span_device(device: Any) -> int | None:
-    torch = _torch()
-    if torch is None:
-        return None
-    return _cuda_index(device, torch)
 
 
 @dataclasses.dataclass
@@ -670,10 +478,10 @@ class track:
         self.verbose = verbose
         self.result: TrackResult | None = None
         self.history: collections.deque[TrackResult] = collections.deque(maxlen=1000)
-        self._open: list[_Span] = []
+        self._open: list[_markers.Span] = []
 
     def __enter__(self) -> track:
-        self._open.append(_Span("phase", self.name, None, _span_device(self.device)))
+        self._open.append(_markers.Span("phase", self.name, None, _markers.span_device(self.device)))
         return self
 
     def __exit__(self, *exc: object) -> None:

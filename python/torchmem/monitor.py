@@ -19,8 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from . import _autowatch, _breakdown, _leaks, _native, _rank
-from . import api as _api
+from . import _autowatch, _breakdown, _devices, _leaks, _markers, _native, _rank
 from ._breakdown import Breakdown
 
 
@@ -148,7 +147,7 @@ class Monitor:
         self._held_rss = _native.HeldRss()  # epoch ends: RSS less malloc's free bytes
         self._step_index = 0
         self._handles: list[Any] = []
-        self._phase: dict[str, _api._Span] = {}
+        self._phase: dict[str, _markers.Span] = {}
         self._forward_depth = 0
         self._warned = False
         # A training run can take millions of steps: markers of steps and phases are kept for the first
@@ -165,13 +164,13 @@ class Monitor:
                 mon._take(marker)
 
         self._sink = sink
-        _api._sinks.append(sink)
-        if _api._last_device_check is not None:
-            self._take(_api._last_device_check)
+        _markers.sinks.append(sink)
+        if _markers.last_device_check is not None:
+            self._take(_markers.last_device_check)
         else:
-            _api._mark("Device checked", self._dev())
+            _markers.mark_now("Device checked", self._dev())
         if model is not None:
-            _api._mark("Model initialised", self._dev())
+            _markers.mark_now("Model initialised", self._dev())
             self._hook_model(model)
         if optimizer is not None:
             self._hook_optimizer(optimizer)
@@ -192,12 +191,12 @@ class Monitor:
     # --- device ---------------------------------------------------------------------------------------
 
     def _dev(self) -> int | None:
-        torch = _api._torch()
+        torch = _devices.imported_torch()
         if torch is None:
             return None
         if self._device_arg is not None:
-            return _api._cuda_index(self._device_arg, torch)
-        if not _api._cuda_initialized(torch):
+            return _devices.cuda_index(self._device_arg, torch)
+        if not _devices.cuda_initialized(torch):
             return None
         if self.model is not None:
             # The first parameter, found once (walking the modules costs ~5 µs per phase on a GPU loop);
@@ -210,16 +209,16 @@ class Monitor:
                     p = None
             if p is not None:
                 d = p.device
-                return d.index if d.type == "cuda" else _api._cuda_index(None, torch)
-        return _api._cuda_index(None, torch)
+                return d.index if d.type == "cuda" else _devices.cuda_index(None, torch)
+        return _devices.cuda_index(None, torch)
 
     def _capacity_bytes(self) -> int | None:
         dev = self._dev()
         if dev is not None:
-            nv = _api._nvml(_api._torch(), dev)
+            nv = _devices.nvml_reading(_devices.imported_torch(), dev)
             if nv is not None:
                 return nv.total_bytes
-            torch = _api._torch()
+            torch = _devices.imported_torch()
             try:
                 return int(torch.cuda.get_device_properties(dev).total_memory)
             except Exception:
@@ -244,7 +243,7 @@ class Monitor:
                 self._finish_implicit_step()
                 self._step_open += 1
                 extra = self._boundary("step start", dev)
-            span = self._phase[name] = _api._Span("phase", name, None, dev, extra)
+            span = self._phase[name] = _markers.Span("phase", name, None, dev, extra)
             self._note("step start", span.start, extra)
 
     def _finish_implicit_step(self) -> None:
@@ -337,7 +336,7 @@ class Monitor:
         self._forward_pre(module, args)
         bd = self._bd
         if bd is not None and bd.sampling and self._forward_depth == 1 and "forward" in self._phase:
-            torch = _api._torch()
+            torch = _devices.imported_torch()
             if torch is not None and torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
                 bd.forward_begin(args, kwargs)
             else:
@@ -355,7 +354,7 @@ class Monitor:
         if self._bd is not None:
             self._bd.forward_end()
         self._end("forward")
-        torch = _api._torch()
+        torch = _devices.imported_torch()
         if torch is None or not torch.is_grad_enabled():
             return
         for t in _tensors(output, torch):
@@ -368,7 +367,7 @@ class Monitor:
         if "backward" in self._phase:
             return
         self._start("backward")
-        torch = _api._torch()
+        torch = _devices.imported_torch()
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
 
     def _backward_done(self) -> None:
@@ -390,7 +389,7 @@ class Monitor:
         self._step_open += 1
         self._step_boundaries = []
         extra = self._boundary("step start", dev)
-        span = _api._Span("step", "step", index, dev, extra)
+        span = _markers.Span("step", "step", index, dev, extra)
         self._note("step start", span.start, extra)
         try:
             yield
@@ -409,7 +408,7 @@ class Monitor:
         if index is None:
             index = self._epoch_index
         self._epoch_index = index + 1
-        span = _api._Span("epoch", "epoch", index, self._dev())
+        span = _markers.Span("epoch", "epoch", index, self._dev())
         try:
             yield
         finally:
@@ -431,7 +430,7 @@ class Monitor:
 
     def mark(self, name: str) -> None:
         """A named point for the journey (e.g. "Data loaded"), with the memory now."""
-        _api._mark(name, self._dev())
+        _markers.mark_now(name, self._dev())
 
     # --- results --------------------------------------------------------------------------------------
 
@@ -481,8 +480,8 @@ class Monitor:
             self._bd.close()
         if self._leaks is not None:
             self._leaks.close()
-        if self._sink in _api._sinks:
-            _api._sinks.remove(self._sink)
+        if self._sink in _markers.sinks:
+            _markers.sinks.remove(self._sink)
 
     def _repr_html_(self) -> str:  # Jupyter's rich display (torchmem._jupyter)
         from ._jupyter import monitor_html
@@ -508,8 +507,8 @@ class Monitor:
 
     def __del__(self) -> None:
         try:
-            if self._sink in _api._sinks:
-                _api._sinks.remove(self._sink)
+            if self._sink in _markers.sinks:
+                _markers.sinks.remove(self._sink)
         except Exception:
             pass
 

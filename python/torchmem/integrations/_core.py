@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torchmem
-from torchmem import _autowatch, _native
+from torchmem import _autowatch, _devices, _native
 
 #: Phase names, as the Monitor's own hooks name them (so tables and profiles read the same).
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer step"
@@ -60,17 +60,12 @@ def unwrap_optimizer(optimizer: Any) -> Any:
 
 
 def cuda_index(device: Any) -> int | None:
-    """The CUDA index of a torch.device / str / int, None for the CPU and anything else."""
+    """The CUDA index of the model's device (a torch.device, str or int) by torchmem's one resolver
+    (`_devices.cuda_index`: 'cuda' is the current device); None for the CPU, for no device, and without CUDA.
+    A device torchmem cannot read (say 'xla') raises ValueError, as everywhere in torchmem."""
     if device is None:
         return None
-    kind = getattr(device, "type", None)
-    if kind is not None:
-        return (device.index or 0) if kind == "cuda" else None
-    if isinstance(device, int):
-        return device
-    if isinstance(device, str) and device.startswith("cuda"):
-        return int(device.partition(":")[2] or 0)
-    return None
+    return _devices.cuda_index(device, _devices.imported_torch())
 
 
 class StepRecorder:
