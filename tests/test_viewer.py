@@ -390,6 +390,42 @@ def test_an_estimate_trace_and_a_simulation_trace_side_by_side(page) -> None:
             assert fmt_gib(peak) in page.js(f"tmViewer.panels[{doc}].sec.querySelector('.meta').textContent")
 
 
+def test_a_profile_puts_its_epoch_and_step_lanes_above_a_trace_of_the_same_run(page, tmp_path: Path) -> None:
+    import torchmem
+
+    prof = torchmem.load_profile(str(PROFILE))
+    start_us = prof.meta["started_unix_s"] * 1e6
+    steps = [m for m in prof.markers if m["kind"] == "step" and m["edge"] == "start"]
+    assert len(steps) >= 2
+    first, last = min(m["t_ns"] for m in prof.markers), max(m["t_ns"] for m in prof.markers)
+    # A trace over the same wall-clock time (what _record_memory_history would record next to the run): one
+    # alloc/free pair every 5 ms, stamped in Unix microseconds like torch's.
+    t, trace = start_us + first / 1000 - 10_000, []
+    while t < start_us + last / 1000 + 10_000:
+        e = {"action": "alloc", "addr": 1 << 20, "size": 4096, "stream": 0, "time_us": int(t), "frames": []}
+        trace += [e, dict(e, action="free_completed", time_us=int(t) + 2500)]
+        t += 5000
+    snap = tmp_path / "same_run.pickle"
+    snap.write_bytes(pickle.dumps({"segments": [], "device_traces": [trace]}, protocol=4))
+    with served(snap, PROFILE) as url:
+        open_view(page, url)
+        lanes = page.js("tmViewer.panels[0].lanes")
+        assert "epoch" in lanes and "step" in lanes
+        spans = page.js("tmViewer.panels[0].spans.filter(s => s.lane === 'step')")
+        assert len(spans) == len(steps)
+        times = [e["time_us"] for e in trace]
+        for sp, m in zip(sorted(spans, key=lambda s: s["e0"]), sorted(steps, key=lambda m: m["t_ns"]), strict=True):
+            want = next(i for i, x in enumerate(times) if x >= start_us + m["t_ns"] / 1000)
+            assert abs(sp["e0"] - want) <= 1, (sp, want)
+        sp = max(spans, key=lambda s: s["e1"] - s["e0"])
+        x = page.js(
+            f"tmViewer.panels[0].cv.getBoundingClientRect().left + tmViewer.panels[0].xOf({(sp['e0'] + sp['e1']) / 2})"
+        )
+        y = page.js("tmViewer.panels[0].cv.getBoundingClientRect().top + tmViewer.panels[0].laneY('step') + 8")
+        page.mouse("mouseMoved", x, y)
+        page.wait("document.getElementById('tip').textContent.includes('step from the run profile')")
+
+
 def fmt_gib(b: int) -> str:
     return f"{b / (1 << 30):.2f} GiB"
 

@@ -188,14 +188,20 @@
     iceCv.addEventListener('mouseleave', () => { tip.hidden = true; });
     // record_function annotations (optimizer step, zero_grad, user ranges) as a lane above the bands
     p.spans = m.annotations || [];
-    p.top = p.spans.length ? 18 : 0;
+    p.lanes = ['annotation', 'epoch', 'step', 'phase', 'mark'].filter((l) => p.spans.some((s) => s.lane === l));
+    const LANE_H = 16;
+    p.top = p.lanes.length ? LANE_H * p.lanes.length + 2 : 0;
     p.plotW = () => Math.max(10, cv.width - PADL);
     p.plotH = () => cv.height - PADB - p.top;
     p.xOf = (t) => PADL + (t - p.t0) / (p.t1 - p.t0) * p.plotW();
     p.yOf = (b) => p.top + p.plotH() - (b - p.y0) / (p.y1 - p.y0) * p.plotH();
     p.tAt = (x) => p.t0 + (x - PADL) / p.plotW() * (p.t1 - p.t0);
     p.bAt = (y) => p.y0 + (p.top + p.plotH() - y) / p.plotH() * (p.y1 - p.y0);
-    p.spanAt = (t) => p.spans.find((s) => s.e0 <= t && t <= Math.max(s.e1, s.e0 + (p.t1 - p.t0) / p.plotW() * 3));
+    p.spanAt = (t, y) => {
+      const lane = p.lanes[Math.floor(y / LANE_H)];
+      return p.spans.find((s) => s.lane === lane && s.e0 <= t && t <= Math.max(s.e1, s.e0 + (p.t1 - p.t0) / p.plotW() * 3));
+    };
+    p.laneY = (lane) => p.lanes.indexOf(lane) * LANE_H;
     p.full = () => { p.t0 = 0; p.t1 = m.events; p.y0 = 0; p.y1 = m.y_max; };
     p.clamp = () => {
       const span = Math.max(0.5, Math.min(m.events, p.t1 - p.t0));
@@ -246,9 +252,10 @@
     for (const s of p.spans) {
       const x0 = p.xOf(s.e0), x1 = Math.max(x0 + 2, p.xOf(s.e1));
       if (x1 < PADL || x0 > cv.width) continue;
-      g.fillStyle = PALETTE[(s.name.length * 5) % PALETTE.length];
-      g.fillRect(x0, 2, x1 - x0, p.top - 4);
-      if (x1 - x0 > 50) { g.fillStyle = '#fff'; g.fillText(s.name, Math.max(PADL, x0) + 2, p.top - 6, x1 - Math.max(PADL, x0) - 4); }
+      const ly = p.laneY(s.lane);
+      g.fillStyle = PALETTE[(s.name.length * 5 + p.lanes.indexOf(s.lane)) % PALETTE.length];
+      g.fillRect(x0, ly + 1, x1 - x0, 14);
+      if (x1 - x0 > 50) { g.fillStyle = '#fff'; g.fillText(s.name, Math.max(PADL, x0) + 2, ly + 12, x1 - Math.max(PADL, x0) - 4); }
     }
     if (res) {
       // merged small blocks, in the query's columns and cells
@@ -287,6 +294,9 @@
       g.stroke();
     }
     g.restore();
+    g.fillStyle = '#555';
+    g.textAlign = 'right';
+    for (const l of p.lanes) g.fillText(l, PADL - 4, p.laneY(l) + 12);
     // axes
     g.fillStyle = '#333';
     g.font = '11px system-ui,sans-serif';
@@ -482,9 +492,10 @@
       if (x < PADL || y > p.top + p.plotH()) { tip.hidden = true; return; }
       const t = p.tAt(x), by = p.bAt(y);
       if (y < p.top) {
-        const s = p.spanAt(t);
+        const s = p.spanAt(t, y);
         if (!s) { tip.hidden = true; return; }
-        tip.replaceChildren(el('b', '', s.name), el('div', '', 'events ' + s.e0 + ' → ' + s.e1 + ' (record_function annotation)'));
+        const what = s.lane === 'annotation' ? 'record_function annotation' : s.lane + ' from the run profile';
+        tip.replaceChildren(el('b', '', s.name), el('div', '', 'events ' + s.e0 + ' → ' + s.e1 + ' (' + what + ')'));
         tip.hidden = false;
         tip.style.left = (ev.clientX + 14) + 'px';
         tip.style.top = (ev.clientY + 14) + 'px';

@@ -91,9 +91,20 @@ pub fn load(path: &Path, device: Option<usize>) -> Result<Doc, String> {
     Ok(Doc::Memory { name, kind: trace_kind(path), trace: Box::new(trace), index })
 }
 
-/// Loads every file; the first error names its file.
+/// Loads every file; the first error names its file. A profile given with traces of the same run puts its
+/// epoch / step / phase lanes above their bands (lined up by wall clock).
 pub fn load_all(paths: &[PathBuf], device: Option<usize>) -> Result<Vec<Doc>, String> {
-    paths.iter().map(|p| load(p, device)).collect()
+    let mut docs: Vec<Doc> = paths.iter().map(|p| load(p, device)).collect::<Result<_, _>>()?;
+    let (profiles, mut traces): (Vec<_>, Vec<_>) = docs.iter_mut().partition(|d| matches!(d, Doc::Profile { .. }));
+    for p in &profiles {
+        let Doc::Profile { view, .. } = &**p else { continue };
+        for t in traces.iter_mut() {
+            if let Doc::Memory { trace, .. } = &mut **t {
+                trace.add_profile_lanes(view);
+            }
+        }
+    }
+    Ok(docs)
 }
 
 /// Fills the page template: `csp` (a meta tag or nothing), `head` (the style), `data` (the offline data

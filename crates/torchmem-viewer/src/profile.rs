@@ -26,6 +26,8 @@ pub struct Span {
 
 pub struct ProfileView {
     pub command: String,
+    /// Wall clock (Unix µs) of the view's time 0 (the run's first sample), to line it up with snapshots.
+    pub start_unix_us: i64,
     pub series: Vec<Series>,
     pub spans: Vec<Span>,
     pub end_ns: u64,
@@ -113,7 +115,13 @@ impl ProfileView {
             .max()
             .unwrap_or(1)
             .max(1);
-        ProfileView { command: p.meta.command.join(" "), series, spans, end_ns }
+        let start_unix_us = (p.meta.started_unix_s * 1e6) as i64 + (t_first / 1000) as i64;
+        ProfileView { command: p.meta.command.join(" "), start_unix_us, series, spans, end_ns }
+    }
+
+    /// The wall clock (Unix µs) of a view time (ns from the first sample).
+    pub fn unix_us(&self, t_ns: u64) -> i64 {
+        self.start_unix_us + (t_ns / 1000) as i64
     }
 
     /// Per-column max/min of every series over [t0_ns, t1_ns), and the spans that overlap it (spans

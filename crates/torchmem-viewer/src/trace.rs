@@ -70,6 +70,8 @@ pub struct Trace {
 /// An annotation's START..END, mapped onto the event axis.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct AnnotationSpan {
+    /// "annotation" (record_function), or a profile's lane: "epoch", "step", "phase", "mark".
+    pub lane: &'static str,
     pub name: String,
     pub e0: u32,
     pub e1: u32,
@@ -85,10 +87,20 @@ fn annotation_spans(snap: &Snapshot, device: usize, time_us: &[i64]) -> Vec<Anno
             "START" => open.entry(a.name.as_str()).or_default().push(a.time_us),
             "END" => {
                 if let Some(t0) = open.get_mut(a.name.as_str()).and_then(Vec::pop) {
-                    out.push(AnnotationSpan { name: a.name.clone(), e0: event_at(t0), e1: event_at(a.time_us) });
+                    out.push(AnnotationSpan {
+                        lane: "annotation",
+                        name: a.name.clone(),
+                        e0: event_at(t0),
+                        e1: event_at(a.time_us),
+                    });
                 }
             }
-            _ => out.push(AnnotationSpan { name: a.name.clone(), e0: event_at(a.time_us), e1: event_at(a.time_us) }),
+            _ => out.push(AnnotationSpan {
+                lane: "annotation",
+                name: a.name.clone(),
+                e0: event_at(a.time_us),
+                e1: event_at(a.time_us),
+            }),
         }
     }
     out.sort_by_key(|s| (s.e0, s.e1));
@@ -418,6 +430,29 @@ impl Trace {
         }
         out.sort_by_key(|s| std::cmp::Reverse(s.total_bytes));
         out
+    }
+}
+
+impl Trace {
+    /// Adds a run profile's epoch / step / phase spans as lanes, mapped by wall clock (the profile's start
+    /// time plus its offsets) onto this trace's events; spans outside the trace's time are left out.
+    /// Returns how many were added.
+    pub fn add_profile_lanes(&mut self, view: &crate::profile::ProfileView) -> usize {
+        let (Some(&first), Some(&last)) = (self.time_us.first(), self.time_us.last()) else { return 0 };
+        let n = self.time_us.len();
+        let event_at = |t: i64| self.time_us.partition_point(|&x| x < t).min(n - 1) as u32;
+        let mut added = Vec::new();
+        for s in &view.spans {
+            let (t0, t1) = (view.unix_us(s.t0_ns), view.unix_us(s.t1_ns));
+            if t1 < first || t0 > last {
+                continue;
+            }
+            added.push(AnnotationSpan { lane: s.lane, name: s.name.clone(), e0: event_at(t0), e1: event_at(t1) });
+        }
+        let k = added.len();
+        self.annotations.extend(added);
+        self.annotations.sort_by_key(|s| (s.e0, s.e1));
+        k
     }
 }
 
