@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import pickle
 import signal
 import subprocess
@@ -428,6 +429,28 @@ def test_a_profile_puts_its_epoch_and_step_lanes_above_a_trace_of_the_same_run(p
 
 def fmt_gib(b: int) -> str:
     return f"{b / (1 << 30):.2f} GiB"
+
+
+def test_it_opens_the_browser_named_by_BROWSER(tmp_path: Path) -> None:
+    seen = tmp_path / "opened.txt"
+    script = tmp_path / "browser.sh"
+    script.write_text(f'#!/bin/sh\necho "$1" > {seen}\n')
+    script.chmod(0o755)
+    env = dict(os.environ, BROWSER=str(script))
+    proc = subprocess.Popen(
+        torchmem("view", str(MLP)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().strip()
+        deadline = time.monotonic() + 20
+        while not (seen.exists() and seen.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert seen.read_text().strip() == url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=10)
+    assert proc.returncode == 0
 
 
 def test_bad_input_is_a_clear_error(tmp_path: Path) -> None:

@@ -34,18 +34,29 @@ pub struct ViewArgs {
     pub force: bool,
 }
 
+/// Opens `url` with `$BROWSER` (the first of its `:`-separated commands; `%s` stands for the URL, as the
+/// convention has it) or `xdg-open`.
 fn open_browser(url: &str) {
-    let browser = std::env::var("BROWSER").ok().filter(|b| !b.trim().is_empty());
+    let browser = std::env::var("BROWSER")
+        .ok()
+        .and_then(|b| b.split(':').map(str::trim).find(|c| !c.is_empty()).map(String::from));
     let cmd = browser.unwrap_or_else(|| "xdg-open".into());
-    match std::process::Command::new(&cmd)
-        .arg(url)
+    let mut words: Vec<String> = cmd.split_whitespace().map(String::from).collect();
+    if words.iter().any(|w| w.contains("%s")) {
+        words.iter_mut().for_each(|w| *w = w.replace("%s", url));
+    } else {
+        words.push(url.to_string());
+    }
+    let Some((program, args)) = words.split_first() else { return };
+    match std::process::Command::new(program)
+        .args(args)
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
     {
         Ok(_) => {}
-        Err(e) => eprintln!("torchmem: could not start {cmd} ({e}); open the URL above yourself"),
+        Err(e) => eprintln!("torchmem: could not start {program} ({e}); open the URL above yourself"),
     }
 }
 
