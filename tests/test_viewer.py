@@ -254,6 +254,12 @@ def test_two_files_side_by_side_with_the_oom_marked(page) -> None:
         summary = page.js("document.querySelector('.diffsum').textContent")
         assert GPT2.name in summary and CAP_OOM.name in summary and "Diff: traced peak" in summary
         assert page.js("tmViewer.panels.every(p => p.res && p.res.bands.length > 0)")
+        # The table by site at each trace's peak: each column adds up to that trace's traced peak.
+        page.wait("document.querySelectorAll('.difftable tr').length > 2")
+        diff = page.js("fetch('api/diff?a=0&b=1').then(r => r.json())")
+        for col, doc in (("a_bytes", 0), ("b_bytes", 1)):
+            assert sum(r[col] for r in diff["rows"]) == page.js(f"tmViewer.panels[{doc}].m.peak_bytes")
+        assert page.js("document.querySelectorAll('.difftable tr').length") == len(diff["rows"]) + 1
         # The OOM marker: in the second panel only, visible, at its event.
         assert page.js("tmViewer.panels[0].sec.querySelectorAll('.oom').length") == 0
         marker = page.js(

@@ -79,6 +79,7 @@
     },
     segments: (p) => Object.assign({ offline_note: 'the offline page holds the segments at the peak only' }, OFF.docs[p.doc].segments_at_peak),
     icicle: (p) => OFF.docs[p.doc].icicle_at_peak,
+    diff: () => OFF.diff,
     search: (p) => { const ids = [...searchIds(+p.doc, p.q)]; return { q: p.q, ids: ids.slice(0, 10000), total: ids.length }; },
     profile: (p) => OFF.docs[p.doc].query,
   };
@@ -706,6 +707,22 @@
       if (mems.length >= 2) {
         const [a, b] = mems;
         const d = b.peak_bytes - a.peak_bytes;
+        const ia = META.docs.indexOf(a), ib = META.docs.indexOf(b);
+        api('diff', { a: ia, b: ib }).then((r) => {
+          if (!r) return;
+          const t = el('table', 'difftable');
+          const head = el('tr');
+          for (const h of ['allocation site (at each trace\'s peak)', a.name, b.name, 'difference']) head.appendChild(el('th', '', h));
+          t.appendChild(head);
+          for (const row of r.rows) {
+            const tr = el('tr');
+            tr.appendChild(el('td', '', row.site));
+            for (const v of [row.a_bytes, row.b_bytes]) tr.appendChild(el('td', 'num', fmtB(v)));
+            tr.appendChild(el('td', 'num', (row.delta_bytes >= 0 ? '+' : '') + fmtB(row.delta_bytes)));
+            t.appendChild(tr);
+          }
+          $('#diffbox').appendChild(t);
+        });
         $('#summary').appendChild(el('div', 'diffsum', 'Diff: traced peak ' + fmtB(a.peak_bytes) + ' (' + a.name + ') vs ' + fmtB(b.peak_bytes) + ' (' + b.name + '): ' + (d >= 0 ? '+' : '') + fmtB(d) + '; ' + a.allocations + ' vs ' + b.allocations + ' allocations. Zoom and pan move both (same fraction of each trace).'));
       }
     }

@@ -179,6 +179,44 @@ pub fn profile(docs: &[Doc], q: &HashMap<String, String>) -> Result<Value, ApiEr
     }
 }
 
+/// Two traces at their peaks, by allocation site: the `top` sites that changed most, then one row for the
+/// rest, so that each column adds up to its trace's peak.
+pub fn diff(docs: &[Doc], q: &HashMap<String, String>) -> Result<Value, ApiError> {
+    let pick = |k: &str| -> Result<&Trace, ApiError> {
+        let i: usize = num(q, k)?;
+        match docs.get(i) {
+            Some(Doc::Memory { trace, .. }) => Ok(trace),
+            _ => Err((400, format!("document {i} is not an allocator trace"))),
+        }
+    };
+    let (a, b) = (pick("a")?, pick("b")?);
+    let (sa, sb) = (a.sites_at(a.peak_event), b.sites_at(b.peak_event));
+    let mut names: Vec<&String> = sa.keys().chain(sb.keys()).collect();
+    names.sort();
+    names.dedup();
+    let get = |m: &HashMap<String, (u64, u64)>, n: &str| m.get(n).copied().unwrap_or((0, 0));
+    let mut rows: Vec<(String, u64, u64, i64)> = names
+        .into_iter()
+        .map(|n| {
+            let (x, y) = (get(&sa, n).0, get(&sb, n).0);
+            (n.clone(), x, y, y as i64 - x as i64)
+        })
+        .collect();
+    rows.sort_by_key(|r| (std::cmp::Reverse(r.3.unsigned_abs()), r.0.clone()));
+    let top = 15;
+    let mut out: Vec<Value> = rows
+        .iter()
+        .take(top)
+        .map(|r| json!({"site": r.0, "a_bytes": r.1, "b_bytes": r.2, "delta_bytes": r.3}))
+        .collect();
+    if rows.len() > top {
+        let (x, y): (u64, u64) = rows[top..].iter().fold((0, 0), |acc, r| (acc.0 + r.1, acc.1 + r.2));
+        out.push(json!({"site": format!("({} other sites)", rows.len() - top), "a_bytes": x, "b_bytes": y,
+            "delta_bytes": y as i64 - x as i64}));
+    }
+    Ok(json!({"a_peak_bytes": a.peak_bytes, "b_peak_bytes": b.peak_bytes, "rows": out}))
+}
+
 /// Dispatches one API route (`lod`, `block`, …).
 pub fn handle(docs: &[Doc], route: &str, q: &HashMap<String, String>) -> Result<Value, ApiError> {
     match route {
@@ -188,6 +226,7 @@ pub fn handle(docs: &[Doc], route: &str, q: &HashMap<String, String>) -> Result<
         "hit" => hit(docs, q),
         "segments" => segments(docs, q),
         "icicle" => icicle(docs, q),
+        "diff" => diff(docs, q),
         "search" => search(docs, q),
         "profile" => profile(docs, q),
         _ => Err((404, format!("no endpoint {route}"))),

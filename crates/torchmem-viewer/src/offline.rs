@@ -102,7 +102,15 @@ pub fn data(docs: &[Doc], budget_bytes: usize) -> Value {
             Doc::Profile { view, .. } => json!({"query": view.query(0.0, view.end_ns as f64, 4000)}),
         })
         .collect();
-    json!({"offline": true, "meta": api::meta(docs), "docs": per_doc})
+    let mems: Vec<usize> = (0..docs.len()).filter(|&i| matches!(docs[i], Doc::Memory { .. })).collect();
+    let diff = match mems[..] {
+        [a, b, ..] => {
+            let q = [("a".to_string(), a.to_string()), ("b".to_string(), b.to_string())].into_iter().collect();
+            api::diff(docs, &q).unwrap_or(Value::Null)
+        }
+        _ => Value::Null,
+    };
+    json!({"offline": true, "meta": api::meta(docs), "docs": per_doc, "diff": diff})
 }
 
 /// JSON safe inside an HTML data block: no `<`, `>` or `&` can end it or start markup.

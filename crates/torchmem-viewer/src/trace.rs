@@ -456,6 +456,19 @@ impl Trace {
     }
 }
 
+impl Trace {
+    /// Bytes alive after event `t` per allocation site (label, bytes, count).
+    pub fn sites_at(&self, t: u32) -> HashMap<String, (u64, u64)> {
+        let mut out: HashMap<String, (u64, u64)> = HashMap::new();
+        for a in self.allocs.iter().filter(|a| a.t0 <= t && (a.t1 == ALIVE || a.t1 > t)) {
+            let e = out.entry(self.sites.get(a.site as usize).cloned().unwrap_or_default()).or_default();
+            e.0 += a.size_bytes;
+            e.1 += 1;
+        }
+        out
+    }
+}
+
 /// A node of the icicle: a frame (outermost first from the root) and the bytes alive under it.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct IcicleNode {
