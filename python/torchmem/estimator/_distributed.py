@@ -14,7 +14,8 @@ rank) of an emulated world, in one process, without waiting for peers.
   the same buckets (`bucket_cap_mb`, `gradient_as_bucket_view`, `static_graph`) and its all-reduce runs on one
   rank (which the fake group answers at once). What a world of N adds to a DDP rank is NCCL's own memory, which
   `nccl_model` states separately.
-* `torch.cuda.device_count()` answers the processes per node, `current_device()` the local rank.
+* `torch.cuda.device_count()` answers the processes per node; the rank's own GPU is the emulated cuda:0
+  (`cuda:<LOCAL_RANK>` is mapped to it by the fake mode).
 * The environment is set as torchrun sets it: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
   ROLE_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID.
 
@@ -422,8 +423,9 @@ class Emulation:
         import torch
 
         w = self.world
+        # Every rank has local_world_size GPUs to choose from, and its own is the emulated one, cuda:0 (the fake
+        # mode maps `cuda:<local rank>` to it: `.cuda()`, "cuda" and `cuda:{LOCAL_RANK}` tensors never mismatch).
         self._patch(torch.cuda, "device_count", lambda: w.local_world_size)
-        self._patch(torch.cuda, "current_device", lambda: w.local_rank)
         # torch's accelerator API answers from the C++ runtime (no CUDA device here: "cpu"); FSDP2's default
         # mesh, DTensor and torchtitan-style code ask it which device to put the job on.
         cuda = torch.device("cuda")
@@ -434,8 +436,8 @@ class Emulation:
                 "is_available": lambda *_a, **_k: True,
                 "current_accelerator": lambda *_a, **_k: cuda,
                 "device_count": lambda *_a, **_k: w.local_world_size,
-                "current_device_index": lambda *_a, **_k: w.local_rank,
-                "current_device_idx": lambda *_a, **_k: w.local_rank,
+                "current_device_index": lambda *_a, **_k: 0,
+                "current_device_idx": lambda *_a, **_k: 0,
                 "set_device_index": lambda *_a, **_k: None,
                 "set_device_idx": lambda *_a, **_k: None,
                 "synchronize": lambda *_a, **_k: None,

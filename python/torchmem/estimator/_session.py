@@ -33,6 +33,7 @@ class StopTrace(BaseException):
 _PIN_MEMORY = torch.ops.aten._pin_memory.default
 _IS_PINNED = torch.ops.aten.is_pinned.default
 _PINNED_ATTR = "_torchmem_pinned"
+_CUDA0 = torch.device("cuda", 0)
 
 
 def _mark_pinned(t: torch.Tensor) -> None:
@@ -62,6 +63,11 @@ class _EmulatedFakeMode(FakeTensorMode):
         # the tensor into a new CPU tensor that costs no device bytes; the fake mode has no kernel for it
         # ("NYI: aten._pin_memory.default") and answers `is_pinned()` False. We copy and remember the storage.
         kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and isinstance(device, torch.device) and device.type == "cuda" and device.index:
+            # One emulated GPU per process, cuda:0: a rank's `torch.device(f"cuda:{local_rank}")` is that GPU, as
+            # `.cuda()` and "cuda" are (`torch.cuda.current_device()` answers 0), so the two never mismatch.
+            kwargs = {**kwargs, "device": _CUDA0}
         if func is _PIN_MEMORY:
             out = super().dispatch(torch.ops.aten.clone.default, types, (args[0],), {})
             _mark_pinned(out)
