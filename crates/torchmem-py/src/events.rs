@@ -263,7 +263,7 @@ fn queue_line(py: Python<'_>, line: &str) -> bool {
     let me = std::process::id();
     // The interpreter is attached here: the one safe place to re-read the rank variables.
     identity(me, true);
-    let sampler_runs = crate::api::sampler_running_in(me);
+    let sampler_runs = crate::sampler::sampler_running_in(me);
     let full = {
         let mut buf = BUFFER.lock().expect("event buffer");
         let bytes = lines_of(&mut buf, me);

@@ -3,16 +3,20 @@
 
 use pyo3::prelude::*;
 
-mod api;
 mod cli;
 mod convert;
 mod errors;
 mod estimate;
 mod events;
 mod leaks;
+mod ledger;
 mod line;
 mod marker_log;
+mod nvml;
+mod proc;
 mod profile;
+mod record_macro;
+mod sampler;
 mod simulate;
 mod snapshot;
 
@@ -23,7 +27,13 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let _ = torchmem_core::sources::self_proc::exec_maxrss_bound();
     errors::register(m)?;
     cli::register(m)?;
-    api::register(m)?;
+    // The names a breakdown entry carries as `<name>_bytes` (core's `breakdown::Category`, one list).
+    let categories: Vec<&str> = torchmem_core::breakdown::Category::ALL.iter().map(|c| c.as_str()).collect();
+    m.add("BREAKDOWN_CATEGORIES", pyo3::types::PyTuple::new(m.py(), categories)?)?;
+    proc::register(m)?;
+    nvml::register(m)?;
+    ledger::register(m)?;
+    sampler::register(m)?;
     events::register(m)?;
     leaks::register(m)?;
     line::register(m)?;
