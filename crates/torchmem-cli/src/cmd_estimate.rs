@@ -64,6 +64,17 @@ pub struct EstimateArgs {
     /// replaced by each value tried (doubling from LO, then bisection).
     #[arg(long, value_name = "NAME=LO..HI")]
     pub fit: Option<String>,
+    /// Nodes of the distributed job (torchrun's flag): the program runs as one rank of an emulated world of
+    /// --nnodes x --nproc-per-node ranks (torch's fake process group: collectives allocate their outputs,
+    /// nothing waits). Without these flags: WORLD_SIZE from the environment, else 1.
+    #[arg(long, value_name = "N")]
+    pub nnodes: Option<u32>,
+    /// Processes (GPUs) per node (torchrun's flag); with --nnodes the world's size.
+    #[arg(long = "nproc-per-node", value_name = "P")]
+    pub nproc_per_node: Option<u32>,
+    /// The rank to trace (default 0). Ranks of symmetric FSDP2 / DDP / TP jobs behave alike: rank 0 stands for all.
+    #[arg(long, value_name = "R")]
+    pub rank: Option<u32>,
     /// Run a Python module, as `python -m MODULE [ARGS…]`.
     #[arg(short = 'm', value_name = "MODULE")]
     pub module: Option<String>,
@@ -141,6 +152,7 @@ pub fn run(args: EstimateArgs) -> anyhow::Result<i32> {
     if args.forward_calls == Some(0) {
         bail!("--forward-calls must be at least 1 (leave it out to trace the program to its end)");
     }
+    world(&args)?;
     let target = target(&args)?;
     if let Some(trace) = &args.trace {
         let summary =
@@ -180,6 +192,29 @@ fn list_gpus(json_out: bool) -> anyhow::Result<i32> {
     Ok(0)
 }
 
+/// The emulated world `--nnodes`, `--nproc-per-node` and `--rank` ask for (the tracer's `distributed`
+/// config), or None: the tracer then reads WORLD_SIZE / RANK from the environment, else runs one rank.
+fn world(args: &EstimateArgs) -> anyhow::Result<Option<serde_json::Value>> {
+    if args.nnodes.is_none() && args.nproc_per_node.is_none() && args.rank.is_none() {
+        return Ok(None);
+    }
+    let nnodes = args.nnodes.unwrap_or(1);
+    let per_node = args.nproc_per_node.unwrap_or(1);
+    if nnodes == 0 || per_node == 0 {
+        bail!("--nnodes and --nproc-per-node must be at least 1 (a world of --nnodes x --nproc-per-node ranks)");
+    }
+    let world_size = u64::from(nnodes) * u64::from(per_node);
+    let rank = u64::from(args.rank.unwrap_or(0));
+    if rank >= world_size {
+        bail!(
+            "--rank {rank} is not in a world of {world_size} ranks (--nnodes {nnodes} x --nproc-per-node {per_node}): \
+             give a rank from 0 to {}",
+            world_size - 1
+        );
+    }
+    Ok(Some(json!({"world_size": world_size, "rank": rank, "nproc_per_node": per_node})))
+}
+
 /// Runs the program under the tracer and reports; an error names what stopped the estimate.
 fn estimate_command(args: &EstimateArgs, target: &Target, command: &[String]) -> anyhow::Result<EstimateReport> {
     let argv = resolve_command(args.module.as_deref(), command)?;
@@ -202,6 +237,7 @@ fn estimate_command(args: &EstimateArgs, target: &Target, command: &[String]) ->
         "alloc_conf": args.alloc_conf.clone().unwrap_or_default(),
         "gpu": {"name": g.name, "cuda_total_bytes": target.cuda_total_bytes, "major": g.major, "minor": g.minor,
                 "sms": g.multi_processor_count},
+        "distributed": world(args)?,
     });
     let mut path = std::ffi::OsString::from(&dir.path);
     if let Some(old) = std::env::var_os("PYTHONPATH").filter(|p| !p.is_empty()) {

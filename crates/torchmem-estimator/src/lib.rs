@@ -23,8 +23,8 @@ use std::path::PathBuf;
 
 pub use fit::{FitPeaks, FitReport, FitResult, FitSpec, FitTry};
 pub use gpus::Gpu;
-pub use report::{estimate_trace, EstimateReport, OomAt};
-pub use summary::{EstimateKind, LargestTensor, StopReason, Summary};
+pub use report::{estimate_trace, EstimateReport, OomAt, RankClass};
+pub use summary::{Distributed, EstimateKind, LargestTensor, NcclModel, StopReason, Summary};
 
 /// Why an estimate could not be made. The messages name the problem and the fix.
 #[derive(Debug, thiserror::Error)]

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use torchmem_sim::{AllocConf, SimOptions};
 use torchmem_units::format_bytes;
 
-use crate::summary::{EstimateKind, LargestTensor, Summary};
+use crate::summary::{Distributed, EstimateKind, LargestTensor, NcclModel, Summary};
 use crate::{EstimateError, Target};
 
 /// Where the simulated allocator ran out of memory: the trace entry and its frames.
@@ -17,6 +17,20 @@ use crate::{EstimateError, Target};
 pub struct OomAt {
     pub entry: u32,
     pub frames: Vec<String>,
+}
+
+/// A class of ranks that behave alike (issue 24): one trace stands for all of `ranks`; the numbers are its
+/// prediction. `torchmem estimate --json`'s `ranks` lists them worst first.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RankClass {
+    pub ranks: Vec<u64>,
+    /// The rank whose program was traced for this class.
+    pub traced_rank: u64,
+    pub peak_allocated_bytes: u64,
+    pub peak_reserved_bytes: u64,
+    pub nvml_bytes: u64,
+    pub fits: bool,
 }
 
 /// The prediction for one traced program on one target. Bytes throughout.
@@ -37,7 +51,7 @@ pub struct EstimateReport {
     pub context_bytes: u64,
     /// Whether `context_bytes` was measured on this GPU (else the H200's is assumed).
     pub context_measured: bool,
-    /// What nvidia-smi would show for the process: peak reserved + context.
+    /// What nvidia-smi would show for the process: peak reserved + context + NCCL's buffers (the model).
     pub nvml_bytes: u64,
     pub fits: bool,
     /// Device memory − `nvml_bytes` (negative: over).
@@ -60,6 +74,24 @@ pub struct EstimateReport {
     pub alloc_conf: String,
     pub simulator_rules: String,
     pub notes: Vec<String>,
+    /// The emulated world: its size (1 for a one-GPU program) and the traced rank.
+    #[serde(default = "one")]
+    pub world_size: u64,
+    #[serde(default)]
+    pub rank: u64,
+    /// NCCL's buffers outside the allocator (the documented model; 0 without a communicator of 2+ ranks): a
+    /// named part of `nvml_bytes`, unverified until measured.
+    #[serde(default)]
+    pub nccl_bytes: u64,
+    #[serde(default)]
+    pub nccl: Option<NcclModel>,
+    /// Every class of ranks, worst first; the top-level numbers are the worst class's.
+    #[serde(default)]
+    pub ranks: Vec<RankClass>,
+}
+
+fn one() -> u64 {
+    1
 }
 
 /// Replays `trace` (the tracer's allocator snapshot) on `target`, under `alloc_conf` when given (else the
@@ -90,7 +122,9 @@ pub fn estimate_trace(
         .devices
         .first()
         .ok_or_else(|| EstimateError::Input(format!("the trace {} has no device to simulate", trace.display())))?;
-    let nvml_bytes = d.peak_reserved_bytes + context_bytes;
+    let world = summary.distributed.clone().unwrap_or_default();
+    let nccl_bytes = world.nccl.bytes;
+    let nvml_bytes = d.peak_reserved_bytes + context_bytes + nccl_bytes;
     let fits = d.oom.is_none() && nvml_bytes <= target.cuda_total_bytes;
     let margin_bytes = target.cuda_total_bytes as i64 - nvml_bytes as i64;
     let kind = summary.kind.unwrap_or_default();
@@ -129,6 +163,20 @@ pub fn estimate_trace(
          may be slightly low; see docs/estimator.md)"
             .to_string(),
     );
+    if nccl_bytes > 0 {
+        notes.push(format!(
+            "NCCL's buffers ({}, {} communicator(s) of this rank) are a model from NCCL's documented sizes \
+             (NCCL_BUFFSIZE {} x {} channels x peers), not measured: the real figure may be {} to {} \
+             (docs/estimator.md §7)",
+            format_bytes(nccl_bytes),
+            world.communicators.len(),
+            format_bytes(world.nccl.buffsize_bytes),
+            world.nccl.channels,
+            format_bytes(world.nccl.low_bytes),
+            format_bytes(world.nccl.high_bytes)
+        ));
+    }
+    let ranks = rank_classes(&world, d.peak_allocated_bytes, d.peak_reserved_bytes, nvml_bytes, fits);
     Ok(EstimateReport {
         gpu: target.gpu.name.to_string(),
         gpu_key: target.gpu.key.to_string(),
@@ -157,7 +205,43 @@ pub fn estimate_trace(
         alloc_conf: alloc_conf.unwrap_or("").to_string(),
         simulator_rules: result.rules.to_string(),
         notes,
+        world_size: world.world_size.max(1),
+        rank: world.rank,
+        nccl_bytes,
+        nccl: summary.distributed.as_ref().map(|w| w.nccl.clone()),
+        ranks,
     })
+}
+
+/// The rank classes of one trace: each class the tracer named (today one: symmetric FSDP2 / DDP / TP, the
+/// traced rank standing for every rank) gets the trace's numbers; without a world, rank 0 alone.
+fn rank_classes(world: &Distributed, allocated: u64, reserved: u64, nvml: u64, fits: bool) -> Vec<RankClass> {
+    let class = |ranks: Vec<u64>, traced_rank: u64| RankClass {
+        ranks,
+        traced_rank,
+        peak_allocated_bytes: allocated,
+        peak_reserved_bytes: reserved,
+        nvml_bytes: nvml,
+        fits,
+    };
+    if world.rank_classes.is_empty() {
+        return vec![class((0..world.world_size.max(1)).collect(), world.rank)];
+    }
+    world.rank_classes.iter().map(|c| class(c.ranks.clone(), c.traced_rank)).collect()
+}
+
+/// "0-1023" for a contiguous list of ranks, else the ranks joined by commas (the first 16, then "…").
+fn rank_list(ranks: &[u64]) -> String {
+    match (ranks.first(), ranks.last()) {
+        (Some(a), Some(b)) if ranks.len() > 2 && b - a + 1 == ranks.len() as u64 => format!("{a}-{b}"),
+        _ => {
+            let mut parts: Vec<String> = ranks.iter().take(16).map(u64::to_string).collect();
+            if ranks.len() > 16 {
+                parts.push("…".into());
+            }
+            parts.join(",")
+        }
+    }
 }
 
 impl EstimateReport {
@@ -193,12 +277,30 @@ impl EstimateReport {
             format_bytes(self.peak_reserved_bytes),
             self.simulator_rules
         );
+        let nccl = if self.nccl_bytes > 0 {
+            format!(" + {} NCCL buffers, modelled", format_bytes(self.nccl_bytes))
+        } else {
+            String::new()
+        };
         s += &format!(
-            "  process (NVML)   {:>12}   (reserved + {} CUDA context and libraries{})\n",
+            "  process (NVML)   {:>12}   (reserved + {} CUDA context and libraries{}{nccl})\n",
             format_bytes(self.nvml_bytes),
             format_bytes(self.context_bytes),
             if self.context_measured { ", measured" } else { ", assumed" }
         );
+        if self.world_size > 1 {
+            s += &format!("  ranks: a world of {}, rank {} traced\n", self.world_size, self.rank);
+            for c in &self.ranks {
+                s += &format!(
+                    "    ranks {:<12} (as rank {}): peak reserved {}, NVML {}, fits: {}\n",
+                    rank_list(&c.ranks),
+                    c.traced_rank,
+                    format_bytes(c.peak_reserved_bytes),
+                    format_bytes(c.nvml_bytes),
+                    if c.fits { "yes" } else { "NO" }
+                );
+            }
+        }
         let margin = self.margin_bytes;
         if self.fits {
             let pct = if total > 0 { 100.0 * margin as f64 / total as f64 } else { 0.0 };
@@ -286,7 +388,36 @@ pub(crate) mod tests {
             alloc_conf: String::new(),
             simulator_rules: "torch 2.11".into(),
             notes: vec![],
+            world_size: 1,
+            rank: 0,
+            nccl_bytes: 0,
+            nccl: None,
+            ranks: vec![],
         }
+    }
+
+    #[test]
+    fn a_world_lists_its_rank_classes_and_the_nccl_part() {
+        let mut r = fake_report();
+        r.world_size = 1024;
+        r.nccl_bytes = 640 << 20;
+        r.ranks = rank_classes(
+            &Distributed { world_size: 1024, ..Distributed::default() },
+            r.peak_allocated_bytes,
+            r.peak_reserved_bytes,
+            r.nvml_bytes,
+            true,
+        );
+        assert_eq!(r.ranks.len(), 1);
+        assert_eq!(r.ranks[0].ranks.len(), 1024);
+        let text = r.text();
+        assert!(text.contains("+ 640.0 MiB NCCL buffers, modelled"), "{text}");
+        assert!(text.contains("ranks: a world of 1024, rank 0 traced"), "{text}");
+        assert!(text.contains("ranks 0-1023"), "{text}");
+        assert_eq!(rank_list(&[0, 4, 8]), "0,4,8");
+        let json = serde_json::to_value(&r).unwrap();
+        assert_eq!(json["ranks"][0]["ranks"].as_array().unwrap().len(), 1024);
+        assert_eq!(json["nccl_bytes"], 640 << 20);
     }
 
     #[test]

@@ -81,6 +81,66 @@ pub struct Summary {
     pub trace_seconds: Option<f64>,
     pub torch_version: Option<String>,
     pub gpu: Option<String>,
+    /// The emulated world of a distributed program (`torchmem.estimator._distributed`); absent from older
+    /// tracers (one rank).
+    pub distributed: Option<Distributed>,
+}
+
+/// The emulated world the tracer ran the program in: `world_size` ranks, `rank` traced.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Distributed {
+    pub world_size: u64,
+    pub rank: u64,
+    pub nproc_per_node: u64,
+    pub nnodes: u64,
+    /// "fake" once the program made a process group, else None.
+    pub process_group: Option<String>,
+    /// The size of every communicator (process group of more than one rank) the traced rank belongs to.
+    pub communicators: Vec<u64>,
+    pub ddp_modules: u64,
+    pub nccl: NcclModel,
+    /// Ranks that behave alike, each traced once.
+    pub rank_classes: Vec<RankClassSummary>,
+}
+
+impl Default for Distributed {
+    fn default() -> Distributed {
+        Distributed {
+            world_size: 1,
+            rank: 0,
+            nproc_per_node: 1,
+            nnodes: 1,
+            process_group: None,
+            communicators: vec![],
+            ddp_modules: 0,
+            nccl: NcclModel::default(),
+            rank_classes: vec![],
+        }
+    }
+}
+
+/// NCCL's device memory outside PyTorch's allocator for the traced rank, from NCCL's documented buffer sizes
+/// (`_distributed.nccl_model`): a model, unverified until measured, with its range.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct NcclModel {
+    pub bytes: u64,
+    pub low_bytes: u64,
+    pub high_bytes: u64,
+    pub buffsize_bytes: u64,
+    pub channels: u64,
+    pub verified: bool,
+    pub source: String,
+}
+
+/// A class of ranks that behave alike: `traced_rank`'s trace stands for all of `ranks`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RankClassSummary {
+    pub ranks: Vec<u64>,
+    pub traced_rank: u64,
+    pub symmetric: bool,
 }
 
 impl Summary {
@@ -140,6 +200,15 @@ mod tests {
         let training: Summary =
             serde_json::from_str(r#"{"kind": "training", "steps_traced": 3, "forward_calls": 3}"#).unwrap();
         assert_eq!(training.progress(), "3 optimizer step(s)");
+        let world: Summary = serde_json::from_str(
+            r#"{"distributed": {"world_size": 16, "rank": 3, "communicators": [16, 8],
+                "nccl": {"bytes": 100, "low_bytes": 50, "high_bytes": 200, "verified": false, "communicators": []},
+                "rank_classes": [{"ranks": [0, 1], "traced_rank": 0, "symmetric": true}]}}"#,
+        )
+        .unwrap();
+        let d = world.distributed.unwrap();
+        assert_eq!((d.world_size, d.rank, d.nccl.bytes, d.rank_classes[0].ranks.len()), (16, 3, 100, 2));
+        assert_eq!(Distributed::default().world_size, 1);
         let odd: Summary = serde_json::from_str(r#"{"reason": "a newer reason"}"#).unwrap();
         assert_eq!(odd.reason, Some(StopReason::Other));
         assert_eq!(Summary::default().progress(), "0 optimizer step(s)");

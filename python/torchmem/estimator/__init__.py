@@ -68,6 +68,12 @@ class Estimate:
     largest_at_peak: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     trace_seconds: float = 0.0
+    # The emulated world (issue 24): its size, the traced rank, the modelled NCCL part of nvml_bytes and the rank
+    # classes ({ranks, traced_rank, peak_allocated_bytes, peak_reserved_bytes, nvml_bytes, fits}), worst first.
+    world_size: int = 1
+    rank: int = 0
+    nccl_bytes: int = 0
+    ranks: list[dict] = field(default_factory=list)
     report: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __str__(self) -> str:
@@ -82,13 +88,20 @@ def estimate(
     alloc_conf: str = "",
     device_memory: int | str | None = None,
     trace_path: str | os.PathLike | None = None,
+    world_size: int | None = None,
+    rank: int | None = None,
+    nproc_per_node: int | None = None,
 ) -> Estimate:
     """Runs `step()` `steps` times on an emulated `gpu` (CUDA tensors are fake: create the model, data and
     optimizer inside `step` or before the first call inside it, on "cuda") and predicts its peak memory there.
     `step` may train or only run inference (`generate`, an evaluation batch): `kind` says which was seen.
 
     `alloc_conf` is a PYTORCH_CUDA_ALLOC_CONF to simulate, `device_memory` a capacity instead of the GPU's
-    ("24GB" or bytes), `trace_path` keeps the trace (an allocator snapshot) for `torchmem simulate`."""
+    ("24GB" or bytes), `trace_path` keeps the trace (an allocator snapshot) for `torchmem simulate`.
+
+    `world_size` / `rank` / `nproc_per_node`: `step` runs as `rank` of an emulated distributed world (torch's fake
+    process group; `init_process_group` inside `step` joins it); default WORLD_SIZE / RANK from the environment,
+    else 1 rank. `ranks` lists the rank classes, `nccl_bytes` the modelled NCCL part of `nvml_bytes`."""
     from .. import _native
     from ..simulation import _size
     from . import _runner, _snapshot
@@ -100,7 +113,10 @@ def estimate(
     # The CLI's one size parser ("24GB", "14g", bytes), checked before the trace runs.
     memory_bytes = _size(device_memory, "device_memory")
     t0 = time.perf_counter()
-    session = Session(spec, steps_limit=None)
+    from ._distributed import world_from_env
+
+    world = world_from_env(world_size, rank, nproc_per_node)
+    session = Session(spec, steps_limit=None, world=world)
     try:
         with session:
             for _ in range(steps):
@@ -138,5 +154,9 @@ def estimate(
         largest_at_peak=summary["largest_at_peak"],
         notes=report.get("notes", []),
         trace_seconds=seconds,
+        world_size=report.get("world_size", 1),
+        rank=report.get("rank", 0),
+        nccl_bytes=report.get("nccl_bytes", 0),
+        ranks=report.get("ranks", []),
         report=report,
     )
