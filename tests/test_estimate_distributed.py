@@ -433,6 +433,43 @@ def test_rank_flags_set_torchruns_environment_and_refuse_a_rank_outside_the_worl
     assert "--rank 8 is not in a world of 8 ranks" in bad.stderr, bad.stderr
 
 
+COLLECTIVES_SCRIPT = """
+import torch, torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+dist.init_process_group(backend="nccl")
+MIB = 1 << 20
+t = torch.ones(MIB, device="cuda")  # 4 MiB
+dist.broadcast(t, src=0)
+out = torch.empty(MIB // 8, device="cuda")
+dist.reduce_scatter_tensor(out, t)
+group = dist.new_group([0, 1, 2, 3], backend="nccl")
+dist.all_reduce(t, group=group)
+dist.barrier()
+before = torch.cuda.memory_allocated()
+gathered = funcol.wait_tensor(funcol.all_gather_tensor(t, 0, dist.group.WORLD))
+print("gathered", tuple(gathered.shape), (torch.cuda.memory_allocated() - before) // MIB, flush=True)
+m = torch.nn.Linear(64, 64).cuda()
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for _ in range(3):
+    m(torch.randn(8, 64, device="cuda")).sum().backward()
+    opt.step()
+"""
+
+
+def test_collectives_and_sub_groups_return_at_once_and_allocate_their_outputs(tmp_path):
+    """broadcast, reduce_scatter_tensor, all_reduce on a `new_group(backend="nccl")`, barrier: nothing waits in a
+    world of 8; a functional all-gather's output (8 x 4 MiB) is allocated on the emulated device (the program's own
+    `memory_allocated()` sees it); the rank's communicators (world and sub-group) feed the NCCL model."""
+    script = tmp_path / "collectives.py"
+    script.write_text(COLLECTIVES_SCRIPT)
+    p = _estimate(script, cli=("--nproc-per-node", "8"), timeout=120)
+    r = _ok(p)
+    assert "gathered (8388608,) 32" in p.stderr
+    assert r["nccl"]["bytes"] == r["nccl_bytes"] > 0
+    assert r["peak_allocated_bytes"] >= (4 + 32) * MIB
+
+
 API_SCRIPT = """
 import json
 import torch, torch.nn as nn
