@@ -159,8 +159,9 @@ def monitor_html(monitor: Any) -> str:
             for i, j in enumerate(journey, 1)
         ]
         parts.append(_table("Memory journey", ["stage", "allocated", "reserved", "CPU RSS"], rows))
-    for message in data.get("growth") or []:
-        parts.append(f'<div style="font-family:sans-serif;color:#b00">WARNING: {html.escape(str(message))}</div>')
+    for growth in data.get("growth") or []:
+        message = growth.get("message", "") if isinstance(growth, dict) else str(growth)
+        parts.append(f'<div style="font-family:sans-serif;color:#b00">WARNING: {html.escape(message)}</div>')
     if not parts:
         parts.append('<div style="font-family:sans-serif">torchmem.Monitor: nothing recorded yet</div>')
     return '<div class="torchmem-monitor">' + "".join(parts) + "</div>"

@@ -92,7 +92,13 @@ impl MarkerLog {
     /// pushed.
     #[pyo3(signature = (capacity_bytes=None))]
     fn summary<'py>(&self, py: Python<'py>, capacity_bytes: Option<u64>) -> Result<Bound<'py, PyAny>> {
-        let s = py.detach(|| self.log.summary(capacity_bytes));
+        let s = py.detach(|| {
+            let s = self.log.summary(capacity_bytes);
+            let mut v = serde_json::to_value(&s).unwrap_or_default();
+            // Each growth finding with its sentence, as the profile's JSON report has it.
+            v["growth"] = s.growth.iter().map(torchmem_core::report::findings::growth_json).collect();
+            v
+        });
         to_py(py, &s)
     }
 

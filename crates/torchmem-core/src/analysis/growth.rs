@@ -4,16 +4,51 @@ use serde::Serialize;
 
 use super::tables::EpochRow;
 
-/// Memory that grows every epoch (or step): the classic `total_loss += loss` leak.
+/// What a growth is counted per.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GrowthUnit {
+    Epoch,
+    Step,
+}
+
+impl GrowthUnit {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GrowthUnit::Epoch => "epoch",
+            GrowthUnit::Step => "step",
+        }
+    }
+}
+
+/// The series that grew.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum GrowthSeries {
+    /// PyTorch's allocated bytes.
+    #[serde(rename = "GPU allocated")]
+    GpuAllocated,
+    /// The process's RSS (less malloc's free bytes where every row has them).
+    #[serde(rename = "CPU RSS")]
+    CpuRss,
+}
+
+impl GrowthSeries {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GrowthSeries::GpuAllocated => "GPU allocated",
+            GrowthSeries::CpuRss => "CPU RSS",
+        }
+    }
+}
+
+/// Memory that grows every epoch (or step): the classic `total_loss += loss` leak. Its sentence is the
+/// report's (`report::findings::growth_message`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Growth {
-    /// "epoch" or "step".
-    pub unit: String,
-    /// "GPU allocated" or "CPU RSS".
-    pub what: String,
+    pub unit: GrowthUnit,
+    pub what: GrowthSeries,
     pub per_unit_bytes: i64,
     pub units: usize,
-    pub message: String,
 }
 
 /// Flags a series that rises at every step after the first transition, by at least `min_bytes` on average.
@@ -35,7 +70,7 @@ const GROWTH_MIN_BYTES: i64 = 1 << 20;
 /// the series is RSS less malloc's free bytes (`EpochRow::held_rss_bytes`) where every row has it, as the
 /// step leak detector judges: glibc's freed memory makes RSS creep in a healthy loop (`malloc_trim` gives it
 /// back), and a healthy CNN's RSS rose at 3 epoch ends in a row 2 runs in 10. Raw RSS otherwise (a profile).
-pub fn growth_warnings(rows: &[EpochRow], unit: &str) -> Vec<Growth> {
+pub fn growth_warnings(rows: &[EpochRow], unit: GrowthUnit) -> Vec<Growth> {
     let mut out = Vec::new();
     let alloc: Vec<u64> = rows.iter().filter_map(|r| r.allocated_bytes).collect();
     let held: Vec<u64> = rows.iter().filter_map(|r| r.held_rss_bytes).collect();
@@ -44,30 +79,21 @@ pub fn growth_warnings(rows: &[EpochRow], unit: &str) -> Vec<Growth> {
     } else {
         rows.iter().filter_map(|r| r.rss_bytes).collect()
     };
-    let candidates: [(&str, &Vec<u64>); 2] = [("GPU allocated", &alloc), ("CPU RSS", &rss)];
+    let candidates: [(GrowthSeries, &Vec<u64>); 2] =
+        [(GrowthSeries::GpuAllocated, &alloc), (GrowthSeries::CpuRss, &rss)];
     for (what, values) in candidates {
         if values.len() != rows.len() {
             continue;
         }
         // RSS grows in allocator-sized chunks (glibc arenas, torch's CPU caching) that scale with the process:
         // ask for at least 4 MiB and 1 % of the RSS per unit there; the GPU allocator's counters are exact.
-        let min = if what == "CPU RSS" {
+        let min = if what == GrowthSeries::CpuRss {
             (4 * GROWTH_MIN_BYTES).max(values.last().copied().unwrap_or(0) as i64 / 100)
         } else {
             GROWTH_MIN_BYTES
         };
         if let Some(per) = detect_growth(values, min) {
-            out.push(Growth {
-                unit: unit.into(),
-                what: what.into(),
-                per_unit_bytes: per,
-                units: values.len(),
-                message: format!(
-                    "{what} grew every {unit} for {} {unit}s, by {} per {unit} on average: something keeps tensors alive across {unit}s (e.g. `total_loss += loss` instead of `loss.item()`, or a list of outputs)",
-                    values.len(),
-                    crate::units::format_delta(per)
-                ),
-            });
+            out.push(Growth { unit, what, per_unit_bytes: per, units: values.len() });
             break;
         }
     }
@@ -75,7 +101,7 @@ pub fn growth_warnings(rows: &[EpochRow], unit: &str) -> Vec<Growth> {
 }
 
 /// `growth_warnings` for each process's own rows (two ranks' epochs interleaved are not one series).
-pub fn growth_by_process(rows: &[EpochRow], unit: &str) -> Vec<Growth> {
+pub fn growth_by_process(rows: &[EpochRow], unit: GrowthUnit) -> Vec<Growth> {
     let mut order: Vec<(Option<u32>, Option<u32>)> = Vec::new();
     for r in rows {
         if !order.contains(&(r.pid, r.rank)) {

@@ -20,7 +20,7 @@ use serde::Serialize;
 
 pub use aggregate::SpanTotals;
 pub use breakdown::{breakdown_summary, BreakdownSummary};
-pub use growth::{detect_growth, growth_by_process, growth_warnings, Growth};
+pub use growth::{detect_growth, growth_by_process, growth_warnings, Growth, GrowthSeries, GrowthUnit};
 pub use journey::{journey, journey_of_spans};
 pub use leaks::{leak_findings, leaks_of_blobs, Leak, LeakReport, StepGrowth, StepGrowthDetector};
 pub use marker_log::MarkerLog;
@@ -113,9 +113,9 @@ impl Summary {
         let step_rows = epoch_rows(&sp, MarkerKind::Step, p.torch, p.cpu);
         let steps = step_rows.len() as u64
             + p.aggregates.iter().filter(|a| a.kind == MarkerKind::Step).map(|a| a.count).sum::<u64>();
-        let mut growth = growth_by_process(&epochs, "epoch");
+        let mut growth = growth_by_process(&epochs, GrowthUnit::Epoch);
         if growth.is_empty() && step_rows.len() >= 5 {
-            growth = growth_by_process(&step_rows, "step");
+            growth = growth_by_process(&step_rows, GrowthUnit::Step);
         }
         let gpus = gpu_peaks(p.meta, p.torch, p.gpu, p.markers, p.aggregates);
         let rss = peaks::max_by(p.cpu, |s| Some(s.rss_bytes), |s| s.t_ns);
@@ -312,7 +312,8 @@ mod tests {
         let s = Summary::from_markers(&leaky_run(4, 8 * MIB), None);
         assert_eq!(s.growth.len(), 1, "{:?}", s.growth);
         assert_eq!(s.growth[0].per_unit_bytes, 8 * MIB as i64);
-        assert!(s.growth[0].message.contains("+8.0 MiB per epoch"), "{}", s.growth[0].message);
+        let message = crate::report::findings::growth_message(&s.growth[0]);
+        assert!(message.contains("+8.0 MiB per epoch"), "{message}");
         assert_eq!(detect_growth(&[1, 2], 0), None);
         assert_eq!(detect_growth(&[10, 20, 15, 30], 1), None);
     }

@@ -222,7 +222,10 @@ pub fn render(profile: &Profile, summary: &Summary) -> String {
     }
     h.push_str("</dl>\n");
     for g in &summary.growth {
-        h.push_str(&format!("<div class=\"warning\"><b>Warning:</b> {}</div>\n", esc(&g.message)));
+        h.push_str(&format!(
+            "<div class=\"warning\"><b>Warning:</b> {}</div>\n",
+            esc(&super::findings::growth_message(g))
+        ));
     }
     for l in &summary.leaks {
         h.push_str(&format!("<div class=\"warning leak\"><b>Leak:</b> {}</div>\n", esc(&l.message)));

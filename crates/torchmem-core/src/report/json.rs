@@ -52,7 +52,7 @@ pub fn to_value(profile: &Profile, summary: &Summary) -> Value {
         "steps": summary.steps,
         "epoch_totals": value(&summary.epoch_totals),
         "processes": value(&summary.processes),
-        "growth": value(&summary.growth),
+        "growth": summary.growth.iter().map(super::findings::growth_json).collect::<Vec<_>>(),
         "leaks": value(&summary.leaks),
         "breakdown": value(&summary.breakdown),
         "journey": value(&summary.journey),

@@ -45,7 +45,7 @@ pub fn render(profile: &Profile, summary: &Summary) -> String {
     }
     out.push('\n');
     for g in &summary.growth {
-        out.push_str(&format!("> **Warning**: {}\n\n", cell(&g.message)));
+        out.push_str(&format!("> **Warning**: {}\n\n", cell(&super::findings::growth_message(g))));
     }
     for l in &summary.leaks {
         out.push_str(&format!("> **Leak**: {}\n\n", cell(&l.message)));

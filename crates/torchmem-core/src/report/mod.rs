@@ -9,6 +9,7 @@
 pub mod breakdown;
 pub mod cells;
 pub mod csv;
+pub mod findings;
 pub mod html;
 pub mod json;
 pub mod markdown;

@@ -76,7 +76,7 @@ pub fn epoch_report(epoch_markers: &[Marker]) -> EpochReport {
         line,
         row,
         growth_per_epoch_bytes: s.growth.first().map(|g| g.per_unit_bytes),
-        growth: s.growth.into_iter().map(|g| g.message).collect(),
+        growth: s.growth.iter().map(super::findings::growth_message).collect(),
     }
 }
 

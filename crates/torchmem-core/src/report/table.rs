@@ -77,7 +77,7 @@ pub fn render_phases(rows: &[PhaseRow]) -> String {
 
 /// Growth ("leak") warnings, one paragraph each; empty when none.
 pub fn render_growth(warnings: &[Growth]) -> String {
-    warnings.iter().map(|g| format!("WARNING: {}\n", g.message)).collect()
+    warnings.iter().map(|g| format!("WARNING: {}\n", super::findings::growth_message(g))).collect()
 }
 
 /// One `LEAK:` line per finding (the line, what it keeps, per step); empty when none.
@@ -187,12 +187,11 @@ mod tests {
         assert!(render_phases(&[]).contains("torchmem.track"));
         assert_eq!(render_growth(&[]), "");
         let g = Growth {
-            unit: "epoch".into(),
-            what: "GPU allocated".into(),
+            unit: crate::analysis::GrowthUnit::Epoch,
+            what: crate::analysis::GrowthSeries::GpuAllocated,
             per_unit_bytes: 1,
             units: 3,
-            message: "grew".into(),
         };
-        assert_eq!(render_growth(&[g]), "WARNING: grew\n");
+        assert!(render_growth(&[g]).starts_with("WARNING: GPU allocated grew every epoch for 3 epochs"));
     }
 }
