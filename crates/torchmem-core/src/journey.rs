@@ -6,12 +6,50 @@ use serde::{Deserialize, Serialize};
 
 use crate::units::{format_bytes, format_opt_bytes};
 
+/// Groups stages in the diagram.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum JourneySection {
+    /// A stage of no known section (written "" before this enum).
+    #[default]
+    #[serde(alias = "")]
+    Run,
+    Setup,
+    Training,
+    Cleanup,
+}
+
+impl JourneySection {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JourneySection::Run => "Run",
+            JourneySection::Setup => "Setup",
+            JourneySection::Training => "Training",
+            JourneySection::Cleanup => "Cleanup",
+        }
+    }
+}
+
+/// What a stage's pressure is measured on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PressureOn {
+    /// Whatever the stage has (reserved, else allocated, else RSS).
+    #[default]
+    #[serde(rename = "")]
+    Any,
+    /// Reserved against the GPU's total (a stage before CUDA started holds no GPU memory).
+    #[serde(rename = "gpu")]
+    Gpu,
+    /// RSS against the host's RAM.
+    #[serde(rename = "cpu")]
+    Cpu,
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct JourneyStage {
     pub name: String,
-    /// Groups stages in the diagram: "Setup", "Training", "Cleanup".
+    /// Groups stages in the diagram.
     #[serde(default)]
-    pub section: String,
+    pub section: JourneySection,
     #[serde(default)]
     pub allocated_bytes: Option<u64>,
     #[serde(default)]
@@ -21,27 +59,26 @@ pub struct JourneyStage {
     /// What the memory is measured against: the GPU's total (with CUDA) or the host's RAM (CPU only).
     #[serde(default)]
     pub capacity_bytes: Option<u64>,
-    /// What pressure is measured on: "gpu" (reserved against the GPU's total; a stage before CUDA started
-    /// holds no GPU memory), "cpu" (RSS against the host's RAM), or "" (whatever the stage has).
+    /// What pressure is measured on.
     #[serde(default)]
-    pub measure: String,
+    pub measure: PressureOn,
 }
 
 impl JourneyStage {
     /// The memory that counts for pressure: reserved on a GPU run (what the allocator holds), RSS otherwise.
     pub fn used_bytes(&self) -> Option<u64> {
-        match self.measure.as_str() {
-            "gpu" => Some(self.reserved_bytes.or(self.allocated_bytes).unwrap_or(0)),
-            "cpu" => self.rss_bytes,
-            _ => self.reserved_bytes.or(self.allocated_bytes).or(self.rss_bytes),
+        match self.measure {
+            PressureOn::Gpu => Some(self.reserved_bytes.or(self.allocated_bytes).unwrap_or(0)),
+            PressureOn::Cpu => self.rss_bytes,
+            PressureOn::Any => self.reserved_bytes.or(self.allocated_bytes).or(self.rss_bytes),
         }
     }
 
     fn measure_label(&self) -> &'static str {
-        match self.measure.as_str() {
-            "gpu" => "GPU ",
-            "cpu" => "RAM ",
-            _ => "",
+        match self.measure {
+            PressureOn::Gpu => "GPU ",
+            PressureOn::Cpu => "RAM ",
+            PressureOn::Any => "",
         }
     }
 
@@ -107,16 +144,16 @@ pub fn render_mermaid(stages: &[JourneyStage], title: &str) -> String {
     let mut out = format!("journey\n    title {}\n", mermaid_safe(title));
     let mut current_section: Option<&str> = None;
     for s in stages {
-        let section = if s.section.is_empty() { "Run" } else { s.section.as_str() };
+        let section = s.section.as_str();
         if current_section != Some(section) {
             out.push_str(&format!("    section {}\n", mermaid_safe(section)));
             current_section = Some(section);
         }
-        let actor = match s.measure.as_str() {
-            "gpu" => "GPU",
-            "cpu" => "CPU",
-            _ if s.allocated_bytes.is_some() || s.reserved_bytes.is_some() => "GPU",
-            _ => "CPU",
+        let actor = match s.measure {
+            PressureOn::Gpu => "GPU",
+            PressureOn::Cpu => "CPU",
+            PressureOn::Any if s.allocated_bytes.is_some() || s.reserved_bytes.is_some() => "GPU",
+            PressureOn::Any => "CPU",
         };
         out.push_str(&format!(
             "      {} ({}): {}: {}\n",
@@ -138,12 +175,12 @@ mod tests {
     fn stage(name: &str, reserved: u64) -> JourneyStage {
         JourneyStage {
             name: name.into(),
-            section: "Training".into(),
+            section: JourneySection::Training,
             allocated_bytes: Some(reserved / 2),
             reserved_bytes: Some(reserved),
             rss_bytes: None,
             capacity_bytes: Some(10 * GIB),
-            measure: String::new(),
+            measure: PressureOn::Any,
         }
     }
 
@@ -182,7 +219,7 @@ mod tests {
             name: "Device checked".into(),
             rss_bytes: Some(9 * GIB),
             capacity_bytes: Some(10 * GIB),
-            measure: "gpu".into(),
+            measure: PressureOn::Gpu,
             ..Default::default()
         };
         // 9 GiB of RSS says nothing about the GPU, which holds nothing of ours before CUDA starts.

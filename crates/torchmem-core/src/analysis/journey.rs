@@ -3,7 +3,7 @@
 
 use super::peaks::max_by;
 use super::spans::{span_peaks, spans, Span};
-use crate::journey::JourneyStage;
+use crate::journey::{JourneySection, JourneyStage, PressureOn};
 use crate::model::*;
 
 /// The journey: named marks in order, the first forward/backward/optimizer phases, the peak, cache emptied.
@@ -25,24 +25,24 @@ pub fn journey_of_spans(
     cpu: &[CpuSample],
 ) -> Vec<JourneyStage> {
     let mut stages = Vec::new();
-    let section_of = |name: &str| -> &'static str {
+    let section_of = |name: &str| -> JourneySection {
         let n = name.to_ascii_lowercase();
         if n.contains("cache") || n.contains("clean") || n.contains("end") {
-            "Cleanup"
+            JourneySection::Cleanup
         } else if n.contains("device") || n.contains("model") || n.contains("init") || n.contains("start") {
-            "Setup"
+            JourneySection::Setup
         } else {
-            "Training"
+            JourneySection::Training
         }
     };
     let stage = |name: String, mem: &MarkerMemory, peak: bool| JourneyStage {
-        section: section_of(&name).to_string(),
+        section: section_of(&name),
         name,
         allocated_bytes: if peak { mem.peak_allocated_bytes.or(mem.allocated_bytes) } else { mem.allocated_bytes },
         reserved_bytes: if peak { mem.peak_reserved_bytes.or(mem.reserved_bytes) } else { mem.reserved_bytes },
         rss_bytes: if peak { mem.peak_rss_bytes.or(mem.rss_bytes) } else { mem.rss_bytes },
         capacity_bytes,
-        measure: String::new(),
+        measure: PressureOn::Any,
     };
     let mut phases_done: Vec<&str> = Vec::new();
     let mut peak_inserted = false;
@@ -72,7 +72,7 @@ pub fn journey_of_spans(
         exit.peak_reserved_bytes = r;
         exit.peak_rss_bytes = c;
         let mut st = stage(s.name.to_string(), &exit, true);
-        st.section = "Training".into();
+        st.section = JourneySection::Training;
         items.push((s.start_t_ns, st));
     }
     items.sort_by_key(|(t, _)| *t);
@@ -87,15 +87,15 @@ pub fn journey_of_spans(
     let marker_peak_rss = markers.iter().filter_map(|m| m.memory.peak_rss_bytes.or(m.memory.rss_bytes)).max();
     let peak_stage = JourneyStage {
         name: "Peak".into(),
-        section: "Training".into(),
+        section: JourneySection::Training,
         allocated_bytes: opt_max(peak_alloc.map(|p| p.bytes), marker_peak_alloc),
         reserved_bytes: opt_max(peak_reserved, marker_peak_reserved),
         rss_bytes: opt_max(peak_rss.map(|p| p.bytes), marker_peak_rss),
         capacity_bytes,
-        measure: String::new(),
+        measure: PressureOn::Any,
     };
     for (_, st) in items {
-        if !peak_inserted && st.section == "Cleanup" {
+        if !peak_inserted && st.section == JourneySection::Cleanup {
             stages.push(peak_stage.clone());
             peak_inserted = true;
         }
@@ -107,7 +107,7 @@ pub fn journey_of_spans(
     // One yardstick for the whole journey: the GPU when the run used one, else the host's RAM.
     let gpu_run = stages.iter().any(|s| s.allocated_bytes.is_some() || s.reserved_bytes.is_some());
     for s in &mut stages {
-        s.measure = if gpu_run { "gpu" } else { "cpu" }.into();
+        s.measure = if gpu_run { PressureOn::Gpu } else { PressureOn::Cpu };
     }
     stages
 }
