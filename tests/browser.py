@@ -10,6 +10,16 @@ import tempfile
 import pytest
 
 CHROMIUM = next((p for p in map(shutil.which, ["chromium", "chromium-browser", "google-chrome"]) if p), None)
+#: Headless, offline and quiet: the flags every test's chromium runs with (`chromium()` here, `cdp.Browser`).
+HEADLESS_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+)
 NEEDS_CHROMIUM = pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install chromium)")
 
 
@@ -20,13 +30,7 @@ def chromium(*args: str, timeout_s: int = 120) -> subprocess.CompletedProcess[st
         return subprocess.run(
             [
                 CHROMIUM,
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
+                *HEADLESS_FLAGS,
                 f"--user-data-dir={profile_dir}",
                 *args,
             ],

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from browser import CHROMIUM
+from browser import CHROMIUM, HEADLESS_FLAGS
 
 
 class Page:
@@ -36,13 +36,7 @@ class Page:
         self.proc = subprocess.Popen(
             [
                 CHROMIUM,
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
+                *HEADLESS_FLAGS,
                 "--remote-debugging-pipe",
                 f"--user-data-dir={self._profile.name}",
                 f"--window-size={width},{height}",
