@@ -1,4 +1,4 @@
-"""Records per-rank allocator truth of sharded training on ONE GPU (issue 24; run it on the H200; NOT RUN YET).
+"""Records per-rank allocator truth of sharded training on ONE GPU (issue 24; run it on the H200).
 
 Each config runs in a fresh process as rank R of a world of N on torch's `fake` process group
 (`torch.testing._internal.distributed.fake_pg`, a `FakeStore`): every collective allocates its real outputs on the
@@ -165,13 +165,13 @@ def main() -> int:
             r["error"] = p.stderr[-3000:]
         results.append(r)
         print(name, "ok" if "error" not in r else "FAILED", r["seconds"], "s", flush=True)
-    doc = {
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "configs": results,
-    }
-    with gzip.open(out / "distributed-truth.json.gz", "wt") as f:
-        json.dump(doc, f)
+        doc = {  # written after each config: a run cut short keeps what it recorded
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "configs": results,
+        }
+        with gzip.open(out / "distributed-truth.json.gz", "wt") as f:
+            json.dump(doc, f)
     return 0
 
 

@@ -1,0 +1,174 @@
+"""Records cuDNN RNN memory truth on a real GPU (issue 23 item 3; run it on the H200).
+
+Two parts, written to `OUT/rnn-truth.json.gz`:
+
+1. `grid`: for each RNN configuration (mode LSTM/GRU/RNN_TANH, input and hidden size, layers, directions,
+   projections, batch, sequence length, dtype, packed or padded input) in one process, every allocation and
+   free of the caching allocator (`_record_memory_history`, no stacks) during a training forward, its backward
+   and an inference forward, in order, as (action, size) pairs, plus the bytes alive before and after each phase.
+   The estimator's cuDNN RNN model (workspace and reserve space as cuDNN sizes them) is built from these.
+2. `scripts`: each user-style script of `bench/estimate/corpus/` whose name matches `rnn`/`lstm`/`gru` run in a
+   fresh process (3 repeats are not needed: the caching allocator is deterministic), with torch's peaks
+   (`memory_stats()`) and NVML's used memory of the process at its end; the estimator is scored on these and
+   never tuned on them (they are the held-out half of the RNN corpus).
+
+Usage: `python scripts/gpu_rnn_truth.py OUT [--quick]`; `python scripts/gpu_rnn_truth.py --script PATH` (one
+script in this process; prints JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import itertools
+import json
+import runpy
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ROOT / "bench" / "estimate" / "corpus"
+
+
+def grid(quick: bool) -> list[dict]:
+    out = []
+    modes = ["LSTM", "GRU", "RNN_TANH"]
+    sizes = [(128, 256), (512, 1024)] if not quick else [(128, 256)]
+    for mode, (inp, hid), layers, bidir, batch, seq, dtype, packed in itertools.product(
+        modes, sizes, (1, 2, 3), (False, True), (8, 64), (16, 128), ("float32", "float16"), (False, True)
+    ):
+        out.append(dict(mode=mode, input=inp, hidden=hid, layers=layers, bidirectional=bidir, batch=batch,
+                        seq=seq, dtype=dtype, packed=packed, proj=0))  # fmt: skip
+    for layers, bidir, batch, seq in itertools.product((1, 2), (False, True), (8, 64), (16, 128)):
+        out.append(dict(mode="LSTM", input=256, hidden=768, layers=layers, bidirectional=bidir, batch=batch,
+                        seq=seq, dtype="float32", packed=False, proj=256))  # fmt: skip
+    return out
+
+
+def record_grid(configs: list[dict]) -> list[dict]:
+    import torch
+    import torch.nn as nn
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    mem = torch.cuda.memory
+    results = []
+    for cfg in configs:
+        dtype = getattr(torch, cfg["dtype"])
+        cls = {"LSTM": nn.LSTM, "GRU": nn.GRU, "RNN_TANH": nn.RNN}[cfg["mode"]]
+        kw = {"proj_size": cfg["proj"]} if cfg["proj"] else {}
+        rnn = cls(cfg["input"], cfg["hidden"], cfg["layers"], bidirectional=cfg["bidirectional"], **kw)
+        rnn = rnn.to("cuda", dtype)
+        x = torch.randn(cfg["seq"], cfg["batch"], cfg["input"], device="cuda", dtype=dtype, requires_grad=True)
+        lengths = None
+        if cfg["packed"]:
+            lengths = torch.linspace(cfg["seq"], max(1, cfg["seq"] // 4), cfg["batch"]).long()
+        torch.cuda.synchronize()
+        phases = {}
+        r = {"config": cfg}
+        try:
+            mem._record_memory_history(enabled="all", context=None, stacks="python", max_entries=1_000_000,
+                                       clear_history=True)  # fmt: skip
+            marks = []
+
+            def mark(name, marks=marks):
+                torch.cuda.synchronize()
+                marks.append((name, torch.cuda.memory_allocated()))
+
+            mark("start")
+            inp = pack_padded_sequence(x, lengths) if lengths is not None else x
+            mark("packed")
+            out, _h = rnn(inp)
+            mark("forward")
+            y = out.data if lengths is not None else out
+            y.sum().backward()
+            mark("backward")
+            del out, _h, y, inp
+            mark("freed")
+            with torch.no_grad():
+                inp = pack_padded_sequence(x.detach(), lengths) if lengths is not None else x.detach()
+                mark("eval_start")
+                out, _h = rnn(inp)
+                mark("eval_forward")
+                del out, _h, inp
+            mark("eval_freed")
+            snap = mem._snapshot()
+            mem._record_memory_history(enabled=None)
+            trace = snap["device_traces"][0] if snap["device_traces"] else []
+            r["events"] = [[e["action"], e["size"]] for e in trace if e["action"] in ("alloc", "free_requested")]
+            r["marks"] = marks
+            r["weight_buf_bytes"] = sum(p.numel() * p.element_size() for p in rnn.parameters())
+        except Exception as e:  # noqa: BLE001 - recorded, the grid goes on
+            r["error"] = f"{type(e).__name__}: {e}"
+            try:
+                mem._record_memory_history(enabled=None)
+            except Exception:  # noqa: BLE001
+                pass
+        results.append(r)
+        del rnn, x
+        torch.cuda.empty_cache()
+        phases.clear()
+    return results
+
+
+def one_script(path: str) -> dict:
+    import torch
+
+    t0 = time.time()
+    runpy.run_path(path, run_name="__main__")
+    torch.cuda.synchronize()
+    s = torch.cuda.memory_stats()
+    r = {k: s.get(k, 0) for k in ("allocated_bytes.all.peak", "reserved_bytes.all.peak", "requested_bytes.all.peak",
+                                  "active_bytes.all.peak", "num_alloc_retries")}  # fmt: skip
+    r["seconds"] = round(time.time() - t0, 2)
+    try:
+        import os
+
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+            if p.pid == os.getpid():
+                r["nvml_process_bytes"] = p.usedGpuMemory
+    except Exception as e:  # noqa: BLE001
+        r["nvml_error"] = str(e)
+    return r
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", nargs="?")
+    ap.add_argument("--script")
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    if a.script:
+        r = one_script(a.script)
+        print("TRUTH " + json.dumps(r))
+        return 0
+    import torch
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    doc = {"torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
+           "device": torch.cuda.get_device_name(0), "grid": record_grid(grid(a.quick))}  # fmt: skip
+    print(f"grid: {len(doc['grid'])} configs in {time.time() - t0:.0f}s", flush=True)
+    scripts = {}
+    for p in sorted(CORPUS.glob("*.py")):
+        if not any(k in p.name for k in ("rnn", "lstm", "gru")):
+            continue
+        proc = subprocess.run([sys.executable, __file__, "--script", str(p)], capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("TRUTH ")]
+        scripts[p.name] = json.loads(line[-1][6:]) if line else {"error": proc.stderr[-3000:]}
+        print(p.name, "ok" if line else "FAILED", flush=True)
+    doc["scripts"] = scripts
+    with gzip.open(out / "rnn-truth.json.gz", "wt") as f:
+        json.dump(doc, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
