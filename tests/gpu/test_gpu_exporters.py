@@ -1,4 +1,5 @@
-"""GPU check of the exporters (`torchmem run --metrics`, `--metrics-textfile`, `--tensorboard`) on a real NVIDIA GPU.
+"""The exporters (`torchmem run --metrics`, `--metrics-textfile`, `--tensorboard`) on a real NVIDIA GPU (formerly
+scripts/gpu_check_exporters.py).
 
 A real `torchmem run --metrics 127.0.0.1:0 --metrics-textfile tm.prom --tensorboard tb -- python prog.py` of a CUDA
 program: a `torchmem.Monitor` loop of a few steps of an `nn.Linear` on cuda (one step holds a 2 GiB spike for a
@@ -13,7 +14,7 @@ moment, so the program's lifetime peak is not what it holds at the end), then 1 
   the `UUID` label NVML's UUID of the device and `device` its NVML index; `torchmem_process_info` the pid;
   `torchmem_step` the last step; `torchmem_phase` "gpu-hold" open; `torchmem_breakdown_bytes` the parameters;
 - `nvidia-smi --query-compute-apps` (when present) is compared with the per-process metric (PASS within 1 MiB,
-  else INFO: containers often hide the pids from it);
+  else skipped with the reason: containers often hide the pids from it);
 - the node_exporter textfile parses with the same parser and holds the same allocated value;
 - after the stop and the run's exit 0: the textfile's final rewrite keeps no process series, and TensorBoard's
   own reader (`EventAccumulator`) finds `torchmem/cuda_allocated_bytes` whose highest second is the spike's
@@ -24,10 +25,8 @@ moment, so the program's lifetime peak is not what it holds at the end), then 1 
   the model's parameters (and the gradients at the end of backward likewise). TensorBoard's scalars are
   32-bit floats, so they are compared with the float32 of the exact number.
 
-Prints one PASS/FAIL line per check (INFO for facts that are not checks) and exits non-zero when any fails;
-exits 2 with a "no CUDA device" line on a machine without one. The whole check ends within 120 s.
-
-    python scripts/gpu_check_exporters.py
+The live checks are measured while the program holds (the module's fixture, each settled until it holds or its
+time is up, all within 85 s); each is one test asserting on its measurement. The whole run ends within 120 s.
 """
 
 from __future__ import annotations
@@ -47,18 +46,56 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 MIB = 1 << 20
 GIB = 1 << 30
 STEPS = 3  # the Monitor measures the breakdown at every boundary of the first 3 steps
 SPIKE_STEP = 1
-FAILURES: list[str] = []
 # The `torchmem` of this interpreter's environment, else the one on PATH (a wheel installed with --target).
 TM = str(Path(sys.executable).parent / "torchmem")
 if not Path(TM).exists():
     TM = shutil.which("torchmem") or TM
+# Set when the module's run starts: every check while the program holds ends by HOLD_DEADLINE, the run's exit
+# and the TensorBoard reading by END_DEADLINE.
 T0 = time.monotonic()
-HOLD_DEADLINE = T0 + 85  # every check while the program holds ends by then
-END_DEADLINE = T0 + 112  # the run's exit and the TensorBoard checks by then
+HOLD_DEADLINE = T0 + 85
+END_DEADLINE = T0 + 112
+
+
+def info(name: str, detail: str) -> None:
+    print(f"INFO {name}: {detail}", flush=True)
+
+
+def wait_for(check, timeout_s: float):
+    """check() until it gives something truthy, for at most timeout_s (never past HOLD_DEADLINE); None then."""
+    until = min(time.monotonic() + timeout_s, HOLD_DEADLINE)
+    while True:
+        try:
+            got = check()
+        except Exception:
+            got = None
+        if got or time.monotonic() >= until:
+            return got or None
+        time.sleep(0.2)
+
+
+def settle(measure, timeout_s: float) -> tuple[bool, str]:
+    """measure() -> (ok, detail), again until ok, for at most timeout_s (never past HOLD_DEADLINE): the last."""
+    if time.monotonic() >= HOLD_DEADLINE:
+        return False, "not measured: out of time"
+    until = min(time.monotonic() + timeout_s, HOLD_DEADLINE)
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            ok, detail = measure()
+        except Exception as e:
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        if ok or time.monotonic() >= until:
+            return ok, detail + ("" if tries == 1 else f" ({tries} tries)")
+        time.sleep(0.25)
+
 
 PROGRAM = (
     textwrap.dedent(
@@ -116,53 +153,6 @@ PROGRAM = (
     .replace("STEPS", str(STEPS))
     .replace("GIB", str(GIB))
 )
-
-
-def report(ok: bool, name: str, detail: str) -> None:
-    print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
-    if not ok:
-        FAILURES.append(name)
-
-
-def info(name: str, detail: str) -> None:
-    print(f"INFO {name}: {detail}", flush=True)
-
-
-def wait_for(check, timeout_s: float):
-    """check() until it gives something truthy, for at most timeout_s (never past HOLD_DEADLINE); None then."""
-    until = min(time.monotonic() + timeout_s, HOLD_DEADLINE)
-    while True:
-        try:
-            got = check()
-        except Exception:
-            got = None
-        if got or time.monotonic() >= until:
-            return got or None
-        time.sleep(0.2)
-
-
-def settle(measure, timeout_s: float) -> tuple[bool, str]:
-    """measure() -> (ok, detail), again until ok, for at most timeout_s (never past HOLD_DEADLINE): the last."""
-    if time.monotonic() >= HOLD_DEADLINE:
-        return False, "not measured: out of time"
-    until = min(time.monotonic() + timeout_s, HOLD_DEADLINE)
-    tries = 0
-    while True:
-        tries += 1
-        try:
-            ok, detail = measure()
-        except Exception as e:
-            ok, detail = False, f"{type(e).__name__}: {e}"
-        if ok or time.monotonic() >= until:
-            return ok, detail + ("" if tries == 1 else f" ({tries} tries)")
-        time.sleep(0.25)
-
-
-def check(name: str, measure, timeout_s: float, note: str = "") -> bool:
-    """One PASS/FAIL line for measure() settled over timeout_s."""
-    ok, detail = settle(measure, timeout_s)
-    report(ok, name, detail + note)
-    return ok
 
 
 def f32(v: float) -> float:
@@ -336,10 +326,28 @@ def read_tensorboard(logdir: Path) -> dict[str, list]:
     return out
 
 
-# --- the checks ------------------------------------------------------------------------------------------------
+# --- the live checks, measured while the program holds -------------------------------------------------------------
 
 
-def check_scrape(addr: str, truth: dict, pynvml, idx: int, h, uuid: str) -> None:
+class Live:
+    """The live checks' measurements: name -> (ok, detail); INFO lines for what is not judged."""
+
+    def __init__(self) -> None:
+        self.got: dict[str, tuple[bool, str]] = {}
+        self.info: dict[str, str] = {}
+
+    def report(self, ok: bool, name: str, detail: str) -> None:
+        print(f"{'ok' if ok else 'NOT OK'} {name}: {detail}", flush=True)
+        self.got[name] = (ok, detail)
+
+    def check(self, name: str, measure, timeout_s: float, note: str = "") -> bool:
+        """measure() settled over timeout_s."""
+        ok, detail = settle(measure, timeout_s)
+        self.report(ok, name, detail + note)
+        return ok
+
+
+def check_scrape(live: Live, addr: str, truth: dict, pynvml, idx: int, h, uuid: str) -> None:
     pid = str(truth["pid"])
     last: dict = {}
 
@@ -353,15 +361,17 @@ def check_scrape(addr: str, truth: dict, pynvml, idx: int, h, uuid: str) -> None
 
     # The sampler reads the allocator every 10 ms and the recorder commits every 50 ms: the reading after
     # the hold's allocation is in within a second or so.
-    check("allocated_equals_torch", cuda("torchmem_cuda_allocated_bytes", truth["allocated"], "memory_allocated()"), 20)
-    check("reserved_equals_torch", cuda("torchmem_cuda_reserved_bytes", truth["reserved"], "memory_reserved()"), 5)
-    check(
+    live.check(
+        "allocated_equals_torch", cuda("torchmem_cuda_allocated_bytes", truth["allocated"], "memory_allocated()"), 20
+    )
+    live.check("reserved_equals_torch", cuda("torchmem_cuda_reserved_bytes", truth["reserved"], "memory_reserved()"), 5)
+    live.check(
         "peak_allocated_equals_torch_max",
         cuda("torchmem_cuda_peak_allocated_bytes", truth["max_allocated"], "max_memory_allocated()"),
         5,
         f"; the hold's allocated {truth['allocated']}, step {SPIKE_STEP}'s spike {truth['spike_allocated']}",
     )
-    check(
+    live.check(
         "peak_reserved_equals_torch_max",
         cuda("torchmem_cuda_peak_reserved_bytes", truth["max_reserved"], "max_memory_reserved()"),
         5,
@@ -370,8 +380,8 @@ def check_scrape(addr: str, truth: dict, pynvml, idx: int, h, uuid: str) -> None
     f = last.get("f") or families(scrape(addr))
     alloc = samples(f, "torchmem_cuda_allocated_bytes", pid=pid)
     labels = alloc[0].labels if alloc else {}
-    report(labels.get("device") == str(idx), "cuda_device_label_is_nvml_index", f"{labels} vs NVML index {idx}")
-    report(labels.get("UUID") == uuid, "cuda_uuid_label_equals_nvml", f"{labels.get('UUID')} vs NVML {uuid}")
+    live.report(labels.get("device") == str(idx), "cuda_device_label_is_nvml_index", f"{labels} vs NVML index {idx}")
+    live.report(labels.get("UUID") == uuid, "cuda_uuid_label_equals_nvml", f"{labels.get('UUID')} vs NVML {uuid}")
     on_device = {
         name: [s.labels.get("UUID") for s in samples(f, name, device=str(idx))]
         for name in (
@@ -383,7 +393,7 @@ def check_scrape(addr: str, truth: dict, pynvml, idx: int, h, uuid: str) -> None
             "torchmem_gpu_total_bytes",
         )
     }
-    report(
+    live.report(
         all(u and set(u) == {uuid} for u in on_device.values()),
         "every_gpu_series_carries_device_and_uuid",
         f"UUID labels of the series with device={idx}: {on_device}",
@@ -396,7 +406,7 @@ def check_scrape(addr: str, truth: dict, pynvml, idx: int, h, uuid: str) -> None
         diff = "" if got is None or nvml is None else f" (metric - NVML = {got - nvml})"
         return got is not None and got == nvml, f"{got} vs NVML usedGpuMemory {nvml}{diff}"
 
-    check("gpu_process_used_equals_nvml", process_used, 15)
+    live.check("gpu_process_used_equals_nvml", process_used, 15)
 
     def device_memory():
         f = families(scrape(addr))
@@ -407,27 +417,29 @@ def check_scrape(addr: str, truth: dict, pynvml, idx: int, h, uuid: str) -> None
         diff = "" if got_used is None else f", {(got_used - used) / MIB:+.1f} MiB"
         return ok, f"{got_used} vs {which} used {used}{diff} (v1 used {v1_used})"
 
-    check("gpu_used_within_64_mib_of_nvml", device_memory, 10)
+    live.check("gpu_used_within_64_mib_of_nvml", device_memory, 10)
     got_total, total, which = last.get("total", (None, None, "NVML"))
-    report(got_total is not None and got_total == total, "gpu_total_equals_nvml", f"{got_total} vs {which} {total}")
+    live.report(
+        got_total is not None and got_total == total, "gpu_total_equals_nvml", f"{got_total} vs {which} {total}"
+    )
 
     f = families(scrape(addr))
     infos = samples(f, "torchmem_process_info", pid=pid)
-    report(
+    live.report(
         len(infos) == 1 and infos[0].value == 1 and "prog.py" in infos[0].labels.get("command", ""),
         "process_info_has_the_pid",
         f"{[(s.labels, s.value) for s in infos]}",
     )
     step = value(f, "torchmem_step", pid=pid)
-    report(step == STEPS - 1, "step_is_the_last_index", f"torchmem_step{{pid={pid}}} {step} vs {STEPS - 1}")
+    live.report(step == STEPS - 1, "step_is_the_last_index", f"torchmem_step{{pid={pid}}} {step} vs {STEPS - 1}")
     phases = {s.labels.get("phase"): s.value for s in samples(f, "torchmem_phase", pid=pid)}
-    report(
+    live.report(
         phases.get("gpu-hold") == 1 and sum(phases.values()) == 1 and {"forward", "backward"} <= set(phases),
         "phase_gpu_hold_open",
         f"{phases}",
     )
     bd = value(f, "torchmem_breakdown_bytes", pid=pid, category="parameters", device="cuda:0")
-    report(
+    live.report(
         bd == truth["params_bytes"],
         "breakdown_parameters_metric",
         f"torchmem_breakdown_bytes{{category=parameters,device=cuda:0}} {bd} vs Σ numel·element_size "
@@ -437,16 +449,17 @@ def check_scrape(addr: str, truth: dict, pynvml, idx: int, h, uuid: str) -> None
     got = value(f, "torchmem_gpu_process_used_bytes", pid=pid, device=str(idx))
     smi = nvidia_smi_used_mib(truth["pid"])
     if isinstance(smi, int) and got is not None and abs(smi * MIB - got) <= MIB:
-        report(True, "nvidia_smi_process_used", f"{smi} MiB vs metric {got} ({got / MIB:.2f} MiB)")
+        live.report(True, "nvidia_smi_process_used", f"{smi} MiB vs metric {got} ({got / MIB:.2f} MiB)")
     else:
         if smi is None:
             shown = "nvidia-smi does not list the pid (its pid namespace?)"
         else:
             shown = smi if isinstance(smi, str) else f"nvidia-smi {smi} MiB ({smi * MIB} bytes)"
         info("nvidia_smi_process_used", f"{shown}; the metric {got}")
+        live.info["nvidia_smi_process_used"] = f"{shown}; the metric {got}"
 
 
-def check_textfile(path: Path, truth: dict) -> None:
+def check_textfile(live: Live, path: Path, truth: dict) -> None:
     pid = str(truth["pid"])
 
     def measure():
@@ -454,174 +467,7 @@ def check_textfile(path: Path, truth: dict) -> None:
         got = value(f, "torchmem_cuda_allocated_bytes", pid=pid)
         return got == truth["allocated"], f"{path.name}: {got} vs torch {truth['allocated']} ({len(f)} families)"
 
-    check("textfile_allocated_equals_torch", measure, 12)  # rewritten every 2 s
-
-
-def check_final_textfile(path: Path) -> None:
-    try:
-        f = families(path.read_text())
-    except Exception as e:
-        report(False, "textfile_final_rewrite", f"{type(e).__name__}: {e}")
-        return
-    per_process = ("torchmem_cuda_", "torchmem_process_", "torchmem_tree_", "torchmem_breakdown_")
-    per_process += ("torchmem_step", "torchmem_epoch", "torchmem_phase", "torchmem_gpu_process_used_bytes")
-    process = sorted(n for n in f if n.startswith(per_process) and samples(f, n))
-    kept = bool(samples(f, "torchmem_gpu_total_bytes"))
-    report(
-        not process and kept,
-        "textfile_final_rewrite",
-        f"process families left {process}; torchmem_gpu_total_bytes kept: {kept}",
-    )
-
-
-def check_tensorboard(logdir: Path, truth: dict, nvml_process: int | None, nvml_index: int) -> None:
-    try:
-        tags = read_tensorboard(logdir)
-    except Exception as e:
-        report(False, "tensorboard_reads", f"{type(e).__name__}: {e}")
-        return
-    files = sorted(str(p.relative_to(logdir)) for p in logdir.rglob("events.out.tfevents.*"))
-    report(bool(tags), "tensorboard_reads", f"{len(tags)} scalar tags in {files}")
-
-    def values(tag: str) -> list[float]:
-        return [e.value for e in tags.get(tag, [])]
-
-    # The highest second is the spike: memory_allocated() while it was held (0.3 s, ~30 allocator samples),
-    # which is also the program's lifetime peak.
-    alloc = values("torchmem/cuda_allocated_bytes")
-    peak, spike = truth["max_allocated"], truth["spike_allocated"]
-    report(
-        bool(alloc) and max(alloc) == f32(spike),
-        "tb_allocated_max_equals_the_spike",
-        f"max of {len(alloc)} torchmem/cuda_allocated_bytes {max(alloc, default=None)} vs memory_allocated() "
-        f"during step {SPIKE_STEP}'s spike {spike} (float32 {f32(spike)}; torch max_memory_allocated() {peak})",
-    )
-    report(
-        f32(truth["allocated"]) in alloc,
-        "tb_allocated_holds_the_hold",
-        f"the hold's allocated {truth['allocated']} (float32 {f32(truth['allocated'])}) among the last values "
-        f"{alloc[-5:]}",
-    )
-    reserved = values("torchmem/cuda_reserved_bytes")
-    report(
-        bool(reserved) and max(reserved) == f32(truth["max_reserved"]),
-        "tb_reserved_max_equals_torch_peak",
-        f"max of {len(reserved)} torchmem/cuda_reserved_bytes {max(reserved, default=None)} vs torch "
-        f"max_memory_reserved() {truth['max_reserved']} (float32 {f32(truth['max_reserved'])})",
-    )
-    steps = tags.get("torchmem/step/peak_allocated_bytes", [])
-    report(
-        [e.step for e in steps] == list(range(STEPS)) and max(e.value for e in steps) == f32(peak),
-        "tb_step_peak_allocated",
-        f"steps {[e.step for e in steps]} vs 0..{STEPS - 1}; values {[e.value for e in steps]}, highest vs torch "
-        f"max_memory_allocated() {peak} (float32 {f32(peak)})",
-    )
-    gpu = f"torchmem/gpu{nvml_index}/"
-    proc = values(gpu + "process_used_bytes")
-    report(
-        bool(values(gpu + "used_bytes")) and bool(proc),
-        "tb_gpu_scalars",
-        f"{gpu}used_bytes: {len(values(gpu + 'used_bytes'))} events, {gpu}process_used_bytes: {len(proc)} events",
-    )
-    if nvml_process is not None:
-        # The program's GPU memory only grows (its allocator never gives segments back), so the highest
-        # second is what NVML said while it held, until its exit.
-        report(
-            bool(proc) and max(proc) == f32(nvml_process),
-            "tb_gpu_process_used_max_equals_nvml",
-            f"max {max(proc, default=None)} vs NVML usedGpuMemory during the hold {nvml_process} "
-            f"(float32 {f32(nvml_process)})",
-        )
-    breakdown = sorted(t for t in tags if t.startswith("torchmem/breakdown/"))
-    cuda = [t for t in breakdown if "/cuda_0/" in t]
-    report(bool(cuda), "tb_breakdown_tags", f"{len(breakdown)} tags, {len(cuda)} on cuda_0: {cuda[:12]}")
-    want = truth["params_bytes"]
-    params = {t: sorted({e.value for e in tags[t]}) for t in cuda if t.endswith("/parameters_bytes")}
-    report(
-        bool(params) and all(v == [f32(want)] for v in params.values()),
-        "tb_breakdown_parameters_equal_model",
-        f"{params} vs Σ numel·element_size {want}",
-    )
-    grads = tags.get("torchmem/breakdown/end_of_backward/cuda_0/gradients_bytes", [])
-    report(
-        [e.step for e in grads] == list(range(STEPS)) and {e.value for e in grads} == {f32(want)},
-        "tb_breakdown_gradients_at_end_of_backward",
-        f"steps {[e.step for e in grads]}, values {sorted({e.value for e in grads})} vs {want}",
-    )
-
-
-def main() -> int:
-    try:
-        import torch
-
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception as e:
-        print(f"no CUDA device: torch cannot be used here ({type(e).__name__}: {e}); nothing checked", flush=True)
-        return 2
-    if n == 0:
-        print("no CUDA device: torch.cuda.is_available() is False on this machine; nothing checked", flush=True)
-        return 2
-    checked()
-    print(f"{'ALL PASS' if not FAILURES else 'FAILED: ' + ', '.join(FAILURES)} ({time.monotonic() - T0:.0f} s)")
-    return 1 if FAILURES else 0
-
-
-def checked() -> None:
-    if not Path(TM).exists():
-        report(False, "torchmem_on_path", f"{TM} does not exist and no torchmem is on PATH (install the wheel)")
-        return
-    import pynvml
-
-    pynvml.nvmlInit()
-    tmp = Path(tempfile.mkdtemp(prefix="torchmem-exporters-gpu-"))
-    (tmp / "prog.py").write_text(PROGRAM)
-    info("files", f"{tmp} (the program, its profile, the textfile, the event files)")
-    textfile = tmp / "tm.prom"
-    logdir = tmp / "tb"
-    env = dict(os.environ, TORCHMEM_PYTHON=sys.executable)
-    args = ["-o", str(tmp / "p.sqlite"), "--metrics", "127.0.0.1:0", "--metrics-textfile", str(textfile)]
-    args += ["--tensorboard", str(logdir), "--", sys.executable, "prog.py", str(tmp)]
-    run = Run(args, tmp, env)
-    truth = None
-    nvml_process = None
-    nvml_index = 0
-    try:
-        addr = run.address(30)
-        ok = addr is not None and addr != "exited"
-        report(ok, "metrics_address_printed", f"{addr}" if ok else f"no address line; stderr:\n{run.stderr_tail()}")
-        if not ok:
-            return
-
-        def started():
-            if (tmp / "torch.json").exists():
-                return json.loads((tmp / "torch.json").read_text())
-            return run.proc.poll() is not None and {"exited": run.proc.poll()}
-
-        truth = wait_for(started, 60)
-        ok = truth is not None and "exited" not in truth
-        report(ok, "program_started", f"{truth}")
-        if not ok:
-            truth = None
-            print(run.stderr_tail(), flush=True)
-            return
-        if truth["max_allocated"] != truth["spike_allocated"]:
-            info(
-                "torch_peak",
-                f"max_memory_allocated() {truth['max_allocated']} is not the spike's {truth['spike_allocated']}",
-            )
-        nvml_index, h, uuid = nvml_device(pynvml, truth["uuid"])
-        info("device", f"NVML index {nvml_index}, {uuid}, torch's {truth['name']!r} (torch {truth['torch']})")
-        check_scrape(addr, truth, pynvml, nvml_index, h, uuid)
-        check_textfile(textfile, truth)
-        nvml_process = nvml_process_bytes(pynvml, h, truth["pid"])
-    finally:
-        (tmp / "stop").touch()
-        code = run.stop(END_DEADLINE - 15 - time.monotonic())
-        if code is None and truth is not None:
-            kill_program(truth["pid"], tmp)
-    report(code == 0, "run_exit_code", f"{code}" + ("" if code == 0 else f"; stderr:\n{run.stderr_tail()}"))
-    check_final_textfile(textfile)
-    check_tensorboard(logdir, truth, nvml_process, nvml_index)
+    live.check("textfile_allocated_equals_torch", measure, 12)  # rewritten every 2 s
 
 
 def kill_program(pid: int, tmp: Path) -> None:
@@ -637,5 +483,267 @@ def kill_program(pid: int, tmp: Path) -> None:
             pass
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+@pytest.fixture(scope="module")
+def exported() -> dict:
+    """The run, its live checks measured while the program holds, then its stop and exit: what every test of this
+    module asserts on."""
+    global T0, HOLD_DEADLINE, END_DEADLINE
+    T0 = time.monotonic()
+    HOLD_DEADLINE, END_DEADLINE = T0 + 85, T0 + 112
+    if not Path(TM).exists():
+        pytest.fail(f"torchmem_on_path: {TM} does not exist and no torchmem is on PATH (install the wheel)")
+    import pynvml
+
+    pynvml.nvmlInit()
+    tmp = Path(tempfile.mkdtemp(prefix="torchmem-exporters-gpu-"))
+    (tmp / "prog.py").write_text(PROGRAM)
+    info("files", f"{tmp} (the program, its profile, the textfile, the event files)")
+    textfile = tmp / "tm.prom"
+    logdir = tmp / "tb"
+    env = dict(os.environ, TORCHMEM_PYTHON=sys.executable)
+    args = ["-o", str(tmp / "p.sqlite"), "--metrics", "127.0.0.1:0", "--metrics-textfile", str(textfile)]
+    args += ["--tensorboard", str(logdir), "--", sys.executable, "prog.py", str(tmp)]
+    run = Run(args, tmp, env)
+    live = Live()
+    out: dict = {"live": live, "textfile": textfile, "logdir": logdir, "truth": None, "nvml_process": None}
+    out["nvml_index"] = 0
+    out["not_started"] = None
+    try:
+        addr = run.address(30)
+        ok = addr is not None and addr != "exited"
+        out["address"] = (ok, f"{addr}" if ok else f"no address line; stderr:\n{run.stderr_tail()}")
+        if not ok:
+            out["not_started"] = "no metrics address"
+            return out
+
+        def started():
+            if (tmp / "torch.json").exists():
+                return json.loads((tmp / "torch.json").read_text())
+            return run.proc.poll() is not None and {"exited": run.proc.poll()}
+
+        truth = wait_for(started, 60)
+        ok = truth is not None and "exited" not in truth
+        out["started"] = (ok, f"{truth}" + ("" if ok else f"\n{run.stderr_tail()}"))
+        if not ok:
+            out["not_started"] = "the program did not start"
+            return out
+        out["truth"] = truth
+        if truth["max_allocated"] != truth["spike_allocated"]:
+            info(
+                "torch_peak",
+                f"max_memory_allocated() {truth['max_allocated']} is not the spike's {truth['spike_allocated']}",
+            )
+        nvml_index, h, uuid = nvml_device(pynvml, truth["uuid"])
+        out["nvml_index"] = nvml_index
+        info("device", f"NVML index {nvml_index}, {uuid}, torch's {truth['name']!r} (torch {truth['torch']})")
+        try:
+            check_scrape(live, addr, truth, pynvml, nvml_index, h, uuid)
+        except Exception as e:  # the checks not measured yet fail with this
+            out["live_error"] = f"{type(e).__name__}: {e}"
+        try:
+            check_textfile(live, textfile, truth)
+        except Exception as e:
+            out["live_error"] = f"{type(e).__name__}: {e}"
+        out["nvml_process"] = nvml_process_bytes(pynvml, h, truth["pid"])
+    finally:
+        (tmp / "stop").touch()
+        code = run.stop(END_DEADLINE - 15 - time.monotonic())
+        if code is None and out["truth"] is not None:
+            kill_program(out["truth"]["pid"], tmp)
+        out["code"] = code
+        out["stderr"] = "" if code == 0 else run.stderr_tail()
+    return out
+
+
+def started(exported: dict) -> dict:
+    if exported["not_started"]:
+        pytest.fail(f"not measured: {exported['not_started']}")
+    return exported
+
+
+# --- while the program holds ---------------------------------------------------------------------------------------
+
+
+def test_metrics_address_printed(exported: dict) -> None:
+    ok, detail = exported["address"]
+    assert ok, detail
+
+
+def test_program_started(exported: dict) -> None:
+    if "started" not in exported:
+        pytest.fail(f"not measured: {exported['not_started']}")
+    ok, detail = exported["started"]
+    assert ok, detail
+
+
+LIVE = (
+    "allocated_equals_torch",
+    "reserved_equals_torch",
+    "peak_allocated_equals_torch_max",
+    "peak_reserved_equals_torch_max",
+    "cuda_device_label_is_nvml_index",
+    "cuda_uuid_label_equals_nvml",
+    "every_gpu_series_carries_device_and_uuid",
+    "gpu_process_used_equals_nvml",
+    "gpu_used_within_64_mib_of_nvml",
+    "gpu_total_equals_nvml",
+    "process_info_has_the_pid",
+    "step_is_the_last_index",
+    "phase_gpu_hold_open",
+    "breakdown_parameters_metric",
+    "textfile_allocated_equals_torch",
+)
+
+
+@pytest.mark.parametrize("name", LIVE)
+def test_live(exported: dict, name: str) -> None:
+    live = started(exported)["live"]
+    if name not in live.got:
+        pytest.fail(f"{name}: not measured: {exported.get('live_error')}")
+    ok, detail = live.got[name]
+    assert ok, f"{name}: {detail}"
+
+
+def test_nvidia_smi_process_used(exported: dict) -> None:
+    """nvidia-smi's per-process used memory within 1 MiB of the metric; skipped with the reason when nvidia-smi is
+    missing or does not list the pid (containers often hide the pids from it), as the script's INFO line."""
+    live = started(exported)["live"]
+    name = "nvidia_smi_process_used"
+    if name in live.info:
+        pytest.skip(live.info[name])
+    if name not in live.got:
+        pytest.fail(f"{name}: not measured: {exported.get('live_error')}")
+    ok, detail = live.got[name]
+    assert ok, detail
+
+
+# --- after the stop ------------------------------------------------------------------------------------------------
+
+
+def test_run_exit_code(exported: dict) -> None:
+    code = exported["code"]
+    assert code == 0, f"{code}; stderr:\n{exported['stderr']}"
+
+
+def test_textfile_final_rewrite(exported: dict) -> None:
+    try:
+        f = families(exported["textfile"].read_text())
+    except Exception as e:
+        pytest.fail(f"textfile_final_rewrite: {type(e).__name__}: {e}")
+    per_process = ("torchmem_cuda_", "torchmem_process_", "torchmem_tree_", "torchmem_breakdown_")
+    per_process += ("torchmem_step", "torchmem_epoch", "torchmem_phase", "torchmem_gpu_process_used_bytes")
+    process = sorted(n for n in f if n.startswith(per_process) and samples(f, n))
+    kept = bool(samples(f, "torchmem_gpu_total_bytes"))
+    assert not process and kept, f"process families left {process}; torchmem_gpu_total_bytes kept: {kept}"
+
+
+@pytest.fixture(scope="module")
+def tb(exported: dict) -> dict:
+    """TensorBoard's scalars of the run, through its own reader."""
+    started(exported)
+    logdir = exported["logdir"]
+    try:
+        tags = read_tensorboard(logdir)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}", "tags": {}}
+    files = sorted(str(p.relative_to(logdir)) for p in logdir.rglob("events.out.tfevents.*"))
+    return {"tags": tags, "files": files}
+
+
+def values(tb: dict, tag: str) -> list[float]:
+    if "error" in tb:
+        pytest.fail(f"tensorboard_reads: {tb['error']}")
+    return [e.value for e in tb["tags"].get(tag, [])]
+
+
+def test_tensorboard_reads(tb: dict) -> None:
+    assert "error" not in tb, f"tensorboard_reads: {tb.get('error')}"
+    assert bool(tb["tags"]), f"{len(tb['tags'])} scalar tags in {tb['files']}"
+
+
+def test_tb_allocated_max_equals_the_spike(exported: dict, tb: dict) -> None:
+    # The highest second is the spike: memory_allocated() while it was held (0.3 s, ~30 allocator samples),
+    # which is also the program's lifetime peak.
+    truth = exported["truth"]
+    alloc = values(tb, "torchmem/cuda_allocated_bytes")
+    peak, spike = truth["max_allocated"], truth["spike_allocated"]
+    assert bool(alloc) and max(alloc) == f32(spike), (
+        f"max of {len(alloc)} torchmem/cuda_allocated_bytes {max(alloc, default=None)} vs memory_allocated() "
+        f"during step {SPIKE_STEP}'s spike {spike} (float32 {f32(spike)}; torch max_memory_allocated() {peak})"
+    )
+
+
+def test_tb_allocated_holds_the_hold(exported: dict, tb: dict) -> None:
+    truth = exported["truth"]
+    alloc = values(tb, "torchmem/cuda_allocated_bytes")
+    assert f32(truth["allocated"]) in alloc, (
+        f"the hold's allocated {truth['allocated']} (float32 {f32(truth['allocated'])}) among the last values "
+        f"{alloc[-5:]}"
+    )
+
+
+def test_tb_reserved_max_equals_torch_peak(exported: dict, tb: dict) -> None:
+    truth = exported["truth"]
+    reserved = values(tb, "torchmem/cuda_reserved_bytes")
+    assert bool(reserved) and max(reserved) == f32(truth["max_reserved"]), (
+        f"max of {len(reserved)} torchmem/cuda_reserved_bytes {max(reserved, default=None)} vs torch "
+        f"max_memory_reserved() {truth['max_reserved']} (float32 {f32(truth['max_reserved'])})"
+    )
+
+
+def test_tb_step_peak_allocated(exported: dict, tb: dict) -> None:
+    values(tb, "")  # fails when TensorBoard could not be read
+    peak = exported["truth"]["max_allocated"]
+    steps = tb["tags"].get("torchmem/step/peak_allocated_bytes", [])
+    assert [e.step for e in steps] == list(range(STEPS)) and max(e.value for e in steps) == f32(peak), (
+        f"steps {[e.step for e in steps]} vs 0..{STEPS - 1}; values {[e.value for e in steps]}, highest vs torch "
+        f"max_memory_allocated() {peak} (float32 {f32(peak)})"
+    )
+
+
+def test_tb_gpu_scalars(exported: dict, tb: dict) -> None:
+    gpu = f"torchmem/gpu{exported['nvml_index']}/"
+    used, proc = values(tb, gpu + "used_bytes"), values(tb, gpu + "process_used_bytes")
+    assert bool(used) and bool(proc), (
+        f"{gpu}used_bytes: {len(used)} events, {gpu}process_used_bytes: {len(proc)} events"
+    )
+
+
+def test_tb_gpu_process_used_max_equals_nvml(exported: dict, tb: dict) -> None:
+    # The program's GPU memory only grows (its allocator never gives segments back), so the highest
+    # second is what NVML said while it held, until its exit.
+    nvml_process = exported["nvml_process"]
+    if nvml_process is None:
+        pytest.skip("NVML gave no per-process bytes for the program during the hold (not judged, as the script)")
+    proc = values(tb, f"torchmem/gpu{exported['nvml_index']}/process_used_bytes")
+    assert bool(proc) and max(proc) == f32(nvml_process), (
+        f"max {max(proc, default=None)} vs NVML usedGpuMemory during the hold {nvml_process} "
+        f"(float32 {f32(nvml_process)})"
+    )
+
+
+def _breakdown_cuda_tags(tb: dict) -> tuple[list[str], list[str]]:
+    values(tb, "")  # fails when TensorBoard could not be read
+    breakdown = sorted(t for t in tb["tags"] if t.startswith("torchmem/breakdown/"))
+    return breakdown, [t for t in breakdown if "/cuda_0/" in t]
+
+
+def test_tb_breakdown_tags(tb: dict) -> None:
+    breakdown, cuda = _breakdown_cuda_tags(tb)
+    assert bool(cuda), f"{len(breakdown)} tags, {len(cuda)} on cuda_0: {cuda[:12]}"
+
+
+def test_tb_breakdown_parameters_equal_model(exported: dict, tb: dict) -> None:
+    _, cuda = _breakdown_cuda_tags(tb)
+    want = exported["truth"]["params_bytes"]
+    params = {t: sorted({e.value for e in tb["tags"][t]}) for t in cuda if t.endswith("/parameters_bytes")}
+    assert bool(params) and all(v == [f32(want)] for v in params.values()), f"{params} vs Σ numel·element_size {want}"
+
+
+def test_tb_breakdown_gradients_at_end_of_backward(exported: dict, tb: dict) -> None:
+    values(tb, "")  # fails when TensorBoard could not be read
+    want = exported["truth"]["params_bytes"]
+    grads = tb["tags"].get("torchmem/breakdown/end_of_backward/cuda_0/gradients_bytes", [])
+    assert [e.step for e in grads] == list(range(STEPS)) and {e.value for e in grads} == {f32(want)}, (
+        f"steps {[e.step for e in grads]}, values {sorted({e.value for e in grads})} vs {want}"
+    )
