@@ -34,20 +34,38 @@ CORPUS = ROOT / "bench" / "estimate" / "corpus"
 
 def grid(quick: bool) -> list[dict]:
     out = []
+
+    def add(mode, inp, hid, layers, bidir, batch, seq, dtype="float32", packed=False, proj=0, batch_first=False):
+        out.append(dict(mode=mode, input=inp, hidden=hid, layers=layers, bidirectional=bidir, batch=batch, seq=seq,
+                        dtype=dtype, packed=packed, proj=proj, batch_first=batch_first))  # fmt: skip
+
     modes = ["LSTM", "GRU", "RNN_TANH"]
     sizes = [(128, 256), (512, 1024)] if not quick else [(128, 256)]
     for mode, (inp, hid), layers, bidir, batch, seq, dtype, packed in itertools.product(
-        modes, sizes, (1, 2, 3), (False, True), (8, 64), (16, 128), ("float32", "float16"), (False, True)
+        modes, sizes, (1, 2), (False, True), (8, 64), (16, 128), ("float32", "float16"), (False, True)
     ):
-        out.append(dict(mode=mode, input=inp, hidden=hid, layers=layers, bidirectional=bidir, batch=batch,
-                        seq=seq, dtype=dtype, packed=packed, proj=0))  # fmt: skip
+        add(mode, inp, hid, layers, bidir, batch, seq, dtype, packed)
+    if quick:
+        return out
+    for mode, bidir in itertools.product(modes, (False, True)):
+        add(mode, 512, 1024, 3, bidir, 64, 128)
+        add(mode, 512, 1024, 2, bidir, 32, 64, dtype="bfloat16")
+        add(mode, 100, 300, 2, bidir, 13, 37)
+        add(mode, 100, 300, 2, bidir, 13, 37, packed=True)
+        for layers, dtype in itertools.product((1, 2), ("float32", "float16")):
+            add(mode, 512, 1024, layers, bidir, 32, 64, dtype=dtype, batch_first=True)
+    for mode in modes:
+        add(mode, 1024, 2048, 2, False, 128, 256)
+        add(mode, 1024, 2048, 2, True, 128, 256, dtype="float16")
     for layers, bidir, batch, seq in itertools.product((1, 2), (False, True), (8, 64), (16, 128)):
-        out.append(dict(mode="LSTM", input=256, hidden=768, layers=layers, bidirectional=bidir, batch=batch,
-                        seq=seq, dtype="float32", packed=False, proj=256))  # fmt: skip
+        add("LSTM", 256, 768, layers, bidir, batch, seq, proj=256)
     return out
 
 
 def record_grid(configs: list[dict]) -> list[dict]:
+    """Per config: the allocator's (action, size) events of four phases -- the module built on the CPU and
+    moved to the GPU (cuDNN's flattened weight buffer), a training forward, its backward, an inference
+    forward -- with the bytes allocated at each mark."""
     import torch
     import torch.nn as nn
     from torch.nn.utils.rnn import pack_padded_sequence
@@ -58,16 +76,15 @@ def record_grid(configs: list[dict]) -> list[dict]:
         dtype = getattr(torch, cfg["dtype"])
         cls = {"LSTM": nn.LSTM, "GRU": nn.GRU, "RNN_TANH": nn.RNN}[cfg["mode"]]
         kw = {"proj_size": cfg["proj"]} if cfg["proj"] else {}
-        rnn = cls(cfg["input"], cfg["hidden"], cfg["layers"], bidirectional=cfg["bidirectional"], **kw)
-        rnn = rnn.to("cuda", dtype)
-        x = torch.randn(cfg["seq"], cfg["batch"], cfg["input"], device="cuda", dtype=dtype, requires_grad=True)
+        bf = cfg["batch_first"]
+        shape = (cfg["batch"], cfg["seq"], cfg["input"]) if bf else (cfg["seq"], cfg["batch"], cfg["input"])
         lengths = None
         if cfg["packed"]:
             lengths = torch.linspace(cfg["seq"], max(1, cfg["seq"] // 4), cfg["batch"]).long()
-        torch.cuda.synchronize()
-        phases = {}
         r = {"config": cfg}
+        rnn = x = None
         try:
+            torch.cuda.synchronize()
             mem._record_memory_history(enabled="all", context=None, stacks="python", max_entries=1_000_000,
                                        clear_history=True)  # fmt: skip
             marks = []
@@ -77,7 +94,13 @@ def record_grid(configs: list[dict]) -> list[dict]:
                 marks.append((name, torch.cuda.memory_allocated()))
 
             mark("start")
-            inp = pack_padded_sequence(x, lengths) if lengths is not None else x
+            rnn = cls(cfg["input"], cfg["hidden"], cfg["layers"], bidirectional=cfg["bidirectional"],
+                      batch_first=bf, **kw).to(dtype)  # fmt: skip
+            rnn = rnn.to("cuda")
+            mark("to_cuda")
+            x = torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
+            mark("input")
+            inp = pack_padded_sequence(x, lengths, batch_first=bf) if lengths is not None else x
             mark("packed")
             out, _h = rnn(inp)
             mark("forward")
@@ -87,7 +110,7 @@ def record_grid(configs: list[dict]) -> list[dict]:
             del out, _h, y, inp
             mark("freed")
             with torch.no_grad():
-                inp = pack_padded_sequence(x.detach(), lengths) if lengths is not None else x.detach()
+                inp = pack_padded_sequence(x.detach(), lengths, batch_first=bf) if lengths is not None else x.detach()
                 mark("eval_start")
                 out, _h = rnn(inp)
                 mark("eval_forward")
@@ -98,7 +121,7 @@ def record_grid(configs: list[dict]) -> list[dict]:
             trace = snap["device_traces"][0] if snap["device_traces"] else []
             r["events"] = [[e["action"], e["size"]] for e in trace if e["action"] in ("alloc", "free_requested")]
             r["marks"] = marks
-            r["weight_buf_bytes"] = sum(p.numel() * p.element_size() for p in rnn.parameters())
+            r["param_bytes"] = [p.numel() * p.element_size() for p in rnn.parameters()]
         except Exception as e:  # noqa: BLE001 - recorded, the grid goes on
             r["error"] = f"{type(e).__name__}: {e}"
             try:
@@ -108,7 +131,6 @@ def record_grid(configs: list[dict]) -> list[dict]:
         results.append(r)
         del rnn, x
         torch.cuda.empty_cache()
-        phases.clear()
     return results
 
 
