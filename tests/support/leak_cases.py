@@ -1,5 +1,5 @@
 """Training scripts that leak memory in one way each (the leaking line ends with `# LEAK`), and healthy ones
-whose memory rises then plateaus. `tests/test_leaks.py` runs them on the CPU, `scripts/gpu_check_leaks.py` on
+whose memory rises then plateaus. `tests/e2e/test_leaks.py` runs them on the CPU, `tests/gpu/test_gpu_leaks.py` on
 CUDA (the device is the script's first argument). Each prints `LEAKS <json of mon.leaks()>` and
 `PROBES <number of probes run>` at its end, and `READS <json of (RSS, malloc's free bytes) at each step end>`."""
 
