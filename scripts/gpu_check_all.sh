@@ -1,33 +1,50 @@
 #!/usr/bin/env bash
-# Runs GPU check scripts on the device machine, one process each; leaves a summary and every output (one
-# archive) under $OUT. The wheel built here (`maturin build --release -o .whl`) travels with `carry: [".whl"]` and is
-# installed with --target (the device's Python has torch but not our build tools).
+# Runs the GPU tests (tests/gpu, marker `gpu`) with pytest on the device machine; leaves under $OUT the GPU and
+# torch versions (gpu.txt), pytest's whole output with the -rA summary (pytest.txt: every test's outcome, the
+# captured INFO/bench prints of the passing ones, the failures' assert messages), a JUnit XML report with each
+# test's output (junit.xml) and one line per test file (summary.txt).
 #
-#   bash scripts/gpu_check_all.sh "gpu_check.py --only run --only interplay --only remap" gpu_check_api.py ...
+# The wheel built here (`maturin build --release -o .whl`) and pytest's wheels (pytest, pluggy, iniconfig,
+# packaging) travel with `carry: [".whl"]`; every .whl/*.whl is installed with --target (the device's Python has
+# torch but not our build tools, maybe not pytest).
 #
-# Each argument is one script of scripts/ with its arguments; "bench:ARGS" runs bench/run_overhead.py ARGS.
+#   bash scripts/gpu_check_all.sh                                   # every GPU test (more than one 10-minute call)
+#   bash scripts/gpu_check_all.sh tests/gpu/test_gpu_api.py tests/gpu/test_gpu_run.py
+#   bash scripts/gpu_check_all.sh tests/gpu/test_gpu_breakdown.py -k "not cost"
+#
+# Arguments are pytest's (files, -k, ...); none means tests/gpu. GPU_CHECK_TIMEOUT_S (default 560) bounds the
+# pytest call; a call cut short still leaves what ran in pytest.txt. Exit status: pytest's (124 when cut short).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-out}
-RAW=/tmp/gpu-raw
-mkdir -p "$OUT" "$RAW" /tmp/site
-python3 -m pip install -q --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 2; }
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
+mkdir -p "$OUT" /tmp/site
+if ! python3 -m pip install -q --no-deps --target /tmp/site .whl/*.whl > "$OUT/install.txt" 2>&1; then
+  echo "wheel install failed"; cat "$OUT/install.txt"; exit 2
+fi
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv;
-  python3 -c 'import torch,sys; print(torch.__version__, torch.version.cuda, sys.version)'; } > "$RAW/gpu.txt" 2>&1
-for spec in "$@"; do
-  if [[ $spec == bench:* ]]; then
-    name=run_overhead; cmd="python3 bench/run_overhead.py ${spec#bench:}"
-  else
-    name=$(basename "${spec%% *}" .py); cmd="python3 scripts/$spec"
-  fi
-  t0=$(date +%s)
-  timeout "${GPU_CHECK_TIMEOUT_S:-560}" bash -c "$cmd" > "$RAW/$name.txt" 2>&1
-  rc=$?
-  pass=$(grep -c '^PASS' "$RAW/$name.txt"); fail=$(grep -c '^FAIL' "$RAW/$name.txt")
-  echo "$name rc=$rc $(( $(date +%s) - t0 ))s pass=$pass fail=$fail" | tee -a "$RAW/summary.txt"
-  # after each script (a call cut short keeps what ran): the device returns at most 8 files, so the summary
-  # and every output in one archive
-  cp "$RAW/summary.txt" "$OUT/summary.txt"
-  tar czf "$OUT/outputs.tgz" -C "$RAW" .
-done
+  python3 -c 'import torch,sys; print(torch.__version__, torch.version.cuda, sys.version)';
+  python3 -m pytest --version; } > "$OUT/gpu.txt" 2>&1
+[ $# -eq 0 ] && set -- tests/gpu
+t0=$(date +%s)
+timeout "${GPU_CHECK_TIMEOUT_S:-560}" python3 -m pytest -m gpu -rA -p no:cacheprovider --durations=25 \
+  --junitxml "$OUT/junit.xml" -o junit_logging=all "$@" > "$OUT/pytest.txt" 2>&1
+rc=$?
+# one line per test file: its outcomes, from the JUnit report
+{
+  echo "pytest -m gpu $* rc=$rc $(( $(date +%s) - t0 ))s: $(tail -n 1 "$OUT/pytest.txt")"
+  python3 - "$OUT/junit.xml" <<'PY'
+import collections, sys, xml.etree.ElementTree as ET
+try:
+    root = ET.parse(sys.argv[1]).getroot()
+except Exception as e:
+    sys.exit(f"no JUnit report: {e}")
+counts = collections.defaultdict(collections.Counter)
+for case in root.iter("testcase"):
+    kinds = [c.tag for c in case if c.tag in ("failure", "error", "skipped")]
+    counts[case.get("classname", "?")][kinds[0] if kinds else "passed"] += 1
+for name, c in sorted(counts.items()):
+    print(name, " ".join(f"{k}={v}" for k, v in sorted(c.items())))
+PY
+} | tee "$OUT/summary.txt"
+exit $rc

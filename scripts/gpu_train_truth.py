@@ -1,4 +1,4 @@
-"""A GPU training run that writes what torch.cuda and NVML say at its end, for `scripts/gpu_check.py` to compare
+"""A GPU training run that writes what torch.cuda and NVML say at its end, for `tests/gpu/test_gpu_run.py` to compare
 with the profile `torchmem run` recorded of it. No torchmem API calls: the allocator timeline comes from
 torchmem's injection alone, so the check also proves "no change to the user's code".
 

@@ -10,7 +10,7 @@ the program still reads its own peaks exactly as without torchmem.
 - GPU logic on the CPU: real torch's Python readers (`torch.cuda.max_memory_allocated`, `memory_stats`,
   `memory_summary`, `reset_peak_memory_stats`, ...) over a FakeCudaAllocator, a named fake of the CUDA
   caching allocator's counters (current/peak per stat and pool) standing in for `torch._C`'s bindings. It
-  checks the ledger's arithmetic through the real call paths; scripts/gpu_check_api.py checks it on a GPU.
+  checks the ledger's arithmetic through the real call paths; tests/gpu/test_gpu_api.py checks it on a GPU.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ much the ground truth itself varies.
    estimate --gpu H200 --fit 'batch=1..4096' --json -- python bench/estimate/fit_train.py --workload W --batch
    {batch}`; other files through TORCHMEM_FIT_JSON, os.pathsep-separated), train W in a fresh process at the
    largest batch said to fit (it must run 3 steps without an out-of-memory error) and at the first batch said not
-   to (it must run out of memory). These answers were made for an H200: on another GPU they do not apply.
+   to (it must run out of memory). Each answer was made for one GPU (its `gpu`, `device_memory_bytes`): on a GPU
+   of another memory size its tests skip with the reason.
 2. TORCHMEM_FIT_REPEAT=W:N (e.g. mlp_sgd_fp32:6): N fresh runs of the truth config W
    (`scripts/gpu_estimator_truth.py --child`), to show the spread of its measured peak reserved across identical
    runs (printed, not judged; skipped without the variable).
@@ -86,8 +87,16 @@ def fit_runs(record: dict):
     cache: dict[str, dict] = {}
 
     def get(key: str) -> dict:
+        r = json.loads(FITS[key].read_text())
+        import torch
+
+        props = torch.cuda.get_device_properties(0)
+        if r.get("device_memory_bytes") not in (None, props.total_memory):
+            pytest.skip(
+                f"the answer was made for {r.get('gpu')} ({r['device_memory_bytes']} B); this GPU is {props.name} "
+                f"({props.total_memory} B)"
+            )
         if key not in cache:
-            r = json.loads(FITS[key].read_text())
             fit = r["fit"]
             workload = next(b for a, b in zip(r["command"], r["command"][1:], strict=False) if a == "--workload")
             lo, hi = fit["largest_fitting"], fit["first_not_fitting"]

@@ -331,7 +331,7 @@ def test_sampler_stays_silent_without_cuda_and_stops_at_exit():
 FAKE_TORCH = """
 import sys, types, time
 # A FAKE torch module (named as such): it only gives the sampler thread CUDA-shaped counters to send, so that
-# the thread, the pipe and the wire format are tested here; scripts/gpu_check_api.py checks real numbers.
+# the thread, the pipe and the wire format are tested here; tests/gpu/test_gpu_api.py checks real numbers.
 fake = types.ModuleType("torch")
 fake.cuda = types.SimpleNamespace(is_initialized=lambda: True, device_count=lambda: 2)
 calls = []
