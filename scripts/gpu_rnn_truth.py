@@ -35,9 +35,11 @@ CORPUS = ROOT / "bench" / "estimate" / "corpus"
 def grid(quick: bool) -> list[dict]:
     out = []
 
-    def add(mode, inp, hid, layers, bidir, batch, seq, dtype="float32", packed=False, proj=0, batch_first=False):
+    def add(mode, inp, hid, layers, bidir, batch, seq, dtype="float32", packed=False, proj=0, batch_first=False,
+            dropout=0.0, autocast=""):  # fmt: skip
         out.append(dict(mode=mode, input=inp, hidden=hid, layers=layers, bidirectional=bidir, batch=batch, seq=seq,
-                        dtype=dtype, packed=packed, proj=proj, batch_first=batch_first))  # fmt: skip
+                        dtype=dtype, packed=packed, proj=proj, batch_first=batch_first, dropout=dropout,
+                        autocast=autocast))  # fmt: skip
 
     modes = ["LSTM", "GRU", "RNN_TANH"]
     sizes = [(128, 256), (512, 1024)] if not quick else [(128, 256)]
@@ -55,6 +57,10 @@ def grid(quick: bool) -> list[dict]:
         for layers, dtype in itertools.product((1, 2), ("float32", "float16")):
             add(mode, 512, 1024, layers, bidir, 32, 64, dtype=dtype, batch_first=True)
     for mode in modes:
+        add(mode, 512, 1024, 2, False, 32, 64, dropout=0.2)  # cuDNN's dropout state (made once per process)
+        add(mode, 512, 1024, 2, True, 32, 64, autocast="float16")
+        add(mode, 512, 1024, 2, True, 32, 64, autocast="float16", batch_first=True)
+        add(mode, 512, 1024, 1, False, 32, 64, autocast="bfloat16", packed=True)
         add(mode, 1024, 2048, 2, False, 128, 256)
         add(mode, 1024, 2048, 2, True, 128, 256, dtype="float16")
     for layers, bidir, batch, seq in itertools.product((1, 2), (False, True), (8, 64), (16, 128)):
@@ -95,24 +101,29 @@ def record_grid(configs: list[dict]) -> list[dict]:
 
             mark("start")
             rnn = cls(cfg["input"], cfg["hidden"], cfg["layers"], bidirectional=cfg["bidirectional"],
-                      batch_first=bf, **kw).to(dtype)  # fmt: skip
+                      batch_first=bf, dropout=cfg["dropout"], **kw).to(dtype)  # fmt: skip
             rnn = rnn.to("cuda")
             mark("to_cuda")
             x = torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
             mark("input")
             inp = pack_padded_sequence(x, lengths, batch_first=bf) if lengths is not None else x
             mark("packed")
-            out, _h = rnn(inp)
+            with torch.autocast(
+                "cuda", dtype=getattr(torch, cfg["autocast"] or "float16"), enabled=bool(cfg["autocast"])
+            ):
+                out, _h = rnn(inp)
             mark("forward")
             y = out.data if lengths is not None else out
-            y.sum().backward()
+            y.float().sum().backward()
             mark("backward")
             del out, _h, y, inp
             mark("freed")
             with torch.no_grad():
                 inp = pack_padded_sequence(x.detach(), lengths, batch_first=bf) if lengths is not None else x.detach()
                 mark("eval_start")
-                out, _h = rnn(inp)
+                with torch.autocast("cuda", dtype=getattr(torch, cfg["autocast"] or "float16"),
+                                    enabled=bool(cfg["autocast"])):  # fmt: skip
+                    out, _h = rnn(inp)
                 mark("eval_forward")
                 del out, _h, inp
             mark("eval_freed")
