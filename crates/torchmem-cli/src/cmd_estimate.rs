@@ -303,11 +303,14 @@ fn fit_search(args: &EstimateArgs, target: &Target, spec: &FitSpec) -> anyhow::R
     let out = spec.search(target, &args.command, |v| -> anyhow::Result<EstimateReport> {
         let r = estimate_command(args, target, &spec.substitute(&args.command, v))?;
         if !args.json {
+            let yes = |b: bool| if b { "yes" } else { "no" };
             eprintln!(
-                "torchmem estimate --fit: {}={v}: {} reserved, fits: {}",
+                "torchmem estimate --fit: {}={v}: {} reserved ({} upper bound), fits: {} (point estimate: {})",
                 spec.name,
                 format_bytes(r.peak_reserved_bytes),
-                if r.fits { "yes" } else { "no" }
+                format_bytes(r.peak_reserved_upper_bytes),
+                yes(r.fits),
+                yes(r.fits_point)
             );
         }
         Ok(r)

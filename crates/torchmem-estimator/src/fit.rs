@@ -20,13 +20,16 @@ pub struct FitSpec {
     pub step: u64,
 }
 
-/// One value tried.
+/// One value tried: `fits` is the upper bound's answer, `fits_point` the point estimate's.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct FitTry {
     pub value: u64,
     pub fits: bool,
     pub peak_reserved_bytes: u64,
     pub nvml_bytes: u64,
+    pub fits_point: bool,
+    pub peak_reserved_upper_bytes: u64,
+    pub nvml_upper_bytes: u64,
 }
 
 /// The peaks at one value.
@@ -37,9 +40,13 @@ pub struct FitPeaks {
     pub nvml_bytes: u64,
     pub margin_bytes: i64,
     pub oom: Option<OomAt>,
+    pub peak_reserved_upper_bytes: u64,
+    pub nvml_upper_bytes: u64,
+    pub fits_point: bool,
 }
 
-/// The answer: the largest value that fits and the first that does not, with their peaks.
+/// The answer: the largest value whose upper bound fits and the first whose upper bound does not, with
+/// their peaks; and the point estimate's answer (`point_largest_fitting`: how far it would go).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct FitResult {
     pub parameter: String,
@@ -47,6 +54,9 @@ pub struct FitResult {
     pub first_not_fitting: Option<u64>,
     pub at_largest_fitting: Option<FitPeaks>,
     pub at_first_not_fitting: Option<FitPeaks>,
+    /// The largest value whose point estimate fits (≥ `largest_fitting`), and the first whose does not.
+    pub point_largest_fitting: Option<u64>,
+    pub point_first_not_fitting: Option<u64>,
 }
 
 /// `torchmem estimate --fit ... --json`.
@@ -112,9 +122,10 @@ impl FitSpec {
         }
     }
 
-    /// Searches the largest multiple of STEP in LO..=HI that fits: doubling from LO until a value does not
-    /// fit (or HI), then bisection between the last fit and the first miss. `estimate` is called once per
-    /// value tried; its first error stops the search.
+    /// Searches the largest multiple of STEP in LO..=HI whose upper bound fits: doubling from LO until a value
+    /// does not fit (or HI), then bisection between the last fit and the first miss; then the same for the
+    /// point estimate, from what is known (it goes at least as far; values tried once are not estimated again).
+    /// `estimate` is called once per value tried; its first error stops the search.
     pub fn search<E>(
         &self,
         target: &Target,
@@ -125,45 +136,32 @@ impl FitSpec {
         let (lo, hi) = (self.lo / step, self.hi / step);
         let mut tried: Vec<FitTry> = Vec::new();
         let mut reports: BTreeMap<u64, EstimateReport> = BTreeMap::new();
-        let mut attempt = |unit: u64| -> Result<bool, E> {
+        let mut attempt = |unit: u64, point: bool| -> Result<bool, E> {
             let v = unit * step;
+            if let Some(r) = reports.get(&v) {
+                return Ok(if point { r.fits_point } else { r.fits });
+            }
             let r = estimate(v)?;
-            let fits = r.fits;
-            tried.push(FitTry { value: v, fits, peak_reserved_bytes: r.peak_reserved_bytes, nvml_bytes: r.nvml_bytes });
+            tried.push(FitTry {
+                value: v,
+                fits: r.fits,
+                peak_reserved_bytes: r.peak_reserved_bytes,
+                nvml_bytes: r.nvml_bytes,
+                fits_point: r.fits_point,
+                peak_reserved_upper_bytes: r.peak_reserved_upper_bytes,
+                nvml_upper_bytes: r.nvml_upper_bytes,
+            });
+            let fits = if point { r.fits_point } else { r.fits };
             reports.insert(v, r);
             Ok(fits)
         };
-        let (mut good, mut bad) = (None::<u64>, None::<u64>);
-        let mut u = lo;
-        loop {
-            if attempt(u)? {
-                good = Some(u);
-                if u >= hi {
-                    break;
-                }
-                u = (u * 2).min(hi);
-            } else {
-                bad = Some(u);
-                break;
-            }
-        }
-        if let (Some(mut g), Some(mut x)) = (good, bad) {
-            while x - g > 1 {
-                let mid = g + (x - g) / 2;
-                if attempt(mid)? {
-                    g = mid;
-                } else {
-                    x = mid;
-                }
-            }
-            good = Some(g);
-        }
-        let good = good.map(|u| u * step);
-        let first_bad = match (good, bad) {
-            (Some(g), Some(_)) => reports.keys().copied().find(|&v| v > g),
-            (Some(_), None) => None,
-            (None, _) => Some(lo * step),
+        let (good, bad) = largest_in(lo, hi, |u| attempt(u, false))?;
+        // The point estimate fits wherever the upper bound does: it goes on from the upper bound's first miss.
+        let (point_good, point_bad) = match bad {
+            Some(x) if attempt(x, true)? => largest_in(x, hi, |u| attempt(u, true))?,
+            _ => (good, bad),
         };
+        let at = |u: Option<u64>| u.map(|u| u * step);
         let peaks = |v: Option<u64>| {
             v.and_then(|v| reports.get(&v)).map(|r| FitPeaks {
                 peak_allocated_bytes: r.peak_allocated_bytes,
@@ -171,15 +169,20 @@ impl FitSpec {
                 nvml_bytes: r.nvml_bytes,
                 margin_bytes: r.margin_bytes,
                 oom: r.oom.clone(),
+                peak_reserved_upper_bytes: r.peak_reserved_upper_bytes,
+                nvml_upper_bytes: r.nvml_upper_bytes,
+                fits_point: r.fits_point,
             })
         };
         Ok(FitReport {
             fit: FitResult {
                 parameter: self.name.clone(),
-                largest_fitting: good,
-                first_not_fitting: first_bad,
-                at_largest_fitting: peaks(good),
-                at_first_not_fitting: peaks(first_bad),
+                largest_fitting: at(good),
+                first_not_fitting: at(bad),
+                at_largest_fitting: peaks(at(good)),
+                at_first_not_fitting: peaks(at(bad)),
+                point_largest_fitting: at(point_good),
+                point_first_not_fitting: at(point_bad),
             },
             gpu: target.gpu.name.to_string(),
             device_memory_bytes: target.cuda_total_bytes,
@@ -187,6 +190,41 @@ impl FitSpec {
             tried,
         })
     }
+}
+
+/// The largest unit in `lo..=hi` for which `fits` holds (None: not even `lo`) and the smallest above it that
+/// does not (None: `hi` fits): doubling from `lo`, then bisection.
+fn largest_in<E>(
+    lo: u64,
+    hi: u64,
+    mut fits: impl FnMut(u64) -> Result<bool, E>,
+) -> Result<(Option<u64>, Option<u64>), E> {
+    let (mut good, mut bad) = (None::<u64>, None::<u64>);
+    let mut u = lo;
+    loop {
+        if fits(u)? {
+            good = Some(u);
+            if u >= hi {
+                break;
+            }
+            u = (u * 2).min(hi);
+        } else {
+            bad = Some(u);
+            break;
+        }
+    }
+    if let (Some(mut g), Some(mut x)) = (good, bad) {
+        while x - g > 1 {
+            let mid = g + (x - g) / 2;
+            if fits(mid)? {
+                g = mid;
+            } else {
+                x = mid;
+            }
+        }
+        return Ok((Some(g), Some(x)));
+    }
+    Ok((good, bad))
 }
 
 impl FitReport {
@@ -203,7 +241,21 @@ impl FitReport {
     pub fn text(&self, lo: u64) -> String {
         let f = &self.fit;
         let name = &f.parameter;
-        let nvml = |p: &Option<FitPeaks>| p.as_ref().map(|p| format_bytes(p.nvml_bytes)).unwrap_or_else(|| "?".into());
+        let nvml = |p: &Option<FitPeaks>| {
+            p.as_ref()
+                .map(|p| {
+                    if p.nvml_upper_bytes > p.nvml_bytes {
+                        format!(
+                            "{} upper bound, {} point",
+                            format_bytes(p.nvml_upper_bytes),
+                            format_bytes(p.nvml_bytes)
+                        )
+                    } else {
+                        format_bytes(p.nvml_bytes)
+                    }
+                })
+                .unwrap_or_else(|| "?".into())
+        };
         match f.largest_fitting {
             Some(g) => {
                 let mut s = format!(
@@ -215,9 +267,29 @@ impl FitReport {
                 if let Some(x) = f.first_not_fitting {
                     s += &format!("  {name}={x} does not fit: NVML {}\n", nvml(&f.at_first_not_fitting));
                 }
+                s += &self.point_text();
                 s
             }
-            None => format!("torchmem estimate --fit: even {name}={lo} does not fit on {}\n", self.gpu),
+            None => {
+                let mut s = format!("torchmem estimate --fit: even {name}={lo} does not fit on {}\n", self.gpu);
+                s += &self.point_text();
+                s
+            }
+        }
+    }
+}
+
+impl FitReport {
+    /// The point estimate's answer when it differs from the upper bound's.
+    fn point_text(&self) -> String {
+        let f = &self.fit;
+        match (f.point_largest_fitting, f.largest_fitting) {
+            (Some(p), g) if Some(p) != g => format!(
+                "  point estimate: {p} ({} further than the upper bound's answer; the upper bound counts what the \
+                 estimate does not know exactly: see `uncertainty` in a single estimate's --json)\n",
+                p - g.unwrap_or(0)
+            ),
+            _ => "  point estimate: the same (the upper bound's answer is the point estimate's)\n".into(),
         }
     }
 }
@@ -252,7 +324,9 @@ mod tests {
         let fake = |v: u64| -> Result<EstimateReport, String> {
             let mut r = fake_report();
             r.nvml_bytes = 10 * v;
+            r.nvml_upper_bytes = r.nvml_bytes;
             r.fits = r.nvml_bytes <= 1000;
+            r.fits_point = r.fits;
             r.margin_bytes = 1000 - r.nvml_bytes as i64;
             Ok(r)
         };
@@ -270,5 +344,38 @@ mod tests {
         assert_eq!((all.fit.largest_fitting, all.fit.first_not_fitting), (Some(50), None));
         let err = FitSpec::parse("batch=1..50").unwrap().search(&target, &[], |_| Err::<EstimateReport, _>("boom"));
         assert_eq!(err.unwrap_err(), "boom");
+        assert!(out.text(8).contains("point estimate: the same"), "{}", out.text(8));
+        assert_eq!(out.fit.point_largest_fitting, Some(96));
+    }
+
+    /// Against a fake estimate whose upper bound is 20 % above its point (memory linear in the value): the
+    /// answer is the upper bound's, the point estimate's goes further and is said, no value is estimated twice.
+    #[test]
+    fn the_answer_is_the_upper_bounds_and_the_point_estimates_is_said() {
+        let target = Target::new("L4", Some(1200)).unwrap();
+        let mut calls = Vec::new();
+        let fake = |v: u64| -> Result<EstimateReport, String> {
+            calls.push(v);
+            let mut r = fake_report();
+            r.nvml_bytes = 10 * v;
+            r.nvml_upper_bytes = 12 * v;
+            r.fits_point = r.nvml_bytes <= 1200;
+            r.fits = r.nvml_upper_bytes <= 1200;
+            r.margin_bytes = 1200 - r.nvml_bytes as i64;
+            Ok(r)
+        };
+        let out = FitSpec::parse("batch=1..1000").unwrap().search(&target, &["x".into()], fake).unwrap();
+        assert_eq!((out.fit.largest_fitting, out.fit.first_not_fitting), (Some(100), Some(101)));
+        assert_eq!((out.fit.point_largest_fitting, out.fit.point_first_not_fitting), (Some(120), Some(121)));
+        let mut seen = calls.clone();
+        seen.sort_unstable();
+        seen.dedup();
+        assert_eq!(seen.len(), calls.len(), "a value estimated twice: {calls:?}");
+        let text = out.text(1);
+        assert!(text.contains("largest batch that fits on NVIDIA L4: 100 (NVML 1.2 KiB upper bound"), "{text}");
+        assert!(text.contains("point estimate: 120 (20 further"), "{text}");
+        let json = serde_json::to_value(&out).unwrap();
+        assert_eq!(json["fit"]["point_largest_fitting"], 120);
+        assert_eq!(json["tried"][0]["fits_point"], true);
     }
 }

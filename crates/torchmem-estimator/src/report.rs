@@ -7,9 +7,10 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 use torchmem_sim::{AllocConf, SimOptions};
+use torchmem_snapshot::model::{Action, TraceEntry, NO_STACK};
 use torchmem_units::format_bytes;
 
-use crate::summary::{Distributed, EstimateKind, LargestTensor, NcclModel, Summary};
+use crate::summary::{Distributed, EstimateKind, LargestTensor, NcclModel, Summary, Uncertainty};
 use crate::{EstimateError, Target};
 
 /// Where the simulated allocator ran out of memory: the trace entry and its frames.
@@ -53,9 +54,29 @@ pub struct EstimateReport {
     pub context_measured: bool,
     /// What nvidia-smi would show for the process: peak reserved + context + NCCL's buffers (the model).
     pub nvml_bytes: u64,
+    /// Whether the upper bound fits (no OOM with every uncertain request at its upper size, and
+    /// `nvml_upper_bytes` within the device). `fits_point` is the point estimate's answer.
     pub fits: bool,
-    /// Device memory − `nvml_bytes` (negative: over).
+    /// Device memory − `nvml_bytes` (the point estimate's; negative: over).
     pub margin_bytes: i64,
+    /// The interval's upper ends: the trace replayed a second time with each request whose size is not
+    /// exactly known at its upper size (`uncertainty`), NCCL at its range's top. Equal to the point
+    /// estimates when nothing is uncertain.
+    #[serde(default)]
+    pub peak_allocated_upper_bytes: u64,
+    #[serde(default)]
+    pub peak_reserved_upper_bytes: u64,
+    #[serde(default)]
+    pub nvml_upper_bytes: u64,
+    /// Device memory − `nvml_upper_bytes`.
+    #[serde(default)]
+    pub margin_upper_bytes: i64,
+    /// Whether the point estimate fits.
+    #[serde(default)]
+    pub fits_point: bool,
+    /// Why the upper bound is above the point, largest first (empty: upper = point).
+    #[serde(default)]
+    pub uncertainty: Vec<Uncertainty>,
     /// Times the simulated allocator freed its cache and retried.
     pub num_alloc_retries: u64,
     pub oom: Option<OomAt>,
@@ -104,7 +125,7 @@ pub fn estimate_trace(
 ) -> Result<EstimateReport, EstimateError> {
     let alloc_conf = alloc_conf.filter(|c| !c.is_empty());
     let conf = alloc_conf.map(AllocConf::parse).transpose()?;
-    let snap = torchmem_sim::read_snapshot(trace)?;
+    let mut snap = torchmem_sim::read_snapshot(trace)?;
     let (ctx, measured) = target.gpu.context_or_assumed();
     let context_bytes = ctx.for_run(summary.uses_half_precision, summary.uses_convolution);
     let usable = target.cuda_total_bytes.saturating_sub(context_bytes);
@@ -125,8 +146,48 @@ pub fn estimate_trace(
     let world = summary.distributed.clone().unwrap_or_default();
     let nccl_bytes = world.nccl.bytes;
     let nvml_bytes = d.peak_reserved_bytes + context_bytes + nccl_bytes;
-    let fits = d.oom.is_none() && nvml_bytes <= target.cuda_total_bytes;
+    let fits_point = d.oom.is_none() && nvml_bytes <= target.cuda_total_bytes;
     let margin_bytes = target.cuda_total_bytes as i64 - nvml_bytes as i64;
+    // The upper bound: a second replay with every uncertain request at its upper size (the extra bytes can
+    // change the allocator's segments, so they are simulated, not added), NCCL at its range's top.
+    let (mut allocated_upper, mut reserved_upper, mut oom_upper) =
+        (d.peak_allocated_bytes, d.peak_reserved_bytes, false);
+    if !summary.uncertain_requests.is_empty() {
+        for entries in snap.device_traces.iter_mut() {
+            *entries = widen_trace(entries, &summary.uncertain_requests);
+        }
+        let name = trace.display().to_string();
+        let mut upper = torchmem_sim::simulate(&snap, &name, &opts);
+        oom_upper = upper.devices.first().is_some_and(|u| u.oom.is_some() || u.num_ooms > 0);
+        if oom_upper {
+            // Out of memory at the upper bound: what it would need, on a device without that limit.
+            let unlimited = SimOptions { device_memory_bytes: Some(UNLIMITED_BYTES), ..opts.clone() };
+            upper = torchmem_sim::simulate(&snap, &name, &unlimited);
+        }
+        if let Some(u) = upper.devices.first() {
+            allocated_upper = allocated_upper.max(u.peak_allocated_bytes);
+            reserved_upper = reserved_upper.max(u.peak_reserved_bytes);
+        }
+    }
+    let mut uncertainty = summary.uncertainty.clone();
+    let nccl_upper = if nccl_bytes > 0 { world.nccl.high_bytes.max(nccl_bytes) } else { 0 };
+    if nccl_upper > nccl_bytes {
+        uncertainty.push(Uncertainty {
+            kind: "NCCL buffers".into(),
+            what: format!(
+                "NCCL's buffers are a model from NCCL's documented sizes, not measured: {} to {} (the top of the \
+                 stated range is the upper bound)",
+                format_bytes(world.nccl.low_bytes),
+                format_bytes(world.nccl.high_bytes)
+            ),
+            calls: world.communicators.len() as u64,
+            bytes: nccl_upper - nccl_bytes,
+            ..Uncertainty::default()
+        });
+    }
+    let nvml_upper_bytes = reserved_upper + context_bytes + nccl_upper;
+    let fits = fits_point && !oom_upper && nvml_upper_bytes <= target.cuda_total_bytes;
+    let margin_upper_bytes = target.cuda_total_bytes as i64 - nvml_upper_bytes as i64;
     let kind = summary.kind.unwrap_or_default();
     let mut notes = summary.notes.clone();
     match kind {
@@ -190,6 +251,12 @@ pub fn estimate_trace(
         nvml_bytes,
         fits,
         margin_bytes,
+        peak_allocated_upper_bytes: allocated_upper,
+        peak_reserved_upper_bytes: reserved_upper,
+        nvml_upper_bytes,
+        margin_upper_bytes,
+        fits_point,
+        uncertainty,
         num_alloc_retries: d.num_alloc_retries,
         oom: d.oom.as_ref().map(|o| OomAt { entry: o.entry, frames: o.frames.clone() }),
         kind,
@@ -211,6 +278,52 @@ pub fn estimate_trace(
         nccl: summary.distributed.as_ref().map(|w| w.nccl.clone()),
         ranks,
     })
+}
+
+/// The device memory of the upper bound's replay when it runs out at the target's: 1 PiB, no limit.
+const UNLIMITED_BYTES: u64 = 1 << 50;
+
+/// Base of the addresses of the requests the upper bound adds (below the tracer's, which start at
+/// 0x7f00_0000_0000 and grow): no collision with a traced request.
+const ADDED_ADDR_BASE: u64 = 0x7e00_0000_0000;
+
+/// The upper bound's trace: `entries` with each uncertain request (`Summary::uncertain_requests`) at its upper
+/// size. `[addr, upper, _]` with addr > 0 widens that request (its alloc and its frees); `[0, upper, anchor]`
+/// adds a request of `upper` bytes, freed at once, right after the allocation at `anchor` (a workspace the
+/// point trace lacks, live only inside its call).
+pub fn widen_trace(entries: &[TraceEntry], requests: &[[u64; 3]]) -> Vec<TraceEntry> {
+    let mut widen: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut added: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+    for &[addr, upper, anchor] in requests {
+        if addr > 0 {
+            let w = widen.entry(addr).or_insert(upper);
+            *w = (*w).max(upper);
+        } else if anchor > 0 {
+            added.entry(anchor).or_default().push(upper);
+        }
+    }
+    let mut next_addr = ADDED_ADDR_BASE;
+    let mut out = Vec::with_capacity(entries.len() + 3 * requests.len());
+    for e in entries {
+        let action = e.action();
+        let is_request = matches!(action, Action::Alloc | Action::FreeRequested | Action::FreeCompleted);
+        match widen.get(&e.addr) {
+            Some(&upper) if is_request && upper > e.size_bytes => {
+                out.push(TraceEntry::new(action, e.addr, upper, e.time_us, e.stack, e.info()))
+            }
+            _ => out.push(*e),
+        }
+        if action != Action::Alloc {
+            continue;
+        }
+        for &upper in added.get(&e.addr).map(Vec::as_slice).unwrap_or(&[]) {
+            for a in [Action::Alloc, Action::FreeRequested, Action::FreeCompleted] {
+                out.push(TraceEntry::new(a, next_addr, upper, e.time_us, NO_STACK, e.info()));
+            }
+            next_addr += 1 << 12;
+        }
+    }
+    out
 }
 
 /// The rank classes of one trace: each class the tracer named (today one: symmetric FSDP2 / DDP / TP, the
@@ -271,10 +384,22 @@ impl EstimateReport {
             self.traced,
             self.trace_seconds.unwrap_or(0.0),
         );
-        s += &format!("  peak allocated   {:>12}\n", format_bytes(self.peak_allocated_bytes));
+        let upper = |point: u64, upper: u64| {
+            if upper > point {
+                format!(" .. {} (upper bound)", format_bytes(upper))
+            } else {
+                String::new()
+            }
+        };
         s += &format!(
-            "  peak reserved    {:>12}   (caching allocator simulated, {})\n",
+            "  peak allocated   {:>12}{}\n",
+            format_bytes(self.peak_allocated_bytes),
+            upper(self.peak_allocated_bytes, self.peak_allocated_upper_bytes)
+        );
+        s += &format!(
+            "  peak reserved    {:>12}{}   (caching allocator simulated, {})\n",
             format_bytes(self.peak_reserved_bytes),
+            upper(self.peak_reserved_bytes, self.peak_reserved_upper_bytes),
             self.simulator_rules
         );
         let nccl = if self.nccl_bytes > 0 {
@@ -283,8 +408,9 @@ impl EstimateReport {
             String::new()
         };
         s += &format!(
-            "  process (NVML)   {:>12}   (reserved + {} CUDA context and libraries{}{nccl})\n",
+            "  process (NVML)   {:>12}{}   (reserved + {} CUDA context and libraries{}{nccl})\n",
             format_bytes(self.nvml_bytes),
+            upper(self.nvml_bytes, self.nvml_upper_bytes),
             format_bytes(self.context_bytes),
             if self.context_measured { ", measured" } else { ", assumed" }
         );
@@ -301,10 +427,20 @@ impl EstimateReport {
                 );
             }
         }
-        let margin = self.margin_bytes;
+        let widened = self.nvml_upper_bytes > self.nvml_bytes;
+        let margin = if widened { self.margin_upper_bytes } else { self.margin_bytes };
         if self.fits {
             let pct = if total > 0 { 100.0 * margin as f64 / total as f64 } else { 0.0 };
-            s += &format!("  fits: yes, {} to spare ({pct:.0} % of the device)\n", format_bytes(margin as u64));
+            if widened {
+                s += &format!(
+                    "  fits: yes (upper bound {} of {}), {} to spare at the upper bound ({pct:.0} % of the device)\n",
+                    format_bytes(self.nvml_upper_bytes),
+                    format_bytes(total),
+                    format_bytes(margin as u64)
+                );
+            } else {
+                s += &format!("  fits: yes, {} to spare ({pct:.0} % of the device)\n", format_bytes(margin as u64));
+            }
             let retries = self.num_alloc_retries;
             if retries > 0 {
                 s += &format!(
@@ -313,13 +449,26 @@ impl EstimateReport {
                      the GPU and slows the step; a little more memory (a larger batch, another GPU) will not fit\n"
                 );
             }
+        } else if self.fits_point {
+            s += &format!(
+                "  fits: may not fit: the point estimate {} fits, the upper bound {} does not (of {})\n",
+                format_bytes(self.nvml_bytes),
+                format_bytes(self.nvml_upper_bytes),
+                format_bytes(total)
+            );
         } else if self.oom.is_some() {
             s += &format!(
                 "  fits: NO, the allocator runs out of memory ({} short at the peak)\n",
-                format_bytes(margin.unsigned_abs())
+                format_bytes(self.margin_bytes.unsigned_abs())
+            );
+        } else if widened {
+            s += &format!(
+                "  fits: NO, {} over ({} over at the upper bound)\n",
+                format_bytes(self.margin_bytes.unsigned_abs()),
+                format_bytes(self.margin_upper_bytes.unsigned_abs())
             );
         } else {
-            s += &format!("  fits: NO, {} over\n", format_bytes(margin.unsigned_abs()));
+            s += &format!("  fits: NO, {} over\n", format_bytes(self.margin_bytes.unsigned_abs()));
         }
         if let Some(ph) = &self.phase_peak_bytes {
             let parts: Vec<String> = ["forward", "backward", "optimizer"]
@@ -347,8 +496,41 @@ impl EstimateReport {
                 );
             }
         }
+        s += &self.uncertainty_text();
         for n in &self.notes {
             s += &format!("  note: {n}\n");
+        }
+        s
+    }
+
+    /// The interval's lines: what widens it, largest first, or that nothing does.
+    fn uncertainty_text(&self) -> String {
+        if self.uncertainty.is_empty() {
+            return "  interval: none, nothing in this estimate is uncertain (upper bound = point estimate)\n".into();
+        }
+        let mut s = format!(
+            "  uncertain (the upper bound: reserved +{}, NVML +{}; each part at most, at any one moment):\n",
+            format_bytes(self.peak_reserved_upper_bytes.saturating_sub(self.peak_reserved_bytes)),
+            format_bytes(self.nvml_upper_bytes.saturating_sub(self.nvml_bytes))
+        );
+        const SHOWN: usize = 8;
+        for u in self.uncertainty.iter().take(SHOWN) {
+            let mut what = u.kind.clone();
+            if !u.op.is_empty() {
+                what += &format!(": {} {}", u.op, u.shapes);
+            }
+            if !u.site.is_empty() {
+                what += &format!(" at {}", u.site);
+            }
+            s += &format!("    +{:>10}  {what} ({} call(s))\n", format_bytes(u.bytes), u.calls);
+        }
+        if self.uncertainty.len() > SHOWN {
+            let rest = &self.uncertainty[SHOWN..];
+            s += &format!(
+                "    and {} more part(s), at most +{} each (--json lists them all)\n",
+                rest.len(),
+                format_bytes(rest.iter().map(|u| u.bytes).max().unwrap_or(0))
+            );
         }
         s
     }
@@ -373,6 +555,12 @@ pub(crate) mod tests {
             nvml_bytes: 22 << 30,
             fits: true,
             margin_bytes: 86_900_000,
+            peak_allocated_upper_bytes: 20 << 30,
+            peak_reserved_upper_bytes: 21 << 30,
+            nvml_upper_bytes: 22 << 30,
+            margin_upper_bytes: 86_900_000,
+            fits_point: true,
+            uncertainty: vec![],
             num_alloc_retries: 7,
             oom: None,
             kind: EstimateKind::Training,
@@ -394,6 +582,121 @@ pub(crate) mod tests {
             nccl: None,
             ranks: vec![],
         }
+    }
+
+    const MIB: u64 = 1 << 20;
+
+    /// A trace file (the tracer's JSON snapshot form) of `requests`: (action, addr, bytes).
+    fn trace_file(name: &str, requests: &[(&str, u64, u64)]) -> std::path::PathBuf {
+        let mut entries = Vec::new();
+        for (i, &(action, addr, size)) in requests.iter().enumerate() {
+            let e = |a: &str| serde_json::json!({"action": a, "addr": addr, "size": size, "time_us": i});
+            if action == "alloc" {
+                entries.push(e("alloc"));
+            } else {
+                entries.push(e("free_requested"));
+                entries.push(e("free_completed"));
+            }
+        }
+        let snap = serde_json::json!({"segments": [], "device_traces": [entries], "allocator_settings": {
+            "PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1, "garbage_collection_threshold": 0.0,
+            "expandable_segments": false, "graph_capture_record_stream_reuse": false}});
+        let path = std::env::temp_dir().join(format!("torchmem-estimator-{}-{name}.json", std::process::id()));
+        std::fs::write(&path, serde_json::to_string(&snap).unwrap()).unwrap();
+        path
+    }
+
+    /// The interval's logic on a real trace file and the real simulator (the tracer is not involved): a
+    /// 100 MiB tensor, a 2 MiB one. Uncertain: a workspace the point trace lacks (50 MiB after the first
+    /// allocation, freed at once) and the 2 MiB request at up to 40 MiB. The upper bound is simulated: the
+    /// 40 MiB request reuses the freed workspace's 50 MiB block, so reserved goes 120 -> 150 MiB (adding the
+    /// extra bytes would say 208). Nothing uncertain: upper = point, said so.
+    #[test]
+    fn the_upper_bound_is_a_second_simulation_with_the_uncertain_requests_at_their_upper_size() {
+        let reqs = [("alloc", 0x1000, 100 * MIB), ("alloc", 0x2000, 2 * MIB), ("free", 0x2000, 2 * MIB)];
+        let path = trace_file("interval", &reqs);
+        let mut summary = Summary {
+            uncertain_requests: vec![[0, 50 * MIB, 0x1000], [0x2000, 40 * MIB, 0]],
+            uncertainty: vec![Uncertainty {
+                kind: "unrecorded convolution".into(),
+                op: "aten.convolution.default".into(),
+                site: "train.py:12 (forward)".into(),
+                calls: 1,
+                bytes: 50 * MIB,
+                ..Uncertainty::default()
+            }],
+            ..Summary::default()
+        };
+        let big = Target::new("H200", None).unwrap();
+        let r = estimate_trace(&path, &summary, &big, None).unwrap();
+        assert_eq!((r.peak_allocated_bytes, r.peak_reserved_bytes), (102 * MIB, 120 * MIB));
+        assert_eq!((r.peak_allocated_upper_bytes, r.peak_reserved_upper_bytes), (150 * MIB, 150 * MIB));
+        assert_eq!(r.nvml_upper_bytes - r.nvml_bytes, 30 * MIB);
+        assert!(r.fits && r.fits_point);
+        let text = r.text();
+        assert!(text.contains("peak reserved       120.0 MiB .. 150.0 MiB (upper bound)"), "{text}");
+        assert!(text.contains("unrecorded convolution: aten.convolution.default  at train.py:12 (forward)"), "{text}");
+        // A device where the point fits and the upper bound does not: "may not fit", exit 1.
+        let tight = Target::new("H200", Some(r.nvml_bytes + 10 * MIB)).unwrap();
+        let t = estimate_trace(&path, &summary, &tight, None).unwrap();
+        assert!(t.fits_point && !t.fits && t.exit_code() == 1);
+        // Out of memory at the upper bound: its peak is what it would need, not where it stopped.
+        assert_eq!(t.peak_reserved_upper_bytes, 150 * MIB);
+        assert!(t.text().contains("fits: may not fit: the point estimate"), "{}", t.text());
+        let json = serde_json::to_value(&t).unwrap();
+        for key in ["peak_reserved_upper_bytes", "peak_allocated_upper_bytes", "nvml_upper_bytes", "uncertainty"] {
+            assert!(json.get(key).is_some(), "{key}");
+        }
+        assert_eq!(json["uncertainty"][0]["site"], "train.py:12 (forward)");
+        // Nothing uncertain: the upper bound is the point estimate.
+        summary.uncertain_requests.clear();
+        summary.uncertainty.clear();
+        let p = estimate_trace(&path, &summary, &tight, None).unwrap();
+        assert_eq!((p.peak_reserved_upper_bytes, p.nvml_upper_bytes), (p.peak_reserved_bytes, p.nvml_bytes));
+        assert!(p.fits && p.uncertainty.is_empty());
+        assert!(p.text().contains("interval: none"), "{}", p.text());
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    /// NCCL's modelled buffers: the top of their stated range is the upper bound, a reason of its own.
+    #[test]
+    fn nccl_widens_nvml_by_the_top_of_its_range() {
+        let path = trace_file("nccl", &[("alloc", 0x1000, 10 * MIB)]);
+        let mut world = Distributed { world_size: 8, communicators: vec![8], ..Distributed::default() };
+        world.nccl = NcclModel { bytes: 100 * MIB, low_bytes: 50 * MIB, high_bytes: 200 * MIB, ..NcclModel::default() };
+        let summary = Summary { distributed: Some(world), ..Summary::default() };
+        let r = estimate_trace(&path, &summary, &Target::new("H100", None).unwrap(), None).unwrap();
+        assert_eq!(r.nvml_upper_bytes - r.nvml_bytes, 100 * MIB);
+        assert_eq!(r.peak_reserved_upper_bytes, r.peak_reserved_bytes);
+        assert_eq!(r.uncertainty.len(), 1);
+        assert_eq!((r.uncertainty[0].kind.as_str(), r.uncertainty[0].bytes), ("NCCL buffers", 100 * MIB));
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn widening_keeps_the_trace_and_adds_requests_after_their_anchor() {
+        let e = |a: Action, addr: u64, size: u64| TraceEntry::new(a, addr, size, 0, NO_STACK, 0);
+        let trace = [
+            e(Action::Alloc, 0x1000, 8),
+            e(Action::Alloc, 0x2000, 16),
+            e(Action::FreeRequested, 0x2000, 16),
+            e(Action::FreeCompleted, 0x2000, 16),
+        ];
+        let out = widen_trace(&trace, &[[0x2000, 64, 0], [0, 32, 0x1000], [0x2000, 8, 0]]);
+        let got: Vec<(Action, u64, u64)> = out.iter().map(|t| (t.action(), t.addr, t.size_bytes)).collect();
+        assert_eq!(
+            got,
+            vec![
+                (Action::Alloc, 0x1000, 8),
+                (Action::Alloc, ADDED_ADDR_BASE, 32),
+                (Action::FreeRequested, ADDED_ADDR_BASE, 32),
+                (Action::FreeCompleted, ADDED_ADDR_BASE, 32),
+                (Action::Alloc, 0x2000, 64),
+                (Action::FreeRequested, 0x2000, 64),
+                (Action::FreeCompleted, 0x2000, 64),
+            ]
+        );
+        assert_eq!(widen_trace(&trace, &[]), trace.to_vec());
     }
 
     #[test]
@@ -429,7 +732,10 @@ pub(crate) mod tests {
         r.num_alloc_retries = 0;
         assert!(!r.text().contains("warning"), "no retry, no warning");
         r.fits = false;
+        r.fits_point = false;
         r.margin_bytes = -(1 << 30);
+        r.nvml_upper_bytes = r.nvml_bytes + (1 << 30);
+        r.margin_upper_bytes = -(2 << 30);
         assert!(r.text().contains("fits: NO, 1.00 GiB over"), "{}", r.text());
         assert_eq!(r.exit_code(), 1);
     }

@@ -84,6 +84,33 @@ pub struct Summary {
     /// The emulated world of a distributed program (`torchmem.estimator._distributed`); absent from older
     /// tracers (one rank).
     pub distributed: Option<Distributed>,
+    /// What the trace does not know exactly, grouped by reason (the report's `uncertainty`).
+    pub uncertainty: Vec<Uncertainty>,
+    /// The requests behind `uncertainty`, for the upper bound's replay: `[addr, upper_bytes, anchor_addr]`;
+    /// addr > 0 widens that request of the trace to upper_bytes, addr 0 adds a request of upper_bytes (freed at
+    /// once) right after the allocation at anchor_addr.
+    pub uncertain_requests: Vec<[u64; 3]>,
+}
+
+/// One reason the estimate is an interval: what is not exactly known, where, and how many bytes it can add at
+/// the peak (`bytes`: the most at any one moment; a workspace is live only inside its call).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Uncertainty {
+    /// "unrecorded convolution", "cuDNN choice on another GPU", "interpolated convolution workspace", "NCCL
+    /// buffers", …
+    pub kind: String,
+    /// The same in a sentence, with the bound's rule.
+    pub what: String,
+    /// The operator (`aten.convolution.default`), empty when none.
+    pub op: String,
+    /// Its shapes (the catalogue key's arguments and the batch).
+    pub shapes: String,
+    /// `file:line (function)` of the program's line that made it.
+    pub site: String,
+    /// Calls in the trace.
+    pub calls: u64,
+    pub bytes: u64,
 }
 
 /// The emulated world the tracer ran the program in: `world_size` ranks, `rank` traced.

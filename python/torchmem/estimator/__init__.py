@@ -5,6 +5,7 @@ allocator snapshot that the allocator simulator (`torchmem simulate`) replays fo
 
     est = torchmem.estimate(step, gpu="A100-40GB", steps=3)   # step() runs one training step on "cuda"
     est.peak_reserved_bytes, est.nvml_bytes, est.fits
+    est.peak_reserved_upper_bytes, est.nvml_upper_bytes, est.uncertainty   # the interval and its reasons
 
 The report (fits, margins, phases, largest tensors) comes from the same Rust code as `torchmem estimate
 --trace` (the torchmem-estimator crate), called in-process through `_native.estimate_report`: no CLI process
@@ -50,7 +51,12 @@ def gpu_spec(name: str) -> GpuSpec:
 
 @dataclass
 class Estimate:
-    """A prediction. Bytes throughout; `nvml_bytes` is what nvidia-smi would show for the process."""
+    """A prediction. Bytes throughout; `nvml_bytes` is what nvidia-smi would show for the process.
+
+    The `*_bytes` peaks are point estimates; `*_upper_bytes` the interval's upper ends (the trace simulated again
+    with what is not exactly known at its largest: an unrecorded convolution's cuDNN workspace, another GPU's
+    cuDNN choices, NCCL's range), `uncertainty` the reasons ({kind, what, op, shapes, site, calls, bytes}), largest
+    first; empty when upper == point. `fits` means the upper bound fits; `fits_point` is the point's answer."""
 
     gpu: str
     device_memory_bytes: int
@@ -74,6 +80,12 @@ class Estimate:
     rank: int = 0
     nccl_bytes: int = 0
     ranks: list[dict] = field(default_factory=list)
+    peak_allocated_upper_bytes: int = 0
+    peak_reserved_upper_bytes: int = 0
+    nvml_upper_bytes: int = 0
+    margin_upper_bytes: int = 0
+    fits_point: bool = True
+    uncertainty: list[dict] = field(default_factory=list)
     report: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __str__(self) -> str:
@@ -158,5 +170,11 @@ def estimate(
         rank=report.get("rank", 0),
         nccl_bytes=report.get("nccl_bytes", 0),
         ranks=report.get("ranks", []),
+        peak_allocated_upper_bytes=report["peak_allocated_upper_bytes"],
+        peak_reserved_upper_bytes=report["peak_reserved_upper_bytes"],
+        nvml_upper_bytes=report["nvml_upper_bytes"],
+        margin_upper_bytes=report["margin_upper_bytes"],
+        fits_point=report["fits_point"],
+        uncertainty=report["uncertainty"],
         report=report,
     )

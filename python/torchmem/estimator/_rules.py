@@ -25,6 +25,8 @@ Every rule here was found by comparing the trace request by request with traces 
 
 from __future__ import annotations
 
+import math
+import sys
 import threading
 
 import torch
@@ -184,14 +186,18 @@ class CudaRules:
 
     def _convolution(self, tracer, func, name, args, kwargs):
         """A convolution with the requests cuDNN makes in the call on the H200 (outputs, workspaces, the bias
-        gradient's reduction buffers), in their order; without a recording of its key, the outputs only."""
+        gradient's reduction buffers), in their order; without a recording of its key, the outputs only. What
+        the catalogue does not say exactly (an unrecorded key, an interpolated batch, another GPU) goes to the
+        tracer's upper bound (`_conv_upper`)."""
         self.used_conv = True
         out = func(*args, **kwargs)
         if not tracer.enabled:
             return (out,)
         sig = signature(name, args) if not kwargs else None
-        found = self.conv_catalogue().lookup(*sig) if sig is not None else None
+        cat = self.conv_catalogue()
+        found = cat.lookup(*sig) if sig is not None else None
         flat, _ = tree_flatten(out)
+        site = self._conv_site(name, args)
         if found is None:
             self.conv_calls["unknown"] += 1
             if sig is not None:
@@ -199,22 +205,79 @@ class CudaRules:
             for t in flat:
                 if isinstance(t, torch.Tensor):
                     tracer.track(t, name)
+            self._conv_upper(tracer, name, sig, args, flat, site, "unrecorded convolution", None)
             return (out,)
         template, how = found
         self.conv_calls[how] += 1
         addrs: dict[int, tuple[int, int]] = {}
+        largest: tuple[int, int] | None = None  # (addr, bytes) of the call's largest workspace
         for pos, (kind, a, _b) in enumerate(template):
             if kind == "o":  # ["o", output index, bytes]
                 if a < len(flat) and isinstance(flat[a], torch.Tensor):
                     tracer.track(flat[a], name)
             elif kind == "t":  # ["t", bytes, 0]
                 addrs[pos] = (tracer.alloc(a, "cuDNN convolution workspace"), a)
+                if largest is None or a > largest[1]:
+                    largest = addrs[pos]
             else:
                 tracer.free(*addrs.pop(a))
         for t in flat:  # outputs the recording did not allocate (none on the H200); tracked once
             if isinstance(t, torch.Tensor):
                 tracer.track(t, name)
+        if self.gpu.name != cat.header["device_name"]:
+            self._conv_upper(tracer, name, sig, args, flat, site, "cuDNN choice on another GPU", largest)
+        elif how == "interpolated":
+            upper = cat.interpolation_upper(*sig)
+            self._conv_upper(tracer, name, sig, args, flat, site, "interpolated convolution workspace", largest, upper)
         return (out,)
+
+    def _conv_upper(self, tracer, name, sig, args, flat, site, kind, largest, upper=None) -> None:
+        """Records the most workspace this call could take (`ConvCatalogue.workspace_bound` unless `upper` is
+        given) for the upper bound: the call's largest workspace widened, or one added after its outputs."""
+        if upper is None:
+            ratio, const = self.conv_catalogue().workspace_bound(name)
+            io = sum(_nbytes(t) for t in list(args) + list(flat) if isinstance(t, torch.Tensor))
+            upper = math.ceil(ratio * io) + const
+        what = {
+            "unrecorded convolution": "cuDNN workspace of a convolution not in the workspace catalogue (no workspace "
+            "in the point estimate; the upper bound takes the catalogue's worst workspace for its size)",
+            "cuDNN choice on another GPU": "cuDNN workspace recorded on the "
+            f"{self.conv_catalogue().header['device_name']}; the {self.gpu.name}'s cuDNN may pick another "
+            "algorithm (upper bound: the catalogue's worst workspace for its size)",
+            "interpolated convolution workspace": "cuDNN workspace interpolated between recorded batch sizes (upper "
+            "bound: the larger neighbour's workspace per sample times the batch)",
+        }[kind]
+        shapes = f"{sig[0].split('|', 1)[1]} at batch {sig[1]}" if sig is not None else _shapes_of(args)
+        reason = {"kind": kind, "what": what, "op": name, "shapes": shapes, "site": site}
+        if largest is not None:
+            tracer.uncertain(reason, addr=largest[0], point_bytes=largest[1], upper_bytes=max(upper, largest[1]))
+        else:
+            tracer.uncertain(reason, upper_bytes=upper)
+
+    def _conv_site(self, name: str, args) -> str:
+        """The program's line that made the convolution (the first frame outside torch); a backward call (on
+        the autograd engine's thread, no Python frame) names its forward's line."""
+        key = None
+        try:
+            if name == CONV_OPS[0]:
+                x, w = args[0], args[1]
+                key = (tuple(x.shape[1:]), tuple(w.shape), x.dtype, tuple(args[3]), tuple(args[4]), args[8])
+            else:
+                x, w = args[1], args[2]
+                key = (tuple(x.shape[1:]), tuple(w.shape), x.dtype, tuple(args[4]), tuple(args[5]), args[9])
+        except (IndexError, TypeError, AttributeError):
+            pass
+        sites = self.__dict__.setdefault("_conv_sites", {})
+        if name == CONV_OPS[0]:
+            site = _program_site()
+            if key is not None and site:
+                sites[key] = site
+            return site
+        site = _program_site()
+        if site:
+            return site
+        fwd = sites.get(key) if key is not None else None
+        return f"backward of {fwd}" if fwd else "(autograd engine: a backward convolution)"
 
     def conv_summary(self) -> dict:
         cat = self.conv_catalogue() if any(self.conv_calls.values()) else None
@@ -244,7 +307,8 @@ class CudaRules:
             notes.append(
                 f"{c['unknown']} of {total} convolution calls ({len(self.conv_unknown)} shapes) are not in the cuDNN "
                 f"workspace catalogue ({h['device_name']}, torch {h['torch_version']}): their workspaces are not in "
-                "the estimate, so reserved may be low (docs/estimator.md)"
+                "the point estimate; the upper bound takes the catalogue's worst workspace for their size "
+                "(uncertainty, docs/estimator.md)"
             )
         if c["interpolated"]:
             notes.append(
@@ -253,7 +317,8 @@ class CudaRules:
             )
         if self.gpu.name != h["device_name"]:
             notes.append(
-                f"cuDNN workspaces are the {h['device_name']}'s (recorded there); the {self.gpu.name}'s may differ"
+                f"cuDNN workspaces are the {h['device_name']}'s (recorded there); the {self.gpu.name}'s may differ "
+                "(the upper bound takes the catalogue's worst workspace for each call's size)"
             )
         return notes
 
@@ -356,6 +421,29 @@ class CudaRules:
             if checks[backend]():
                 return backend
         return _MATH
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def _shapes_of(args) -> str:
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    return ", ".join(f"{list(a.shape)} {str(a.dtype).replace('torch.', '')}" for a in tensors)
+
+
+_SITE_SKIP = ("torchmem/estimator/", "/torch/", "/torchvision/", "/site-packages/", "/dist-packages/", "<frozen")
+
+
+def _program_site() -> str:
+    """`file:line (function)` of the innermost frame of the program itself (not torch, torchmem or a library)."""
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename
+        if not any(s in name for s in _SITE_SKIP):
+            return f"{name}:{f.f_lineno} ({f.f_code.co_name})"
+        f = f.f_back
+    return ""
 
 
 _REDUCTION_OPS = ("aten.sum.dim_IntList", "aten.mean.dim")

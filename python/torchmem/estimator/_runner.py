@@ -93,6 +93,9 @@ def summary(session, *, reason: str, seconds: float, error: str | None = None) -
         "uses_half_precision": session.rules.used_half,
         "uses_convolution": session.rules.used_conv,
         "convolution_workspaces": session.rules.conv_summary(),
+        # What the trace does not know exactly, for the upper bound (docs/estimator.md, intervals).
+        "uncertainty": tr.uncertainty(),
+        "uncertain_requests": tr.uncertain_requests,
         "requests": sum(1 for e in tr.events if e.action == "alloc"),
         "trace_seconds": round(seconds, 3),
         "torch_version": torch.__version__,

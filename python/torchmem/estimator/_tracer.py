@@ -94,6 +94,16 @@ class Tracer(TorchDispatchMode):
         # propagation runs the op on global-shape fake tensors): nothing made then is an allocation.
         self.paused = 0
         self.annotations: list[tuple[str, str, int]] = []  # (name, START|END, event index)
+        # Requests whose size is not exactly known (`_rules`: a convolution the cuDNN catalogue lacks, another
+        # GPU's cuDNN choice, an interpolated workspace), for the estimate's upper bound: [addr, upper_bytes,
+        # anchor_addr]. addr > 0 widens that request of the trace to upper_bytes; addr 0 is a request the point
+        # trace lacks (point 0 bytes), requested and freed right after the allocation at anchor_addr. The Rust
+        # report replays the trace a second time with them (`torchmem_estimator::report`).
+        self.uncertain_requests: list[list[int]] = []
+        # Why, grouped by (kind, op, shapes, site): {kind, what, op, shapes, site, calls, bytes} where bytes is
+        # the most one call can add (a workspace is live only inside its call).
+        self.uncertain_reasons: dict[tuple, dict] = {}
+        self._last_alloc_addr = 0
 
     # ------------------------------------------------------------------ counters (torch.cuda.* answers)
     def live_bytes_rounded(self) -> int:
@@ -130,6 +140,7 @@ class Tracer(TorchDispatchMode):
             if frames is None and size_bytes >= self.frames_min_bytes:
                 frames = _python_frames()
             self.events.append(Event("alloc", addr, size_bytes, self.phase, self.step, frames, what))
+            self._last_alloc_addr = addr
             self._live_bytes += round512(size_bytes)
             self._peak_bytes = max(self._peak_bytes, self._live_bytes)
             return addr
@@ -138,6 +149,28 @@ class Tracer(TorchDispatchMode):
         with self._lock:
             self.events.append(Event("free", addr, size_bytes, self.phase, self.step))
             self._live_bytes -= round512(size_bytes)
+
+    def uncertain(self, reason: dict, *, upper_bytes: int, addr: int = 0, point_bytes: int = 0) -> None:
+        """A request of `point_bytes` in the trace (at `addr`; 0: not in the trace) that can be as large as
+        `upper_bytes`: recorded for the upper bound's replay, with its `reason` (kind, what, op, shapes, site)."""
+        extra = upper_bytes - point_bytes
+        if extra <= 0 or not self.enabled or self.paused:
+            return
+        with self._lock:
+            anchor = 0 if addr else self._last_alloc_addr
+            if not addr and not anchor:
+                return
+            self.uncertain_requests.append([addr, upper_bytes, anchor])
+            key = (reason.get("kind", ""), reason.get("op", ""), reason.get("shapes", ""), reason.get("site", ""))
+            r = self.uncertain_reasons.get(key)
+            if r is None:
+                r = self.uncertain_reasons[key] = {**reason, "calls": 0, "bytes": 0}
+            r["calls"] += 1
+            r["bytes"] = max(r["bytes"], extra)
+
+    def uncertainty(self) -> list[dict]:
+        """The reasons, the largest first."""
+        return sorted(self.uncertain_reasons.values(), key=lambda r: (-r["bytes"], r["kind"], r["site"]))
 
     def mark(self, name: str, stage: str) -> None:
         with self._lock:

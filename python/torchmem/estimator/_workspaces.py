@@ -17,6 +17,13 @@ Lookup by `_opsig.signature` (operator, shapes without the batch, dtypes, layout
   structure, were recorded) ("interpolated");
 * an unknown key: no workspace, and the estimate says how many convolution calls that was.
 
+The upper bound (`docs/estimator.md`, intervals): what cuDNN could take where the catalogue does not say exactly.
+`workspace_bound` is the catalogue's worst case per operator: every recorded call's largest workspace is at most
+`ratio * io + const` (io: the bytes of the call's tensor arguments and outputs; ratio: the largest workspace / io
+of the calls with io >= 1 MiB, const: the largest workspace of the smaller calls), so an unrecorded shape, or a
+recorded one on another GPU, is bounded by it. `interpolation_upper` bounds an interpolated workspace by the
+larger neighbour's workspace per sample times the batch.
+
 `TORCHMEM_ESTIMATE_CONV_EXCLUDE=arch,arch` leaves out what those architectures' runs recorded (the accuracy
 bench's leave-one-model-out: a model is then estimated from other models' recordings only); `*` leaves out all.
 """
@@ -25,7 +32,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
+import re
 from bisect import bisect_left
 from pathlib import Path
 
@@ -89,6 +98,34 @@ def build_catalogue(*recordings: dict) -> dict:
     return {"header": header, "convolutions": convs}
 
 
+_DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "uint8": 1}
+_TENSOR_RE = re.compile(r"T\[([^\]]*)\](\w+)/")
+_BOUND_SPLIT_BYTES = 1 << 20
+
+
+def key_io_bytes(key: str, batch: int) -> int:
+    """The bytes of a key's tensor arguments at `batch` (dim "N" is the batch)."""
+    total = 0
+    for m in _TENSOR_RE.finditer(key):
+        dims = [batch if x == "N" else int(x) for x in m.group(1).split(",") if x]
+        total += math.prod(dims) * _DTYPE_BYTES.get(m.group(2), 4)
+    return total
+
+
+def peak_temp_bytes(events: list) -> int:
+    """The most workspace bytes live at once in a template."""
+    live = peak = 0
+    sizes: dict[int, int] = {}
+    for i, e in enumerate(events):
+        if e[0] == "t":
+            sizes[i] = e[1]
+            live += e[1]
+            peak = max(peak, live)
+        elif e[0] == "f":
+            live -= sizes.pop(e[1], 0)
+    return peak
+
+
 def _shape(events: list) -> list:
     return [(e[0], e[1] if e[0] != "t" else None) for e in events]
 
@@ -108,6 +145,34 @@ class ConvCatalogue:
             if kept:
                 self.entries[key] = kept
         self.exclude_archs = exclude_archs
+
+    def workspace_bound(self, op: str) -> tuple[float, int]:
+        """(ratio, const) such that every recorded call of `op` took at most `ratio * io + const` workspace bytes
+        (io: its tensor arguments' and outputs' bytes); see the module's docstring."""
+        bounds = self.__dict__.setdefault("_bounds", {})
+        if op not in bounds:
+            ratio, const = 0.0, 0
+            for key, per_batch in self.entries.items():
+                if not key.startswith(op + "|"):
+                    continue
+                for batch, events in per_batch.items():
+                    ws = peak_temp_bytes(events)
+                    io = key_io_bytes(key, batch) + sum(e[2] for e in events if e[0] == "o")
+                    if io >= _BOUND_SPLIT_BYTES:
+                        ratio = max(ratio, ws / io)
+                    else:
+                        const = max(const, ws)
+            bounds[op] = (ratio, const)
+        return bounds[op]
+
+    def interpolation_upper(self, key: str, batch: int) -> int:
+        """The largest workspace an interpolated call can take: the larger of its recorded neighbours' workspace
+        per sample times the batch (at least each neighbour's own)."""
+        per_batch = self.entries.get(key) or {}
+        batches = sorted(per_batch)
+        i = bisect_left(batches, batch)
+        near = batches[max(0, i - 1) : i + 1] or batches[-1:]
+        return max((math.ceil(peak_temp_bytes(per_batch[b]) * max(1.0, batch / b)) for b in near), default=0)
 
     @classmethod
     def load(cls, path: Path = CATALOGUE_PATH) -> ConvCatalogue:
