@@ -334,7 +334,10 @@ def estimate_report(
 ) -> dict[str, Any]:
     """The estimate of a traced run, in-process (the code `torchmem estimate --trace T --summary S` runs):
     the tracer's trace file and summary dict replayed on `gpu` (with `device_memory_bytes` instead of its
-    memory when given, under `alloc_conf` when given); the dict of `--json` plus `text`. Raises
+    memory when given, under `alloc_conf` when given); the dict of `--json` plus `text`: the point peaks, the
+    interval's `peak_allocated_upper_bytes`, `peak_reserved_upper_bytes`, `nvml_upper_bytes`,
+    `margin_upper_bytes`, `fits_point` and `uncertainty` (the summary's `uncertain_requests` replayed at their
+    upper size; `fits` is the upper bound's). Raises
     SnapshotError (an unreadable trace), InputError (unknown GPU, bad alloc_conf or summary)."""
 
 # --- allocator snapshots (crates/torchmem-py/src/snapshot.rs) ---
