@@ -230,3 +230,24 @@ def test_fit_answers_the_upper_bounds_value_and_says_the_point_estimates(tmp_pat
     for t in tried.values():
         assert t["nvml_upper_bytes"] >= t["nvml_bytes"]
         assert not t["fits"] or t["nvml_upper_bytes"] <= r["device_memory_bytes"]
+
+
+def test_a_reduction_the_staging_rule_does_not_model_is_a_reason_with_its_bound():
+    """A sum over the innermost dimension (65536 values per output): `Reduce.cuh` may split it across blocks and
+    stage partial sums; the exact rule models only outer-dimension sums, so this one is bounded, not guessed."""
+    import torchmem
+
+    def step():
+        x = torch.randn(4, 1 << 16, device="cuda", requires_grad=True)
+        x.sum(dim=1).sum().backward()  # THE-SUM
+
+    est = torchmem.estimate(step, gpu="H200", steps=1)
+    this = f"{__file__}:{_line_of(Path(__file__), '# THE-SUM')} (step)"
+    staging = [u for u in est.uncertainty if u["kind"] == "reduction staging buffer"]
+    assert [(u["op"], u["site"], u["calls"]) for u in staging] == [("aten.sum.dim_IntList", this, 1)], est.uncertainty
+    assert "[4, 65536] float32 over dims [1]" in staging[0]["shapes"]
+    # acc 4 B * (132 SMs * 2048 threads / 2 + 262144 / 8192 + 4 outputs) + 4 B * 4 semaphores
+    assert staging[0]["bytes"] == 4 * (132 * 2048 // 2 + 32 + 4) + 16
+    assert est.peak_allocated_upper_bytes >= est.peak_allocated_bytes
+    # Outer-dimension sums (a Linear's bias gradient) are the exact rule's: the MLP and ResNet-18 tests above
+    # have no reason at all.

@@ -142,9 +142,27 @@ class CudaRules:
         semaphores, freed in the call (`reduction_staging_bytes`); None when the kernel needs none."""
         g = self.gpu
         dims = args[1] if len(args) > 1 else None
-        staging = reduction_staging_bytes(args[0], dims, g.multi_processor_count, max_threads_per_sm(g.major, g.minor))
+        sms, tps = g.multi_processor_count, max_threads_per_sm(g.major, g.minor)
+        staging = reduction_staging_bytes(args[0], dims, sms, tps)
         if staging is None:
-            return None
+            upper = reduction_staging_upper(args[0], dims, sms, tps)
+            if upper is None:
+                return None
+            # A layout the rule does not model: no staging in the point estimate, its bound in the upper one.
+            out = func(*args, **kwargs)
+            tracer.track(out, name)
+            x = args[0]
+            reason = {
+                "kind": "reduction staging buffer",
+                "what": "a sum/mean over a layout the staging rule does not model (the reduced dimensions innermost, "
+                "or a strided input): CUDA's reduction kernel may stage partial sums in a global buffer (upper bound "
+                "from its launch configuration's limits, `reduction_staging_upper`)",
+                "op": name,
+                "shapes": f"{list(x.shape)} {str(x.dtype).replace('torch.', '')} over dims {list(dims)}",
+                "site": _program_site() or "(autograd engine)",
+            }
+            tracer.uncertain(reason, upper_bytes=upper)
+            return (out,)
         out = func(*args, **kwargs)
         tracer.track(out, name)
         buf = tracer.alloc(staging[0], "reduction staging buffer")
@@ -518,6 +536,45 @@ def reduction_staging_bytes(x, dims, sms: int, threads_per_sm: int = 2048) -> tu
     if ctas <= 1:
         return None
     return acc * outputs * ctas * bw * vec, 4 * grid_x
+
+
+# Below this many reduced values per output, no launch configuration of `Reduce.cuh` splits an output across
+# blocks (values per thread = rows / block.x >= 256 is needed, block.x >= 32).
+_SPLIT_MIN_ROWS = 256 * 32
+
+
+def reduction_staging_upper(x, dims, sms: int, threads_per_sm: int = 2048) -> int | None:
+    """An upper bound of the staging buffer + semaphores of a sum/mean that `reduction_staging_bytes` does not
+    model (its layout: the reduced dimensions innermost, a full reduction, a strided input); None where that rule
+    decides, or where no split across blocks is possible (fewer than `_SPLIT_MIN_ROWS` values per output).
+
+    `Reduce.cuh` stages acc * outputs * ctas_per_output bytes (times block.x * vec when block.x does not reduce)
+    and 4 bytes per grid column. A split needs grid.x <= target (SMs * threads_per_SM / threads per block, 32
+    threads at least), so outputs * ctas <= 16 * target + numel / 8192 (ctas from the target, at most 16 outputs
+    per block row, or ceil(values per thread / 256)): bound = acc * (SMs * threads_per_SM / 2 + numel / 8192 +
+    outputs) + 4 * outputs."""
+    import math
+
+    if not isinstance(x, torch.Tensor) or x.device.type != "cuda" or x.dim() == 0 or dims is None:
+        return None
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        return None
+    if reduction_staging_bytes(x, dims, sms, threads_per_sm) is not None:
+        return None
+    nd = x.dim()
+    red = sorted({d % nd for d in (dims if isinstance(dims, (list, tuple)) else [dims])}) or list(range(nd))
+    kept = [d for d in range(nd) if d not in red]
+    if kept and is_non_overlapping_and_dense(x):
+        order = sorted((d for d in range(nd) if x.shape[d] != 1), key=lambda d: -x.stride()[d])
+        kept_order = [d for d in order if d in kept]
+        if kept_order and order[-len(kept_order) :] == kept_order:
+            return None  # the modelled layout: `reduction_staging_bytes` said no split
+    rows = math.prod(x.shape[d] for d in red)
+    outputs = math.prod(x.shape[d] for d in kept)
+    if rows < _SPLIT_MIN_ROWS:
+        return None
+    acc = 8 if x.dtype == torch.float64 else 4
+    return acc * (sms * threads_per_sm // 2 + -(-x.numel() // 8192) + outputs) + 4 * outputs
 
 
 def _called_from_cpp() -> bool:
