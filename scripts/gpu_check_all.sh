@@ -4,9 +4,10 @@
 # captured INFO/bench prints of the passing ones, the failures' assert messages), a JUnit XML report with each
 # test's output (junit.xml) and one line per test file (summary.txt).
 #
-# The wheel built here (`maturin build --release -o .whl`) and pytest's wheels (pytest, pluggy, iniconfig,
-# packaging) travel with `carry: [".whl"]`; every .whl/*.whl is installed with --target (the device's Python has
-# torch but not our build tools, maybe not pytest).
+# The wheel built here (`maturin build --release -o .whl`) and, where the device's Python lacks pytest, pytest's
+# wheels (pytest, pluggy, iniconfig, packaging, pygments) travel with `carry: [".whl"]`; every .whl/*.whl is
+# installed with --target --upgrade (a warm machine keeps /tmp/site from an earlier call: without --upgrade pip
+# would keep the earlier wheel's files).
 #
 #   bash scripts/gpu_check_all.sh                                   # every GPU test (more than one 10-minute call)
 #   bash scripts/gpu_check_all.sh tests/gpu/test_gpu_api.py tests/gpu/test_gpu_run.py
@@ -18,7 +19,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT" /tmp/site
-if ! python3 -m pip install -q --no-deps --target /tmp/site .whl/*.whl > "$OUT/install.txt" 2>&1; then
+if ! python3 -m pip install -q --no-deps --upgrade --target /tmp/site .whl/*.whl > "$OUT/install.txt" 2>&1; then
   echo "wheel install failed"; cat "$OUT/install.txt"; exit 2
 fi
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
