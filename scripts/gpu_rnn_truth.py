@@ -69,27 +69,59 @@ def grid(quick: bool) -> list[dict]:
     return out
 
 
-def record_grid(configs: list[dict]) -> list[dict]:
-    """Per config: the allocator's (action, size) events of four phases -- the module built on the CPU and
-    moved to the GPU (cuDNN's flattened weight buffer), a training forward, its backward, an inference
-    forward -- with the bytes allocated at each mark."""
+def exercise(cfg: dict, mark) -> list[int]:
+    """One config's four phases on "cuda", with `mark(name)` between them; returns the parameters' byte sizes.
+    The truth runs it under the allocator's history; `bench/estimate/rnn_compare.py` under the estimator."""
     import torch
     import torch.nn as nn
     from torch.nn.utils.rnn import pack_padded_sequence
 
+    dtype = getattr(torch, cfg["dtype"])
+    cls = {"LSTM": nn.LSTM, "GRU": nn.GRU, "RNN_TANH": nn.RNN}[cfg["mode"]]
+    kw = {"proj_size": cfg["proj"]} if cfg["proj"] else {}
+    bf = cfg["batch_first"]
+    shape = (cfg["batch"], cfg["seq"], cfg["input"]) if bf else (cfg["seq"], cfg["batch"], cfg["input"])
+    lengths = None
+    if cfg["packed"]:
+        lengths = [int(v) for v in torch.linspace(cfg["seq"], max(1, cfg["seq"] // 4), cfg["batch"]).long()]
+    amp = {"dtype": getattr(torch, cfg["autocast"] or "float16"), "enabled": bool(cfg["autocast"])}
+    mark("start")
+    rnn = cls(cfg["input"], cfg["hidden"], cfg["layers"], bidirectional=cfg["bidirectional"], batch_first=bf,
+              dropout=cfg["dropout"], **kw).to(dtype)  # fmt: skip
+    rnn = rnn.to("cuda")
+    mark("to_cuda")
+    x = torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
+    mark("input")
+    inp = pack_padded_sequence(x, lengths, batch_first=bf) if lengths is not None else x
+    mark("packed")
+    with torch.autocast("cuda", **amp):
+        out, _h = rnn(inp)
+    mark("forward")
+    y = out.data if lengths is not None else out
+    y.float().sum().backward()
+    mark("backward")
+    del out, _h, y, inp
+    mark("freed")
+    with torch.no_grad():
+        inp = pack_padded_sequence(x.detach(), lengths, batch_first=bf) if lengths is not None else x.detach()
+        mark("eval_start")
+        with torch.autocast("cuda", **amp):
+            out, _h = rnn(inp)
+        mark("eval_forward")
+        del out, _h, inp
+    mark("eval_freed")
+    return [p.numel() * p.element_size() for p in rnn.parameters()]
+
+
+def record_grid(configs: list[dict]) -> list[dict]:
+    """Per config: the allocator's (action, size) events of its phases (`exercise`), split by marker requests,
+    with the bytes allocated at each mark."""
+    import torch
+
     mem = torch.cuda.memory
     results = []
     for cfg in configs:
-        dtype = getattr(torch, cfg["dtype"])
-        cls = {"LSTM": nn.LSTM, "GRU": nn.GRU, "RNN_TANH": nn.RNN}[cfg["mode"]]
-        kw = {"proj_size": cfg["proj"]} if cfg["proj"] else {}
-        bf = cfg["batch_first"]
-        shape = (cfg["batch"], cfg["seq"], cfg["input"]) if bf else (cfg["seq"], cfg["batch"], cfg["input"])
-        lengths = None
-        if cfg["packed"]:
-            lengths = torch.linspace(cfg["seq"], max(1, cfg["seq"] // 4), cfg["batch"]).long()
         r = {"config": cfg}
-        rnn = x = None
         try:
             torch.cuda.synchronize()
             mem._record_memory_history(enabled="all", context=None, stacks="python", max_entries=1_000_000,
@@ -102,40 +134,12 @@ def record_grid(configs: list[dict]) -> list[dict]:
                 marks.append((name, torch.cuda.memory_allocated()))
                 torch.empty(MARK_BYTES + 512 * len(marks), dtype=torch.uint8, device="cuda")
 
-            mark("start")
-            rnn = cls(cfg["input"], cfg["hidden"], cfg["layers"], bidirectional=cfg["bidirectional"],
-                      batch_first=bf, dropout=cfg["dropout"], **kw).to(dtype)  # fmt: skip
-            rnn = rnn.to("cuda")
-            mark("to_cuda")
-            x = torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
-            mark("input")
-            inp = pack_padded_sequence(x, lengths, batch_first=bf) if lengths is not None else x
-            mark("packed")
-            with torch.autocast(
-                "cuda", dtype=getattr(torch, cfg["autocast"] or "float16"), enabled=bool(cfg["autocast"])
-            ):
-                out, _h = rnn(inp)
-            mark("forward")
-            y = out.data if lengths is not None else out
-            y.float().sum().backward()
-            mark("backward")
-            del out, _h, y, inp
-            mark("freed")
-            with torch.no_grad():
-                inp = pack_padded_sequence(x.detach(), lengths, batch_first=bf) if lengths is not None else x.detach()
-                mark("eval_start")
-                with torch.autocast("cuda", dtype=getattr(torch, cfg["autocast"] or "float16"),
-                                    enabled=bool(cfg["autocast"])):  # fmt: skip
-                    out, _h = rnn(inp)
-                mark("eval_forward")
-                del out, _h, inp
-            mark("eval_freed")
+            r["param_bytes"] = exercise(cfg, mark)
             snap = mem._snapshot()
             mem._record_memory_history(enabled=None)
             trace = snap["device_traces"][0] if snap["device_traces"] else []
             r["events"] = [[e["action"], e["size"]] for e in trace if e["action"] in ("alloc", "free_requested")]
             r["marks"] = marks
-            r["param_bytes"] = [p.numel() * p.element_size() for p in rnn.parameters()]
         except Exception as e:  # noqa: BLE001 - recorded, the grid goes on
             r["error"] = f"{type(e).__name__}: {e}"
             try:
@@ -143,7 +147,6 @@ def record_grid(configs: list[dict]) -> list[dict]:
             except Exception:  # noqa: BLE001
                 pass
         results.append(r)
-        del rnn, x
         torch.cuda.empty_cache()
     return results
 

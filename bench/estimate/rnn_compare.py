@@ -1,0 +1,98 @@
+"""Compares the estimator's cuDNN RNN requests with the H200's, config by config and phase by phase.
+
+    .venv/bin/python bench/estimate/rnn_compare.py [TRUTH] [--show N] [--only SUBSTRING]
+
+TRUTH is `tests/fixtures/rnn-h200/rnn-truth.json.gz` by default (recorded by `scripts/gpu_rnn_truth.py`).
+Each grid config runs `gpu_rnn_truth.exercise` again on the emulated H200 (`torchmem.estimator`'s session) and
+its requests (sizes rounded to 512 bytes, as the allocator's history records them) are compared with the
+recorded ones between the same marks: the module moved to the GPU, the input, packing, the training forward,
+its backward, the frees, the inference forward. Prints, per phase, how many configs match request for request
+and the first differences; exits 1 when any phase differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import gpu_rnn_truth  # noqa: E402
+
+PHASES = ["start", "to_cuda", "input", "packed", "forward", "backward", "freed", "eval_start", "eval_forward",
+          "eval_freed"]  # fmt: skip
+
+
+def split(events: list[list], mark_bytes: int) -> dict[str, list[tuple[str, int]]]:
+    """Events between marker requests, keyed by the mark that ends them; the markers' own alloc/free dropped."""
+    out: dict[str, list[tuple[str, int]]] = {}
+    cur: list[tuple[str, int]] = []
+    k = 0
+    marker_sizes = set()
+    for action, size in events:
+        r = (int(size) + 511) // 512 * 512
+        if action == "alloc" and mark_bytes <= r <= mark_bytes + 512 * 64 and (r - mark_bytes) % 512 == 0:
+            if k < len(PHASES):
+                out[PHASES[k]] = cur
+            cur = []
+            k += 1
+            marker_sizes.add(r)
+            continue
+        if action != "alloc" and r in marker_sizes:
+            continue
+        cur.append(("alloc" if action == "alloc" else "free", r))
+    return out
+
+
+def emulated(cfg: dict) -> list[list]:
+    import torch
+    from torchmem.estimator import gpu_spec
+    from torchmem.estimator._session import Session
+
+    with Session(gpu_spec("H200")) as s:
+
+        def mark(name):
+            torch.empty(gpu_rnn_truth.MARK_BYTES + 512 * (PHASES.index(name) + 1), dtype=torch.uint8, device="cuda")
+
+        gpu_rnn_truth.exercise(cfg, mark)
+    return [[e.action, e.size_bytes] for e in s.tracer.events]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("truth", nargs="?", default=str(ROOT / "tests/fixtures/rnn-h200/rnn-truth.json.gz"))
+    ap.add_argument("--show", type=int, default=5)
+    ap.add_argument("--only", default="")
+    a = ap.parse_args()
+    doc = json.load(gzip.open(a.truth))
+    grid = [r for r in doc["grid"] if "events" in r and a.only in json.dumps(r["config"])]
+    matched = dict.fromkeys(PHASES[1:], 0)
+    differ: dict[str, list] = {p: [] for p in PHASES[1:]}
+    for r in grid:
+        real = split(r["events"], gpu_rnn_truth.MARK_BYTES)
+        try:
+            est = split(emulated(r["config"]), gpu_rnn_truth.MARK_BYTES)
+        except Exception as e:  # noqa: BLE001 - reported per config
+            differ["to_cuda"].append((r["config"], f"{type(e).__name__}: {e}", ""))
+            continue
+        for p in PHASES[1:]:
+            if real.get(p, []) == est.get(p, []):
+                matched[p] += 1
+            else:
+                differ[p].append((r["config"], real.get(p), est.get(p)))
+    print(f"{len(grid)} configs ({doc.get('device')}, torch {doc.get('torch')}, cuDNN {doc.get('cudnn')})")
+    bad = False
+    for p in PHASES[1:]:
+        print(f"{p:13s} {matched[p]:4d} / {len(grid)} request for request")
+        for cfg, real, est in differ[p][: a.show]:
+            bad = True
+            print(f"    {json.dumps(cfg)}\n      H200:     {real}\n      estimate: {est}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
