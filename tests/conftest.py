@@ -6,10 +6,10 @@ No test depends on the order (the suite runs under pytest-xdist, `-n auto`). One
 the autograd engine sets up its device threads once, at the first backward of a process; after a CPU backward it
 has none for CUDA, and the estimator's emulated CUDA device cannot make backward run in that process any more
 (the estimator says so; `torchmem estimate script.py` always runs in a fresh process). Every test process that
-will run the in-process estimator tests (test_estimate.py, test_estimate_usecase.py) therefore installs the
-estimator's backward fix before its first test, whatever it runs first: the same one tiny fake-CUDA backward that
-the first in-process estimate does (`torchmem.estimator._device.install_backward_fix`, idempotent). Before, the
-suite got the same state by running those tests first; now no order is needed."""
+will run in-process estimator tests (IN_PROCESS_ESTIMATES) therefore installs the estimator's backward fix before
+its first test, whatever it runs first: the same one tiny fake-CUDA backward that the first in-process estimate
+does (`torchmem.estimator._device.install_backward_fix`, idempotent). Before, the suite got the same state by
+running test_estimate.py and test_estimate_usecase.py first; now no order is needed."""
 
 from __future__ import annotations
 
@@ -34,11 +34,12 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         layer = layer_of(it)
         if layer is not None:
             it.add_marker(getattr(pytest.mark, layer))
-    if any(Path(str(it.path)).name in IN_PROCESS_ESTIMATES for it in items):
+    if any(Path(str(it.path)).name.startswith(IN_PROCESS_ESTIMATES) for it in items):
         _ready_autograd_for_the_emulated_device()
 
 
-IN_PROCESS_ESTIMATES = ("test_estimate.py", "test_estimate_usecase.py")
+# The files whose tests trace on the emulated device in the test process (torchmem.estimate(), Session).
+IN_PROCESS_ESTIMATES = ("test_estimate", "test_conv_workspaces")
 
 
 def _ready_autograd_for_the_emulated_device() -> None:

@@ -21,6 +21,9 @@ torch = pytest.importorskip("torch")
 if torch.cuda.is_available():  # pragma: no cover - these tests are about machines without a GPU
     pytest.skip("the estimator tests run on a machine without a GPU", allow_module_level=True)
 
+from estimates import _requests as requests_of  # noqa: E402
+from estimates import _torchmem as torchmem  # noqa: E402
+from estimates import _trace_workload as trace_workload  # noqa: E402
 from torchmem.estimator import _workspaces as ws  # noqa: E402
 from torchmem.estimator._opsig import signature  # noqa: E402
 
@@ -159,18 +162,15 @@ def test_signature_of_real_convolutions_matches_the_recording(catalogue_data):
 
 
 def _requests(trace, free="free_requested"):
-    import test_estimate
-
-    return test_estimate._requests(trace, "alloc", free)
+    return requests_of(trace, "alloc", free)
 
 
 def test_resnet18_trace_equals_the_h200_recording_request_by_request():
     """Three training steps of ResNet-18 (batch 64, SGD, fp32) on the fake device: every request (outputs,
     cuDNN workspaces, cuBLAS workspaces) and every free equals the H200's recording, in order."""
     pytest.importorskip("torchvision")
-    import test_estimate
 
-    s, snap = test_estimate._trace_workload("resnet18_sgd_fp32")
+    s, snap = trace_workload("resnet18_sgd_fp32")
     real = pickle.load(gzip.open(TRUTH / "resnet18_sgd_fp32__estimator.pickle.gz"))["device_traces"][0]
     real_reqs = _requests(real)
     assert real_reqs[:2] == [("alloc", 4, 0), ("free", 4, 0)]  # the truth script's own torch.zeros(1)
@@ -187,9 +187,8 @@ def test_convnext_layer_norm_copies_its_permuted_input():
     # the catalogue, the forward of the first step equals the H200 recording (the backward then differs at the
     # first reduction staging buffer, which is not modelled).
     pytest.importorskip("torchvision")
-    import test_estimate
 
-    s, snap = test_estimate._trace_workload("convnext_tiny_adamw_fp32", steps=1)
+    s, snap = trace_workload("convnext_tiny_adamw_fp32", steps=1)
     real = pickle.load(gzip.open(TRUTH / "convnext_tiny_adamw_fp32__estimator.pickle.gz"))["device_traces"][0]
     real_reqs = [(a, size, i - 1) for a, size, i in _requests(real)[2:]]
     est = _requests(snap["device_traces"][0])
@@ -244,9 +243,8 @@ def test_gpt2_backward_requests_equal_the_h200_recording():
     CUDA kernel sorts the indices in temporaries first, not modelled). Frees are not compared: autocast's weight
     cache is freed in hash-map order."""
     pytest.importorskip("transformers")
-    import test_estimate
 
-    s, snap = test_estimate._trace_workload("gpt2_adamw_amp_b8", steps=1)
+    s, snap = trace_workload("gpt2_adamw_amp_b8", steps=1)
     real = pickle.load(gzip.open(TRUTH / "gpt2_adamw_amp_b8__estimator.pickle.gz"))["device_traces"][0]
     real_sizes = [e["size"] for e in real if e["action"] == "alloc"][1:]  # less the truth script's zeros(1)
     est_sizes = [e.size_bytes for e in s.tracer.events if e.action == "alloc"]
@@ -268,15 +266,14 @@ def test_request_identical_traces_simulate_to_the_h200_reserved_peak(name, tmp_p
     descending model gave the MLP 312 MiB against 328, ResNet-18 2720 against 2678)."""
     if name.startswith("resnet"):
         pytest.importorskip("torchvision")
-    import test_estimate
     from torchmem.estimator import _snapshot
 
-    s, snap = test_estimate._trace_workload(name)
+    s, snap = trace_workload(name)
     trace = tmp_path / "trace.pickle"
     _snapshot.write(snap, trace)
     summary = tmp_path / "summary.json"
     summary.write_text(json.dumps({"notes": [], "steps_traced": 3, "convolution_workspaces": None}))
-    p = test_estimate._torchmem("estimate", "--trace", str(trace), "--summary", str(summary), "--gpu", "H200", "--json")
+    p = torchmem("estimate", "--trace", str(trace), "--summary", str(summary), "--gpu", "H200", "--json")
     assert p.returncode == 0, p.stderr
     truth = json.loads((TRUTH / "estimator-truth.json").read_text())["configs"][name]
     r = json.loads(p.stdout)
@@ -293,14 +290,13 @@ def test_resnet50_at_the_h200s_fit_edge(tmp_path):
     the H200's to the byte, and its trace has the H200's 3206 requests (all but 30 cuDNN workspaces exact; those,
     extrapolated from batch 1024 and 1536, within 0.2 %)."""
     pytest.importorskip("torchvision")
-    import test_estimate
 
     edge = json.loads((FIT_EDGE / "fit-edge-resnet50_adamw_foreach_fp32_b64.json").read_text())
     assert (edge["largest_fitting"], edge["first_not_fitting"]) == (1708, 1709)
     results = {}
     for batch in (1708, 1709):
         trace = tmp_path / f"b{batch}.pickle"
-        p = test_estimate._torchmem(
+        p = torchmem(
             "estimate", "--gpu", "H200", "--json", "--keep-trace", str(trace), "--",
             sys.executable, str(ROOT / "bench/estimate/fit_train.py"),
             "--workload", "resnet50_adamw_foreach_fp32_b64", "--batch", str(batch),
