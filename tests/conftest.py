@@ -29,11 +29,46 @@ def layer_of(item: pytest.Item) -> str | None:
     return rel.parts[0] if len(rel.parts) > 1 and rel.parts[0] in LAYERS else None
 
 
+# The slow group (`-m slow`, run by test.sh after the other layers): the long truth replays (traces and fit
+# searches against the H200's recordings) and the long runs, each 25-80 s on the 2-core CI VM. Named here, in one
+# place, as "file::test" (every parameter of a test); a name that no longer matches a test of a collected file is
+# an error, so the list cannot go stale silently.
+SLOW = (
+    "e2e/test_conv_workspaces.py::test_resnet18_trace_equals_the_h200_recording_request_by_request",
+    "e2e/test_conv_workspaces.py::test_gpt2_backward_requests_equal_the_h200_recording",
+    "e2e/test_conv_workspaces.py::test_request_identical_traces_simulate_to_the_h200_reserved_peak",
+    "e2e/test_conv_workspaces.py::test_resnet50_at_the_h200s_fit_edge",
+    "e2e/test_estimate.py::test_fit_finds_the_largest_batch",
+    "e2e/test_estimate_inference.py::test_fit_finds_the_largest_eval_batch",
+    "e2e/test_long_run.py::test_a_long_fast_run_keeps_few_markers_and_exact_totals",
+    "e2e/test_monitor_long.py::test_monitor_memory_stays_flat_over_many_steps",
+)
+
+
+def _slow_key(item: pytest.Item) -> str | None:
+    try:
+        rel = Path(str(item.path)).resolve().relative_to(TESTS)
+    except ValueError:
+        return None
+    return f"{rel.as_posix()}::{getattr(item, 'originalname', item.name)}"
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    seen_files, seen_slow = set(), set()
     for it in items:
         layer = layer_of(it)
         if layer is not None:
             it.add_marker(getattr(pytest.mark, layer))
+        key = _slow_key(it)
+        if key is not None:
+            seen_files.add(key.split("::")[0])
+            if key in SLOW:
+                it.add_marker(pytest.mark.slow)
+                seen_slow.add(key)
+    stale = [k for k in SLOW if k.split("::")[0] in seen_files and k not in seen_slow]
+    whole_files = not any("::" in a for a in config.args) and not config.getoption("keyword")
+    if stale and whole_files and not config.getoption("deselect"):
+        raise pytest.UsageError(f"tests/conftest.py SLOW names tests that do not exist: {stale}")
     if any(Path(str(it.path)).name.startswith(IN_PROCESS_ESTIMATES) for it in items):
         _ready_autograd_for_the_emulated_device()
 
