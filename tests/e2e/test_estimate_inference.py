@@ -242,11 +242,14 @@ def test_fit_finds_the_largest_eval_batch(eval_script):
     fit = json.loads(p.stdout)["fit"]
     good, bad = fit["largest_fitting"], fit["first_not_fitting"]
     assert good is not None and bad == good + 64, fit
-    assert fit["at_largest_fitting"]["nvml_bytes"] <= 1536 * MIB
+    # "Fits" is the upper bound's (docs/estimator.md §5.1: this CNN's convolutions are not in the catalogue).
+    assert fit["at_largest_fitting"]["nvml_upper_bytes"] <= 1536 * MIB
     over = fit["at_first_not_fitting"]
-    assert over["oom"] is not None or over["nvml_bytes"] > 1536 * MIB, over
-    # Activations are about 1 MiB a sample (conv1's and batch norm's outputs, 512 KiB each): hundreds fit.
-    assert 256 <= good < 1024, fit
+    assert over["oom"] is not None or over["nvml_upper_bytes"] > 1536 * MIB, over
+    # Activations are about 1 MiB a sample (conv1's and batch norm's outputs, 512 KiB each): hundreds fit by the
+    # point estimate; fewer by the upper bound (cuDNN's workspaces for these shapes at the catalogue's worst case).
+    assert 256 <= fit["point_largest_fitting"] < 1024, fit
+    assert 128 <= good <= fit["point_largest_fitting"], fit
 
 
 def test_backward_without_an_optimizer_is_estimated_and_said(tmp_path):

@@ -220,8 +220,9 @@ pub fn estimate_trace(
         ));
     }
     notes.push(
-        "CUDA reduction kernels' temporary buffers outside convolutions are not modelled (transient: reserved \
-         may be slightly low; see docs/estimator.md)"
+        "other CUDA kernels' small temporary buffers (reductions other than sum/mean, sort buffers: tens of KiB) \
+         are not modelled, in the point or the upper bound (transient: reserved may be slightly low; see \
+         docs/estimator.md)"
             .to_string(),
     );
     if nccl_bytes > 0 {
