@@ -182,22 +182,67 @@ def _needs_device_class(what: str) -> type:
     return type("NeedsRealDevice", (), {"__init__": __init__, "__doc__": f"{what}: needs a real CUDA device"})
 
 
-class _FakeStream:
-    """`torch.cuda.Stream` stand-in: one stream (the default), so the trace stays single-stream."""
+class _Streams:
+    """The emulated device's streams: the current one, and where the trace changed stream.
 
-    cuda_stream = 0
+    The caching allocator keeps a pool per stream (a block freed on one stream is not reused by a request on
+    another), so each request of the trace carries the stream current when it was made: FSDP2 allocates its
+    all-gather buffers on its copy-in stream and its reduce-scatter outputs (the sharded gradients) on its
+    reduce-scatter stream. `marks` holds `(index of the next trace event, stream id)` at each change; the snapshot
+    (`_snapshot.build`) gives every request the stream of the last mark before it (the default stream, 0, before
+    any). The current stream is one for the process: a stream context (`torch.cuda.stream(s)`) restores the one
+    it replaced, so nested and sequential use on any thread comes out as torch's thread-local stream would when
+    threads do not interleave them."""
+
+    def __init__(self) -> None:
+        self.next_id = 1
+        self.current_id = 0
+        self.tracer = None
+        self.default = None
+
+    def new_id(self) -> int:
+        i = self.next_id
+        self.next_id += 1
+        return i
+
+    def set_current(self, stream_id: int) -> int:
+        prev = self.current_id
+        if stream_id != prev:
+            self.current_id = stream_id
+            tr = self.tracer
+            if tr is not None:
+                marks = tr.__dict__.setdefault("stream_marks", [])
+                marks.append((len(tr.events), stream_id))
+        return prev
+
+
+_STREAMS = _Streams()
+
+
+class _FakeStream:
+    """`torch.cuda.Stream` stand-in. Each new stream has its own id (the default stream is 0); entering it (or
+    `torch.cuda.stream(s)`) makes it current, and the trace's requests carry the current stream (`_Streams`)."""
+
     device_index = 0
-    # `torch.Stream`'s fields (FSDP2's `record_grad_output_stream` passes them to a no-op custom op).
-    stream_id = 0
     device_type = 1  # c10::DeviceType::CUDA
 
-    def __init__(self, *_a, **_k) -> None:
+    def __init__(self, *_a, _stream_id: int | None = None, **_k) -> None:
         self.device = _torch_device()
+        # `torch.Stream`'s fields (FSDP2's `record_grad_output_stream` passes them to a no-op custom op).
+        self.stream_id = _STREAMS.new_id() if _stream_id is None else _stream_id
+        self._prev: list[int] = []
+
+    @property
+    def cuda_stream(self) -> int:
+        # A `cudaStream_t`-like value: 0 for the default stream, distinct and increasing for the others.
+        return 0 if self.stream_id == 0 else 0x7F0000000000 + 0x10 * self.stream_id
 
     def __enter__(self):
+        self._prev.append(_STREAMS.set_current(self.stream_id))
         return self
 
     def __exit__(self, *exc) -> None:
+        _STREAMS.set_current(self._prev.pop() if self._prev else 0)
         return None
 
     def wait_stream(self, *_a) -> None:
@@ -216,10 +261,41 @@ class _FakeStream:
         return event if event is not None else _FakeEvent()
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, _FakeStream)
+        return isinstance(other, _FakeStream) and other.stream_id == self.stream_id
 
     def __hash__(self) -> int:
-        return 0
+        return self.stream_id
+
+
+def _default_stream() -> _FakeStream:
+    if _STREAMS.default is None:
+        _STREAMS.default = _FakeStream(_stream_id=0)
+    return _STREAMS.default
+
+
+def _current_stream(*_a, **_k) -> _FakeStream:
+    if _STREAMS.current_id == 0:
+        return _default_stream()
+    s = _FakeStream(_stream_id=_STREAMS.current_id)
+    return s
+
+
+class _StreamContext:
+    """`torch.cuda.stream(s)`: `s` current inside (None: no change)."""
+
+    def __init__(self, stream=None) -> None:
+        self.stream = stream
+        self.prev = 0
+
+    def __enter__(self):
+        if self.stream is not None:
+            self.prev = _STREAMS.set_current(getattr(self.stream, "stream_id", 0))
+        return self.stream
+
+    def __exit__(self, *exc) -> None:
+        if self.stream is not None:
+            _STREAMS.set_current(self.prev)
+        return None
 
 
 class _FakeEvent:
@@ -360,6 +436,7 @@ class CudaShim:
 
         props = _Props(self.spec)
         tr = self.tracer
+        _STREAMS.tracer, _STREAMS.current_id = tr, 0
         cuda = torch.cuda
         simple = {
             "is_available": lambda: True,
@@ -398,9 +475,11 @@ class CudaShim:
             ),
             "Stream": _FakeStream,
             "Event": _FakeEvent,
-            "current_stream": lambda *_a, **_k: _FakeStream(),
-            "default_stream": lambda *_a, **_k: _FakeStream(),
-            "stream": lambda *_a, **_k: _FakeStream(),
+            "current_stream": _current_stream,
+            "default_stream": lambda *_a, **_k: _default_stream(),
+            "stream": _StreamContext,
+            "StreamContext": _StreamContext,
+            "set_stream": lambda s=None: _STREAMS.set_current(getattr(s, "stream_id", 0)),
             # CUDA's generator state is 16 bytes (Philox seed and offset) in a CPU uint8 tensor; the emulated
             # device computes nothing random, so any state is accepted and a fixed one given.
             "get_rng_state": lambda *_a, **_k: _rng_state(),
@@ -445,6 +524,7 @@ class CudaShim:
         self._set(torch.Tensor, "record_stream", lambda _tensor, _stream: None)
 
     def uninstall(self) -> None:
+        _STREAMS.tracer, _STREAMS.current_id = None, 0
         for obj, name, old in reversed(self._saved):
             if old is _INHERITED:
                 delattr(obj, name)

@@ -42,11 +42,30 @@ def allocator_settings(alloc_conf: str) -> dict:
     }
 
 
+def _stream_value(stream_id: int) -> int:
+    """The `cudaStream_t`-like value of the emulated device's stream `stream_id` (`_device._FakeStream`)."""
+    return 0 if stream_id == 0 else 0x7F0000000000 + 0x10 * stream_id
+
+
 def build(tracer, *, alloc_conf: str = "") -> dict:
     trace = []
+    # The stream of each request: the stream current when it was made (`_device._Streams` marks the changes);
+    # a free is on its block's stream.
+    marks = list(getattr(tracer, "stream_marks", ()))
+    next_mark = 0
+    stream = 0
+    block_stream: dict[int, int] = {}
     for i, e in enumerate(tracer.events):
+        while next_mark < len(marks) and marks[next_mark][0] <= i:
+            stream = _stream_value(marks[next_mark][1])
+            next_mark += 1
+        if e.action == "alloc":
+            block_stream[e.addr] = stream
+            s = stream
+        else:
+            s = block_stream.pop(e.addr, 0)
         t = _TIME0_US + i
-        base = {"addr": e.addr, "size": e.size_bytes, "stream": 0, "time_us": t}
+        base = {"addr": e.addr, "size": e.size_bytes, "stream": s, "time_us": t}
         if e.action == "alloc":
             entry = {"action": "alloc", **base, "compile_context": "N/A", "user_metadata": f"{e.phase}|{e.what}"}
             if e.frames:
