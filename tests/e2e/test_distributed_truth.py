@@ -1,0 +1,77 @@
+"""The distributed estimate against real H200 truth (issue 24): `scripts/gpu_distributed_truth.py` recorded, on one
+H200 (torch 2.11, a fresh process per config, torch's fake process group), the caching allocator's peaks of rank R
+of a world of N after each optimizer step (`tests/fixtures/distributed-h200/distributed-truth.json.gz`). Here the
+same child runs under `torchmem estimate --nnodes .. --nproc-per-node .. --rank R` on this CPU-only machine, for
+2 steps (the truth's peaks are never reset, so its second step's entry is the peak over 2 steps), and the rank's
+predicted peak allocated and reserved bytes must be within 1 % of the measured ones (the issue's median goal;
+docs/estimator.md section 7 has the whole table, `bench/estimate/distributed_accuracy.py`).
+
+Configs: FSDP2 with bf16 mixed precision at 8 ranks (its reserved peak depends on FSDP2's all-gather and
+reduce-scatter streams: the caching allocator's per-stream pools; 11.7 % low before the trace carried streams)
+and HSDP on a 2x8 mesh (held out: not looked at while the stream fix was made)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+if torch.cuda.is_available():  # pragma: no cover - these tests are about machines without a GPU
+    pytest.skip("the estimator tests run on a machine without a GPU", allow_module_level=True)
+if not torch.distributed.is_available():  # pragma: no cover
+    pytest.skip("torch.distributed is not built into this torch", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+TRUTH = ROOT / "tests/fixtures/distributed-h200/distributed-truth.json.gz"
+SCRIPT = ROOT / "scripts/gpu_distributed_truth.py"
+STEPS = 2
+TOLERANCE_PCT = 1.0
+
+
+def _truth() -> dict[str, dict]:
+    with gzip.open(TRUTH, "rt") as f:
+        doc = json.load(f)
+    assert doc["device"] == "NVIDIA H200" and doc["torch"].startswith("2.11"), (doc["device"], doc["torch"])
+    return {c["name"]: c for c in doc["configs"]}
+
+
+def _estimate(cfg: dict, cwd: Path) -> dict:
+    n = cfg["world_size"]
+    per_node = min(n, 8)
+    env = dict(os.environ, TORCHMEM_PYTHON=sys.executable)
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.run(
+        [sys.executable, "-m", "torchmem", "estimate", "--gpu", "H200", "--nnodes", str(n // per_node),
+         "--nproc-per-node", str(per_node), "--rank", str(cfg["rank"]), "--json", "--",
+         sys.executable, str(SCRIPT), "--child", cfg["name"], "--steps", str(STEPS)],
+        capture_output=True, text=True, cwd=cwd, env=env, timeout=600,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout)
+
+
+def _class_of(report: dict, rank: int) -> dict:
+    return next(r for r in report["ranks"] if rank in r["ranks"])
+
+
+@pytest.mark.parametrize("name", ["fsdp2-bf16-w8", "hsdp-2x8"])
+def test_rank_peaks_match_the_h200_within_one_percent(name, tmp_path):
+    cfg = _truth()[name]
+    measured = cfg["steps"][STEPS - 1]
+    report = _estimate(cfg, tmp_path)
+    assert report["world_size"] == cfg["world_size"] and report["rank"] == cfg["rank"]
+    cls = _class_of(report, cfg["rank"])
+    assert cls["ranks"] == list(range(cfg["world_size"]))
+    for key, stat in (("peak_allocated_bytes", "allocated_bytes.all.peak"),
+                      ("peak_reserved_bytes", "reserved_bytes.all.peak")):  # fmt: skip
+        pred, meas = cls[key], measured[stat]
+        err = 100.0 * (pred - meas) / meas
+        assert abs(err) <= TOLERANCE_PCT, (name, key, pred, meas, f"{err:+.2f} %")
