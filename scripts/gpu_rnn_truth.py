@@ -83,7 +83,10 @@ def exercise(cfg: dict, mark) -> list[int]:
     shape = (cfg["batch"], cfg["seq"], cfg["input"]) if bf else (cfg["seq"], cfg["batch"], cfg["input"])
     lengths = None
     if cfg["packed"]:
-        lengths = [int(v) for v in torch.linspace(cfg["seq"], max(1, cfg["seq"] // 4), cfg["batch"]).long()]
+        from torch._subclasses.fake_tensor import unset_fake_temporarily  # (a no-op outside an estimate)
+
+        with unset_fake_temporarily():  # the lengths are the program's own values, on the CPU
+            lengths = [int(v) for v in torch.linspace(cfg["seq"], max(1, cfg["seq"] // 4), cfg["batch"]).long()]
     amp = {"dtype": getattr(torch, cfg["autocast"] or "float16"), "enabled": bool(cfg["autocast"])}
     mark("start")
     rnn = cls(cfg["input"], cfg["hidden"], cfg["layers"], bidirectional=cfg["bidirectional"], batch_first=bf,

@@ -28,24 +28,43 @@ PHASES = ["start", "to_cuda", "input", "packed", "forward", "backward", "freed",
 
 
 def split(events: list[list], mark_bytes: int) -> dict[str, list[tuple[str, int]]]:
-    """Events between marker requests, keyed by the mark that ends them; the markers' own alloc/free dropped."""
+    """Events between marker requests, keyed by the mark that ends them; the markers' own alloc/free dropped.
+    The k-th marker is a request of exactly `mark_bytes + 512 * k` freed right away (a real request of that
+    size elsewhere is not taken for one)."""
     out: dict[str, list[tuple[str, int]]] = {}
     cur: list[tuple[str, int]] = []
     k = 0
-    marker_sizes = set()
-    for action, size in events:
-        r = (int(size) + 511) // 512 * 512
-        if action == "alloc" and mark_bytes <= r <= mark_bytes + 512 * 64 and (r - mark_bytes) % 512 == 0:
+    sizes = [(a, (int(s) + 511) // 512 * 512) for a, s in events]
+    i = 0
+    while i < len(sizes):
+        action, r = sizes[i]
+        nxt = sizes[i + 1] if i + 1 < len(sizes) else None
+        if (
+            action == "alloc"
+            and r == mark_bytes + 512 * (k + 1)
+            and nxt is not None
+            and nxt[0] != "alloc"
+            and nxt[1] == r
+        ):
             if k < len(PHASES):
                 out[PHASES[k]] = cur
             cur = []
             k += 1
-            marker_sizes.add(r)
-            continue
-        if action != "alloc" and r in marker_sizes:
+            i += 2
             continue
         cur.append(("alloc" if action == "alloc" else "free", r))
+        i += 1
     return out
+
+
+def live_peak(phases: dict[str, list[tuple[str, int]]]) -> int:
+    """The largest sum of live requests (512-rounded) over the phases in order, frees matched by size."""
+    live = peak = 0
+    for p in PHASES:
+        for action, size in phases.get(p, []):
+            live += size if action == "alloc" else -size
+            peak = max(peak, live)
+    return peak
 
 
 def emulated(cfg: dict) -> list[list]:
@@ -71,6 +90,7 @@ def main() -> int:
     doc = json.load(gzip.open(a.truth))
     grid = [r for r in doc["grid"] if "events" in r and a.only in json.dumps(r["config"])]
     matched = dict.fromkeys(PHASES[1:], 0)
+    peak_errors: list[tuple[float, dict]] = []
     differ: dict[str, list] = {p: [] for p in PHASES[1:]}
     for r in grid:
         real = split(r["events"], gpu_rnn_truth.MARK_BYTES)
@@ -79,6 +99,8 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 - reported per config
             differ["to_cuda"].append((r["config"], f"{type(e).__name__}: {e}", ""))
             continue
+        real_peak, est_peak = live_peak(real), live_peak(est)
+        peak_errors.append(((est_peak - real_peak) / real_peak * 100 if real_peak else 0.0, r["config"]))
         for p in PHASES[1:]:
             if real.get(p, []) == est.get(p, []):
                 matched[p] += 1
@@ -91,6 +113,11 @@ def main() -> int:
         for cfg, real, est in differ[p][: a.show]:
             bad = True
             print(f"    {json.dumps(cfg)}\n      H200:     {real}\n      estimate: {est}")
+    errs = sorted(abs(e) for e, _ in peak_errors)
+    if errs:
+        worst = max(peak_errors, key=lambda e: abs(e[0]))
+        print(f"peak of live bytes over all phases: median |error| {errs[len(errs) // 2]:.3f} %, max {errs[-1]:.3f} %"
+              f" ({json.dumps(worst[1])}: {worst[0]:+.3f} %)")  # fmt: skip
     return 1 if bad else 0
 
 

@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import (
 
 from . import _device, _rules
 from ._inference import ForwardCounter, GenerationPatches
+from ._rnn import RnnEmulation
 from ._tracer import Tracer
 
 
@@ -123,6 +124,7 @@ class Session:
         self._in_optimizer = 0
         self._warning_filter: tuple | None = None
         self._generation = GenerationPatches(self.forwards, self.tracer.note)
+        self._rnn = RnnEmulation(self.tracer, gpu)
         # Called once `steps_limit` steps are traced (the script runner writes the trace and exits); without
         # it the hook raises StopTrace.
         self.on_limit = None
@@ -170,6 +172,7 @@ class Session:
 
         self._patch(torch, "compile", compile_eager)
         self._patch_dataloader()
+        self._rnn.install()
         tr = self.tracer
         session = self
 
@@ -330,6 +333,7 @@ class Session:
             h.remove()
         self._handles.clear()
         self._generation.uninstall()
+        self._rnn.uninstall()
         for obj, name, old in reversed(self._patches):
             if isinstance(old, list) and name == "_foreach_supported_types":
                 getattr(obj, name)[:] = old
