@@ -233,6 +233,11 @@ pub fn resolve_command(module: Option<&str>, command: &[String]) -> anyhow::Resu
         if path.join("__main__.py").is_file() {
             return Ok(python(first));
         }
+        // A bare name (no `/`) is a program on PATH, as exec finds it: `-- python train.py` run from a
+        // checkout with a `python/` folder runs Python, not the folder.
+        if !first.contains('/') && find_program(first).is_ok() {
+            return Ok(command.to_vec());
+        }
         bail!(
             "{first} is a directory, not a program or a script (a directory runs only when it has a __main__.py; resolved from {})",
             cwd()
