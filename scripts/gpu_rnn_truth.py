@@ -69,6 +69,20 @@ def grid(quick: bool) -> list[dict]:
     return out
 
 
+def dense_grid() -> list[dict]:
+    """A second grid (`--dense`, recorded apart): the sizes training scripts use between the first grid's
+    points, and modules in eval mode (cuDNN's inference workspace, no reserve space)."""
+    out = []
+    for mode, (inp, hid), layers, bidir, batch, seq, dtype in itertools.product(
+        ("LSTM", "GRU", "RNN_TANH"), ((256, 512), (512, 768), (512, 1024)), (1, 2), (False, True), (16, 128),
+        (32, 256), ("float32", "float16")
+    ):  # fmt: skip
+        out.append(dict(mode=mode, input=inp, hidden=hid, layers=layers, bidirectional=bidir, batch=batch, seq=seq,
+                        dtype=dtype, packed=False, proj=0, batch_first=False, dropout=0.0, autocast="",
+                        eval=(batch == 16 and seq == 32)))  # fmt: skip
+    return out
+
+
 def exercise(cfg: dict, mark) -> list[int]:
     """One config's four phases on "cuda", with `mark(name)` between them; returns the parameters' byte sizes.
     The truth runs it under the allocator's history; `bench/estimate/rnn_compare.py` under the estimator."""
@@ -92,6 +106,8 @@ def exercise(cfg: dict, mark) -> list[int]:
     rnn = cls(cfg["input"], cfg["hidden"], cfg["layers"], bidirectional=cfg["bidirectional"], batch_first=bf,
               dropout=cfg["dropout"], **kw).to(dtype)  # fmt: skip
     rnn = rnn.to("cuda")
+    if cfg.get("eval"):
+        rnn.eval()
     mark("to_cuda")
     x = torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
     mark("input")
@@ -101,7 +117,8 @@ def exercise(cfg: dict, mark) -> list[int]:
         out, _h = rnn(inp)
     mark("forward")
     y = out.data if lengths is not None else out
-    y.float().sum().backward()
+    if not cfg.get("eval"):  # (cuDNN has no backward in eval mode)
+        y.float().sum().backward()
     mark("backward")
     del out, _h, y, inp
     mark("freed")
@@ -184,6 +201,7 @@ def main() -> int:
     ap.add_argument("out", nargs="?")
     ap.add_argument("--script")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--dense", action="store_true", help="record dense_grid() into rnn-truth-dense.json.gz only")
     a = ap.parse_args()
     if a.script:
         r = one_script(a.script)
@@ -194,6 +212,13 @@ def main() -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
+    if a.dense:
+        doc = {"torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
+               "device": torch.cuda.get_device_name(0), "grid": record_grid(dense_grid())}  # fmt: skip
+        with gzip.open(out / "rnn-truth-dense.json.gz", "wt") as f:
+            json.dump(doc, f)
+        print(f"dense grid: {len(doc['grid'])} configs in {time.time() - t0:.0f}s", flush=True)
+        return 0
     doc = {"torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
            "device": torch.cuda.get_device_name(0), "grid": record_grid(grid(a.quick))}  # fmt: skip
     print(f"grid: {len(doc['grid'])} configs in {time.time() - t0:.0f}s", flush=True)
