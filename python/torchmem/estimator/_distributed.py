@@ -208,6 +208,7 @@ class Emulation:
         self._patch_groups(dist, c10d)
         self._patch_mesh()
         self._patch_dtensor()
+        self._patch_funcol()
         self._patch_ddp()
         self._patch_cuda()
         return True
@@ -357,6 +358,22 @@ class Emulation:
                 return original(*args, **kwargs)
 
         self._patch(ShardingPropagator, name, propagate)
+
+    def _patch_funcol(self) -> None:
+        """`wait_tensor` returns its input on a GPU (c10d's kernel only unregisters the work), so a functional
+        collective's output (DTensor's all-reduce of a Partial, TP's all-gathers) is one block. Its meta kernel,
+        which runs on the emulated device, returns a new tensor (`empty_like`): every wait looked like a second
+        block of the output's size, alive with the collective's until the collective's was freed. On the emulated
+        world nothing waits, so the module's `wait_tensor` / `wait_tensors` (what funcol and
+        AsyncCollectiveTensor call) return their inputs."""
+        try:
+            import torch.distributed._functional_collectives as funcol
+        except ImportError:
+            return
+        if hasattr(funcol, "wait_tensor"):
+            self._patch(funcol, "wait_tensor", lambda tensor: tensor)
+        if hasattr(funcol, "wait_tensors"):
+            self._patch(funcol, "wait_tensors", lambda tensors: list(tensors))
 
     # -- DDP
     def _patch_ddp(self) -> None:
