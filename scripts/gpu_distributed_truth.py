@@ -15,6 +15,7 @@ versions, device, configs). The estimate of each config is `torchmem estimate --
 when it finds no GPU).
 
 Usage: `python scripts/gpu_distributed_truth.py OUT [--only NAME,...] [--steps 3]`
+       `python scripts/gpu_distributed_truth.py --child NAME --snapshot FILE.pickle` (with the allocator history)
        `python scripts/gpu_distributed_truth.py --child NAME` (one config in this process; prints JSON)
 """
 
@@ -142,7 +143,16 @@ def main() -> int:
     ap.add_argument("--child")
     ap.add_argument("--only")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--snapshot", help="with --child: keep the allocator history, dump it to this pickle")
     a = ap.parse_args()
+    if a.child and a.snapshot:
+        import torch
+
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+        r = _child(a.child, a.steps)
+        torch.cuda.memory._dump_snapshot(a.snapshot)
+        print(json.dumps(r))
+        return 0
     if a.child:
         print(json.dumps(_child(a.child, a.steps)))
         return 0
