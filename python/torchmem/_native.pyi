@@ -1,7 +1,35 @@
 """Type stubs for `torchmem._native`, the Rust extension. This file is the contract: every function the Rust
-side exports is listed here with its meaning and units. Sections belong to one concern each."""
+side exports is listed here with its meaning and units. Sections belong to one concern each. Every dict that
+crosses has its `TypedDict` in `torchmem._types` (tests/unit/test_stub_contract.py calls each function and checks
+its dict against it); the only `dict[str, Any]`s left are torch's own `_cuda_memoryStats` dicts
+(`TorchMemoryStats`) and the tracer's summary (`TracerSummary`)."""
 
 from typing import Any, Final, final
+
+from torchmem._types import (
+    DeviceInfo,
+    EpochReport,
+    EstimateReport,
+    GpuSpec,
+    LeakFinding,
+    LeakReport,
+    LineCallbacks,
+    LinePayload,
+    LineReport,
+    LineSnapshot,
+    LineStart,
+    Marker,
+    MarkerSummary,
+    OomDiagnosis,
+    ProbeData,
+    ProfileReport,
+    SimulateResult,
+    SnapshotReport,
+    StepGrowth,
+    TorchMemoryStats,
+    TracerSummary,
+    WhatIfResult,
+)
 
 __version__: str
 #: The categories a breakdown entry carries as `<name>_bytes`, in core's order (`breakdown::Category::ALL`).
@@ -32,7 +60,7 @@ class MarkerLog:
     (fold::SpanFolder), epochs and marks always kept. Every view is computed over all markers pushed."""
 
     def __init__(self, keep_markers: int | None = None) -> None: ...
-    def push(self, marker: dict[str, Any]) -> bool:
+    def push(self, marker: Marker) -> bool:
         """Takes one marker in model::Marker form ({"t_ns", "kind", "edge", "name", "index", "memory":
         MarkerMemory, optional "origin", "device", "breakdown", "activations_by_module"}); True when it is kept as
         a marker. InputError (a ValueError) for a dict not in that form."""
@@ -41,7 +69,7 @@ class MarkerLog:
         """Steps started so far (finished or not, kept or folded)."""
     def __len__(self) -> int:
         """How many markers are kept."""
-    def summary(self, capacity_bytes: int | None = None) -> dict[str, Any]:
+    def summary(self, capacity_bytes: int | None = None) -> MarkerSummary:
         """analysis::Summary as a dict: epochs (with their step counts), steps, phases, breakdown, growth, journey
         (each named point once). `capacity_bytes`: the journey's yardstick."""
     def summary_text(self, capacity_bytes: int | None = None) -> str:
@@ -50,7 +78,7 @@ class MarkerLog:
         self, capacity_bytes: int | None = None, format: str = "text", title: str = "torchmem memory journey"
     ) -> str:
         """The memory journey as "text" or "mermaid" (InputError, a ValueError, on any other format)."""
-    def epoch_report(self) -> dict[str, Any]:
+    def epoch_report(self) -> EpochReport:
         """{"line", "row", "growth", "growth_per_epoch_bytes"} for the last finished epoch."""
 
 class ProfileData:
@@ -59,7 +87,7 @@ class ProfileData:
     @property
     def path(self) -> str:
         """The profile file's path, as given."""
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> ProfileReport:
         """The dict of `torchmem report --format json`."""
     def tables(self) -> list[str]:
         """The table names `table` accepts: cpu_samples, torch_samples, gpu_samples, processes,
@@ -173,7 +201,7 @@ def nvml_read(index: int, pid: int) -> NvmlReading:
     """NVML device `index` now, with the bytes NVML charges to process `pid` and to all the others. Raises
     TorchmemError without NVML."""
 
-def device_info() -> dict[str, Any]:
+def device_info() -> DeviceInfo:
     """The host (total/available RAM) and every NVML device (name, uuid, total/used/free, this
     process's and other processes' bytes, driver and CUDA driver versions, or `nvml_error`). No CUDA context."""
 
@@ -198,15 +226,15 @@ class AllocatorCounters:
     num_alloc_retries: Final[int]
     num_ooms: Final[int]
 
-def allocator_counters(nested: dict[str, Any]) -> AllocatorCounters:
+def allocator_counters(nested: TorchMemoryStats) -> AllocatorCounters:
     """The counters of `torch._C._cuda_memoryStats(dev)`'s nested dict, as the allocator sampler reads them
     (missing keys, and negative values, read as 0)."""
 
-def program_peaks_fold(device: int, nested: dict[str, Any]) -> None:
+def program_peaks_fold(device: int, nested: TorchMemoryStats) -> None:
     """The peak ledger (python/torchmem/_ledger.py): folds every `peak` stat of `nested` (a
     `_cuda_memoryStats(device)` dict read just before torchmem resets the counters) into the program's view."""
 
-def program_peaks_apply(device: int, nested: dict[str, Any]) -> dict[str, Any]:
+def program_peaks_apply(device: int, nested: TorchMemoryStats) -> TorchMemoryStats:
     """Raises, in place, every `peak` stat of `nested` to the program's view (what it would read had torchmem
     never reset the counters) and returns it."""
 
@@ -237,7 +265,7 @@ def allocator_sampler_running() -> bool:
     """True while the sampler thread runs in this process."""
 
 # --- line profiler (crates/torchmem-py/src/line.rs) ---
-def line_start(hook: str, gate_ns: float | None = None, gpu_probe: Any = None) -> dict[str, Any]:
+def line_start(hook: str, gate_ns: float | None = None, gpu_probe: Any = None) -> LineStart:
     """Start the line profiler. `hook`: "settrace" (Python <= 3.11) or "monitoring" (>= 3.12). `gate_ns`
     overrides the calibrated gate (0 = read memory at every event). `gpu_probe()` returns None until CUDA is
     initialised, then `(device, stats, reset)`: the allocator's own `_cuda_memoryStats` and the peak ledger's
@@ -262,7 +290,7 @@ def line_set_matcher(matcher: Any = None) -> None:
 def line_set_disable(obj: Any) -> None:
     """Give the profiler `sys.monitoring.DISABLE`."""
 
-def line_monitoring_callbacks() -> dict[str, Any]:
+def line_monitoring_callbacks() -> LineCallbacks:
     """Raw METH_FASTCALL builtins for sys.monitoring: keys "line", "start", "resume", "exit"."""
 
 def line_trace_install(on: bool) -> bool:
@@ -275,19 +303,19 @@ def line_trace_install_all() -> int | None:
 def line_thread_installer(_frame: Any, _event: Any, _arg: Any) -> None:
     """For `threading.settrace`: installs the C trace function in each new thread."""
 
-def line_snapshot() -> dict[str, Any]:
+def line_snapshot() -> LineSnapshot:
     """{"functions": [{"code", "calls", "threads", "lines": [(line, hits, rss_after_bytes, cpu_delta_bytes,
     cpu_delta_max_bytes, gpu_alloc_delta_bytes | None, gpu_peak_bytes | None, gpu_reserved_delta_bytes |
     None)]}], "warnings", "reads", "events", "gate_ns", "hook", "gpu_device"}."""
 
-def line_render_text(payloads: dict[str, Any] | list[dict[str, Any]]) -> str:
+def line_render_text(payloads: LinePayload | list[LinePayload]) -> str:
     """memory_profiler-style tables for line-profile payloads (`line_snapshot()` dicts; torchmem_core::lines).
     InputError (a ValueError) for anything that is not such a dict or a list of them."""
 
-def line_render_html(payloads: dict[str, Any] | list[dict[str, Any]]) -> str:
+def line_render_html(payloads: LinePayload | list[LinePayload]) -> str:
     """Self-contained HTML fragment (annotated source, heaviest lines highlighted)."""
 
-def line_report(payloads: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any]:
+def line_report(payloads: LinePayload | list[LinePayload]) -> LineReport:
     """The `lines` section of `torchmem report --format json`, as a dict."""
 
 # --- allocator simulator (crates/torchmem-py/src/simulate.rs) ---
@@ -299,12 +327,12 @@ def simulate(
     device_memory_bytes: int | None = None,
     min_memory: bool = False,
     device_memory_recorded: bool = False,
-) -> dict[str, Any]:
+) -> SimulateResult:
     """Replays a snapshot (a path or its bytes) through the caching-allocator model: the dict of
     `torchmem simulate --json` plus `text` (and `min_memory` when asked). Raises SnapshotError, InputError
     (bad settings)."""
 
-def whatif(path: str, memory_limit_bytes: int | None = None, device_total_bytes: int | None = None) -> dict[str, Any]:
+def whatif(path: str, memory_limit_bytes: int | None = None, device_total_bytes: int | None = None) -> WhatIfResult:
     """The what-if panel of a snapshot file (pickle, JSON, gzipped): `devices` (per device `headline`,
     `rows` of the common settings with peaks, `avoids_recorded_oom`, `min_memory_bytes`, or `unavailable`:
     one line on why the trace cannot be simulated) and `text`. `memory_limit_bytes`: the per-process cap
@@ -316,22 +344,22 @@ def parse_size(text: str) -> int:
     `14g`/`14GiB`/`14.5 GiB` (1024-based), `24GB`/`24 MB` (1000-based), `100 B`, or a bare byte count of at
     least 1 MiB. Raises InputError (a ValueError) naming the accepted forms."""
 
-def gpu_catalogue() -> list[dict[str, Any]]:
+def gpu_catalogue() -> list[GpuSpec]:
     """The estimator's GPU catalogue (`torchmem estimate --list-gpus --json`): per GPU `key`, `name`,
     `nvml_total_bytes`, `cuda_total_bytes`, `cuda_total_measured`, `major`, `minor`, `multi_processor_count`,
     `context` (the measured CUDA context overhead or None)."""
 
-def find_gpu(name: str) -> dict[str, Any]:
+def find_gpu(name: str) -> GpuSpec:
     """The catalogue entry for `name` (case-insensitive; "H100" is the 80 GB SXM, "4090" the RTX 4090).
     Raises InputError naming the known keys."""
 
 def estimate_report(
     trace: str,
-    summary: dict[str, Any],
+    summary: TracerSummary,
     gpu: str = "H200",
     device_memory_bytes: int | None = None,
     alloc_conf: str | None = None,
-) -> dict[str, Any]:
+) -> EstimateReport:
     """The estimate of a traced run, in-process (the code `torchmem estimate --trace T --summary S` runs):
     the tracer's trace file and summary dict replayed on `gpu` (with `device_memory_bytes` instead of its
     memory when given, under `alloc_conf` when given); the dict of `--json` plus `text`: the point peaks, the
@@ -341,13 +369,13 @@ def estimate_report(
     SnapshotError (an unreadable trace), InputError (unknown GPU, bad alloc_conf or summary)."""
 
 # --- allocator snapshots (crates/torchmem-py/src/snapshot.rs) ---
-def snapshot_summary(path: str, top: int = 10, at_time_us: int | None = None) -> dict[str, Any]:
+def snapshot_summary(path: str, top: int = 10, at_time_us: int | None = None) -> SnapshotReport:
     """Summary (per-device reserved/allocated/active/requested bytes now and at the traced peak,
     fragmentation per segment, trace action counts, ring-buffer history) and the `top` allocation sites
     at the peak (or at `at_time_us`) of a snapshot file (pickle or JSON, either gzipped): {"file", "summary",
     "top"}. Raises SnapshotError."""
 
-def snapshot_summary_bytes(data: bytes, top: int = 10, at_time_us: int | None = None) -> dict[str, Any]:
+def snapshot_summary_bytes(data: bytes, top: int = 10, at_time_us: int | None = None) -> SnapshotReport:
     """The same for snapshot bytes. Raises SnapshotError."""
 
 def snapshot_text(path: str, top: int = 10) -> str:
@@ -366,12 +394,12 @@ def oom_diagnosis(
     free_bytes: int | None = None,
     process_bytes: int | None = None,
     device: int | None = None,
-) -> dict[str, Any]:
+) -> OomDiagnosis:
     """Diagnosis of an out-of-memory failure from the allocator's numbers (bytes), as a dict: verdict
     ("fragmentation" | "capacity" | "other_processes" | "request_too_large"), explanation, next_steps,
     batch_factor, shortfall_bytes, and `text`."""
 
-def explain_oom(message: str) -> dict[str, Any]:
+def explain_oom(message: str) -> OomDiagnosis:
     """Parses a PyTorch CUDA OOM message (torch <= 2.0, 2.1, >= 2.2 wordings) and diagnoses it, as a dict
     (like `oom_diagnosis`, with the parsed numbers). Raises OomParseError (a ValueError) for text
     that is not one."""
@@ -417,7 +445,7 @@ class StepGrowthDetector:
         the last `window_steps` steps. InputError when window_steps < 2."""
     def push(
         self, allocated_bytes: int | None, rss_bytes: int | None, malloc_free_bytes: int | None = None
-    ) -> dict[str, Any] | None:
+    ) -> StepGrowth | None:
         """One step end (allocated bytes: None without CUDA; `malloc_free_bytes()`: None where it cannot be
         read). None, or the growth as a dict ({"what", "per_step_bytes", "window_steps", "rising_steps",
         "steps_seen"}) when at least 3/4 of the window's steps rose and the net rise per step is at least 512 B
@@ -431,11 +459,11 @@ class StepGrowthDetector:
     def steps_seen(self) -> int:
         """Step ends pushed so far."""
 
-def leak_findings(probe: dict[str, Any]) -> dict[str, Any]:
+def leak_findings(probe: ProbeData) -> LeakReport:
     """The findings of one probe: an analysis::leaks::ProbeData dict ({"probe_steps", "first_step", "growth",
     "tensors": [TensorSite], "python": [PythonLine]}) in, a LeakReport dict ({"growth", "probe_steps",
     "first_step", "findings": [Leak], "unexplained"}) out. InputError for a dict not in that form."""
 
-def leaks_text(findings: list[dict[str, Any]]) -> str:
+def leaks_text(findings: list[LeakFinding]) -> str:
     """The "Leaks" table (line, kind, per step, live, holds, source, and each finding's message) of a list of
     findings (Leak dicts), as aligned text; "" for an empty list."""
