@@ -37,9 +37,12 @@ import sysconfig
 import tracemalloc
 import warnings
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _events, _native
+
+if TYPE_CHECKING:
+    from ._types import LeakFinding, LeakReport, StepGrowth
 
 # The node budget of one probe step end's graph walks (all lines together).
 _GRAPH_NODE_BUDGET = 200_000
@@ -89,8 +92,8 @@ class LeakDetector:
         self.max_probes = max_probes
         self.warn = warn
         self.rank = rank
-        self.reports: list[dict[str, Any]] = []
-        self.findings: list[dict[str, Any]] = []
+        self.reports: list[LeakReport] = []
+        self.findings: list[LeakFinding] = []
         self.warned = False
         self._growth = _native.StepGrowthDetector(warmup_steps, window_steps)
         self._probe: _Probe | None = None
@@ -122,7 +125,7 @@ class LeakDetector:
         if self._probe is None:
             self._start(None, None, steps)
 
-    def _start(self, growth: dict[str, Any] | None, index: int | None, steps: int | None = None) -> None:
+    def _start(self, growth: StepGrowth | None, index: int | None, steps: int | None = None) -> None:
         torch = sys.modules.get("torch")
         if torch is None:
             return
@@ -180,7 +183,7 @@ class LeakDetector:
 class _Probe:
     """Records, for a few steps, every tensor torch functions return and the Python allocations by line."""
 
-    def __init__(self, torch: Any, steps: int, first_step: int | None, growth: dict[str, Any] | None) -> None:
+    def __init__(self, torch: Any, steps: int, first_step: int | None, growth: StepGrowth | None) -> None:
         self.torch = torch
         self.steps = steps
         self.first_step = first_step

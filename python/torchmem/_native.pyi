@@ -10,7 +10,7 @@ from torchmem._types import (
     DeviceInfo,
     EpochReport,
     EstimateReport,
-    GpuSpec,
+    GpuCatalogueEntry,
     LeakFinding,
     LeakReport,
     LineCallbacks,
@@ -344,12 +344,12 @@ def parse_size(text: str) -> int:
     `14g`/`14GiB`/`14.5 GiB` (1024-based), `24GB`/`24 MB` (1000-based), `100 B`, or a bare byte count of at
     least 1 MiB. Raises InputError (a ValueError) naming the accepted forms."""
 
-def gpu_catalogue() -> list[GpuSpec]:
+def gpu_catalogue() -> list[GpuCatalogueEntry]:
     """The estimator's GPU catalogue (`torchmem estimate --list-gpus --json`): per GPU `key`, `name`,
     `nvml_total_bytes`, `cuda_total_bytes`, `cuda_total_measured`, `major`, `minor`, `multi_processor_count`,
     `context` (the measured CUDA context overhead or None)."""
 
-def find_gpu(name: str) -> GpuSpec:
+def find_gpu(name: str) -> GpuCatalogueEntry:
     """The catalogue entry for `name` (case-insensitive; "H100" is the 80 GB SXM, "4090" the RTX 4090).
     Raises InputError naming the known keys."""
 

@@ -461,6 +461,16 @@ class DeviceInfo(TypedDict):
     devices: list[DeviceEntry]
 
 
+class TorchDeviceInfo(DeviceInfo):
+    """`torchmem.device_info()`: `DeviceInfo` (`devices` kept to the one asked for) plus torch's side, read
+    without importing torch when it is not imported (None where unknown)."""
+
+    torch_version: str | None
+    torch_cuda_version: str | None
+    #: None until the program imported torch.
+    torch_cuda_available: bool | None
+
+
 # --- leaks (analysis::leaks) ---
 
 
@@ -861,7 +871,7 @@ class GpuContext(TypedDict):
     convolution_bytes: int
 
 
-class GpuSpec(TypedDict):
+class GpuCatalogueEntry(TypedDict):
     """estimator::gpus::Gpu: one catalogue entry (`gpu_catalogue`, `find_gpu`)."""
 
     key: str

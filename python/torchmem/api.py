@@ -20,20 +20,23 @@ import functools
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from . import _devices, _ledger, _markers, _native, _rank
+
+if TYPE_CHECKING:
+    from ._types import TorchDeviceInfo
 
 # --- device_info ------------------------------------------------------------------------------------------
 
 
-def device_info(device: Any = None) -> dict[str, Any]:
+def device_info(device: Any = None) -> TorchDeviceInfo:
     """The machine's memory: per NVIDIA device its name, total/used/free bytes from the driver (NVML), what
     this process and the other processes use on it, the driver and CUDA versions, torch's version; and the
     host's total and available RAM. Works without torch and without a GPU (then `devices` is empty and
     `nvml_error` says why). Never creates a CUDA context. `device` (int or 'cuda:N') keeps only that device.
     Also records a "Device checked" mark for the journey."""
-    info: dict[str, Any] = _native.device_info()
+    info = cast("TorchDeviceInfo", _native.device_info())
     torch = sys.modules.get("torch")
     if torch is not None:
         info["torch_version"] = str(getattr(torch, "__version__", "")) or None

@@ -22,9 +22,12 @@ import sys
 import threading
 import types
 import warnings
-from typing import Any, Callable, Optional, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Optional, TextIO
 
 from . import _events, _native
+
+if TYPE_CHECKING:
+    from ._types import LinePayload
 
 _MONITORING = sys.version_info >= (3, 12)
 _TOOL_NAME = "torchmem"
@@ -399,7 +402,7 @@ def _row(entry: dict[str, Any], r: tuple) -> None:
     )
 
 
-def profile_data() -> dict[str, Any]:
+def profile_data() -> LinePayload:
     """The line profile as one JSON-able payload (the `data` of the `line_profile` event; schema in
     docs/line-profiler.md); all numbers in bytes."""
     snap = _native.line_snapshot()

@@ -10,9 +10,12 @@ A missing file raises `FileNotFoundError`; a file that is not a readable profile
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _native
+
+if TYPE_CHECKING:
+    from ._types import ProfileReport, ReportMeta
 
 __all__ = ["Profile", "load_profile"]
 
@@ -32,11 +35,11 @@ class Profile:
         return self._data.path
 
     @property
-    def meta(self) -> dict[str, Any]:
+    def meta(self) -> ReportMeta:
         """The run's metadata (command, exit code, duration, host, GPUs): `summary()["meta"]`."""
         return self.summary()["meta"]
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> ProfileReport:
         """The report of `torchmem report --format json` as a dict."""
         return self._data.summary()
 

@@ -14,9 +14,12 @@ from __future__ import annotations
 import os
 import pickle
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _native
+
+if TYPE_CHECKING:
+    from ._types import MinMemoryDevice, SimDevice, SimRefused, SimulateResult
 
 __all__ = ["Simulation", "simulate"]
 
@@ -55,15 +58,15 @@ class Simulation:
     matches_recording: bool | None
     """With the recorded settings: whether the replay reproduced the recording; None for a what-if."""
     settings: str
-    devices: list[dict[str, Any]] = field(repr=False)
-    refused: list[dict[str, Any]] = field(repr=False)
+    devices: list[SimDevice] = field(repr=False)
+    refused: list[SimRefused] = field(repr=False)
     """Devices not simulated, each with its `reason` (e.g. a CUDA-graph private pool)."""
     version_note: str | None = field(repr=False)
     """Set when the snapshot comes from a torch older than the rules used (2.11)."""
-    min_memory: list[dict[str, Any]] | None = field(repr=False)
+    min_memory: list[MinMemoryDevice] | None = field(repr=False)
     """With `min_memory=True`: per device, the smallest memory limit without OOM per setting."""
     text: str = field(repr=False)
-    raw: dict[str, Any] = field(repr=False)
+    raw: SimulateResult = field(repr=False)
 
     def __str__(self) -> str:
         return self.text

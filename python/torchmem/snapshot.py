@@ -26,9 +26,12 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _native, _rank
+
+if TYPE_CHECKING:
+    from ._types import SnapshotReport
 
 __all__ = ["OomHandler", "capture", "checkpointing_hazard", "on_oom", "summary"]
 
@@ -130,7 +133,7 @@ def _resume_or_stop(torch: Any) -> None:
     _stop_recording(torch)
 
 
-def summary(path: str | os.PathLike[str], top: int = 10, at_time_us: int | None = None) -> dict[str, Any]:
+def summary(path: str | os.PathLike[str], top: int = 10, at_time_us: int | None = None) -> SnapshotReport:
     """The summary and top allocation sites of a snapshot file, read safely in Rust (raises SnapshotError)."""
     return _native.snapshot_summary(os.fspath(path), top, at_time_us)
 

@@ -432,9 +432,33 @@ def test_line_profiler_dicts_match_their_typeddict(fresh_process_values: dict) -
 def test_the_checker_refuses_a_missing_key_an_unknown_key_and_a_wrong_type() -> None:
     """The contract check itself: each kind of drift fails."""
     good = native.find_gpu("H200")
-    check(good, T.GpuSpec)
+    check(good, T.GpuCatalogueEntry)
     for bad in ({k: v for k, v in good.items() if k != "major"}, {**good, "extra": 1}, {**good, "major": "9"}):
         with pytest.raises(AssertionError):
-            check(bad, T.GpuSpec)
+            check(bad, T.GpuCatalogueEntry)
     with pytest.raises(AssertionError):
-        check({**good, "context": {"base_bytes": 1}}, T.GpuSpec)
+        check({**good, "context": {"base_bytes": 1}}, T.GpuCatalogueEntry)
+
+
+def _py_returns(func: object) -> object:
+    """The return annotation of a torchmem Python function (its torchmem._types names are TYPE_CHECKING-only)."""
+    return typing.get_type_hints(func, localns=TYPES_NS)["return"]
+
+
+def test_the_public_python_api_returns_what_it_says() -> None:
+    """The Python functions that hand these dicts on say so, and the dicts they return match."""
+    import torchmem
+    from torchmem import estimator, recorded_profile, simulation, snapshot
+
+    info = torchmem.device_info()
+    check(info, _py_returns(torchmem.device_info), "device_info")
+    assert _py_returns(torchmem.device_info) is T.TorchDeviceInfo
+    check(snapshot.summary(SNAPSHOTS[0], 2), _py_returns(snapshot.summary), "snapshot.summary")
+    check(estimator.gpu_catalogue(), _py_returns(estimator.gpu_catalogue), "gpu_catalogue")
+    prof = torchmem.load_profile(str(FIXTURES / "profile_v1.sqlite"))
+    check(prof.summary(), _py_returns(recorded_profile.Profile.summary), "Profile.summary")
+    check(prof.meta, _py_returns(recorded_profile.Profile.meta.fget), "Profile.meta")
+    sim = torchmem.simulate(str(SNAPSHOTS[0]), min_memory=True)
+    hints = typing.get_type_hints(simulation.Simulation, localns=TYPES_NS)
+    for name in ("devices", "refused", "min_memory", "raw"):
+        check(getattr(sim, name), hints[name], f"Simulation.{name}")

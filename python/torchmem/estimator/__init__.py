@@ -19,21 +19,24 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ._device import EstimateUnsupported, GpuSpec
+
+if TYPE_CHECKING:
+    from .._types import EstimateReport, GpuCatalogueEntry, RankClass, Uncertainty
 
 __all__ = ["Estimate", "EstimateUnsupported", "GpuSpec", "estimate", "gpu_catalogue", "gpu_spec"]
 
 
-def gpu_catalogue() -> list[dict]:
+def gpu_catalogue() -> list[GpuCatalogueEntry]:
     """The GPU catalogue (one table, in Rust: the one `torchmem estimate --list-gpus --json` prints)."""
     from .. import _native
 
     return _native.gpu_catalogue()
 
 
-def _find_gpu(name: str) -> dict:
+def _find_gpu(name: str) -> GpuCatalogueEntry:
     """The catalogue entry for `name`, by the CLI's alias rule (`--gpu`)."""
     from .. import _native
 
@@ -79,14 +82,14 @@ class Estimate:
     world_size: int = 1
     rank: int = 0
     nccl_bytes: int = 0
-    ranks: list[dict] = field(default_factory=list)
+    ranks: list[RankClass] = field(default_factory=list)
     peak_allocated_upper_bytes: int = 0
     peak_reserved_upper_bytes: int = 0
     nvml_upper_bytes: int = 0
     margin_upper_bytes: int = 0
     fits_point: bool = True
-    uncertainty: list[dict] = field(default_factory=list)
-    report: dict[str, Any] = field(default_factory=dict, repr=False)
+    uncertainty: list[Uncertainty] = field(default_factory=list)
+    report: EstimateReport = field(default_factory=dict, repr=False)  # type: ignore[assignment]
 
     def __str__(self) -> str:
         return self.report.get("text", repr(self))
