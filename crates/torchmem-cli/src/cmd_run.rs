@@ -34,7 +34,7 @@ use torchmem_core::units::format_bytes;
 use crate::status_bar::StatusBar;
 use crate::tui::inline::{self, InlinePanel};
 use crate::tui::view::{INLINE_HEIGHT, NO_NVML};
-use torchmem_recorder::live_state::LiveSnapshot;
+use torchmem_recorder::live_state::{LiveHandle, LiveSnapshot};
 use torchmem_recorder::oom_watch::OomWatch;
 use torchmem_recorder::output_path::{self, Existing};
 use torchmem_recorder::recorder::{Config, EventListener, Recorder};
@@ -407,7 +407,7 @@ struct Session {
     child: std::process::Child,
     pidfd: Option<std::os::fd::OwnedFd>,
     rec: Recorder,
-    live: Option<torchmem_recorder::sinks::live::LiveHandle>,
+    live: Option<LiveHandle>,
     bar: Option<StatusBar>,
     panel: Option<InlinePanel>,
     interval: Duration,
@@ -456,7 +456,10 @@ fn launch(args: &RunArgs, plan: Plan) -> anyhow::Result<Session> {
         started_unix_s: meta.started_unix_s,
         launch: place,
     };
-    let mut live_sinks = args.sinks.config().build(&sink_context)?;
+    // The run's one live state: the recorder folds each batch into it once; the state file, the metrics,
+    // the --live panel and the status line all render it.
+    let live_state = LiveHandle::for_run(&sink_context);
+    let mut live_sinks = args.sinks.config().build(&sink_context, &live_state)?;
     let gpu_note = match (&gpu, args.no_gpu) {
         (Some(_), _) => None,
         (None, true) => Some("not read (--no-gpu)".to_string()),
@@ -521,18 +524,15 @@ fn launch(args: &RunArgs, plan: Plan) -> anyhow::Result<Session> {
     // Registered for `torchmem top` (and the state `--live` draws) as soon as the program runs, unless
     // TORCHMEM_LIVE=0.
     let register = torchmem_recorder::sinks::live::registration_enabled();
-    // The run's live state: the state file, the --live panel and the status line all render it.
-    let live = (register || args.live || args.status).then(|| {
-        let (mut live_sink, live) = if register {
-            LiveSink::start(&sink_context, &torchmem_recorder::sinks::live::live_dir(), child.id(), &output)
-        } else {
-            LiveSink::unregistered(&sink_context, child.id(), &output)
-        };
-        live_sink.set_gpu_note(gpu_note);
-        live_sinks.push(Box::new(live_sink));
-        live
-    });
-    let mut rec = Recorder::new(config, Sinks::new(writer, live_sinks), gpu, child.id(), start_ns, Some(events));
+    live_state.set_program(child.id(), &output);
+    live_state.set_gpu_note(gpu_note);
+    if register {
+        live_sinks.push(Box::new(LiveSink::start(&live_state, &torchmem_recorder::sinks::live::live_dir())));
+    }
+    let live = (register || args.live || args.status).then(|| live_state.clone());
+    // Folded only when something renders it.
+    let fold = (live.is_some() || !live_sinks.is_empty()).then_some(live_state);
+    let mut rec = Recorder::new(config, Sinks::new(writer, live_sinks, fold), gpu, child.id(), start_ns, Some(events));
     rec.set_not_the_programs(signals.sentinel_pid());
     let bar = if args.status { StatusBar::start() } else { None };
     let panel = if args.live {

@@ -4,7 +4,8 @@
 //!   the event socket), producing `torchmem_core::record::Record`s;
 //! - `sinks`: where the records go (the SQLite profile, Prometheus, TensorBoard, the live state file);
 //! - `live_state`: the records folded into a run's latest readings (`LiveState`, `LiveSnapshot`), the one
-//!   live state behind `torchmem top`'s state file, `run --live`, `run --status` and the Prometheus gauges;
+//!   live state behind `torchmem top`'s state file, `run --live`, `run --status` and the Prometheus gauges
+//!   (`LiveHandle`: shared, folded once per batch by `sinks::Sinks`);
 //! - `signals`: the supervisor that forwards signals to the program and reports how it ended;
 //! - `oom_watch`: the kernel OOM killer's verdicts on the tree;
 //! - `output_path`: where commands write, checked before anything is created or replaced.

@@ -1,15 +1,18 @@
-//! The live view's pure state, no terminal here. Two halves:
+//! A run's one live state, no terminal here:
 //!
 //! - `LiveState` folds the recorder's record batches (or a finished profile's records, `replay_profile`) into
 //!   a `LiveSnapshot`: the latest readings of one run (tree, processes, PyTorch's allocator per process and
 //!   device, the open phase, step and epoch), its peaks and a short history for the sparklines. The snapshot
 //!   is what a recorder publishes in its state file (`sinks::live`) and what `run --live` draws.
-//! - `TopModel` is what `torchmem top` shows: the runs found, the host's RAM, the GPUs NVML reports, and the
-//!   viewer's choices (sort column, direction, selected row), with the rows in display order.
+//! - `LiveHandle` is the one `LiveState` of a run, shared: `sinks::Sinks::flush` folds each batch into it
+//!   once (`LiveHandle::fold`), and every live view renders from it (the state file, `run --live`, the
+//!   status line, the Prometheus gauges); none keeps a fold of its own.
 //!
 //! A value never measured stays `None` (no CUDA: no allocator numbers, never 0).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::sync::{Arc, RwLock};
 
 use serde::{Deserialize, Serialize};
 use torchmem_core::analysis::ranks::IDENTITY_BLOB;
@@ -171,8 +174,8 @@ pub(crate) struct Spans {
 
 /// Folds record batches into a run's latest state: the one fold behind every live output (`top`'s state
 /// file and `run --live` through `sinks::live`, the status line, the Prometheus sink's gauges). A
-/// `LiveSnapshot` is its serialisable view.
-#[derive(Debug, Default)]
+/// `LiveSnapshot` is its serialisable view. A recorder holds one, in a `LiveHandle`.
+#[derive(Debug, Default, Clone)]
 pub struct LiveState {
     pub(crate) base: LiveSnapshot,
     device_names: BTreeMap<u32, String>,
@@ -189,6 +192,8 @@ pub struct LiveState {
     pub(crate) gpu_process: BTreeMap<(u32, u32), u64>,
     next_history_ns: u64,
     t_ns: u64,
+    /// Batches folded in (`apply`): one per recorder flush, whatever the number of views.
+    folds: u64,
 }
 
 fn max_opt(a: Option<u64>, b: Option<u64>) -> Option<u64> {
@@ -357,6 +362,7 @@ impl LiveState {
     /// Folds one batch in. Markers come from `batch.markers` (every marker, before folding); a kept
     /// `Record::Marker` in `records` is the same marker again and is skipped.
     pub fn apply(&mut self, batch: &RecordBatch) {
+        self.folds += 1;
         for r in &batch.records {
             if !matches!(r, Record::Marker(_)) {
                 self.apply_record(r);
@@ -431,6 +437,11 @@ impl LiveState {
         tree.reserved_bytes = None;
     }
 
+    /// The batches folded in so far.
+    pub fn folds(&self) -> u64 {
+        self.folds
+    }
+
     /// The run ended.
     pub fn finish(&mut self, exit_code: Option<i32>) {
         self.base.finished = true;
@@ -468,6 +479,70 @@ impl LiveState {
             })
             .collect();
         snap
+    }
+}
+
+/// The one live state of a run, shared between the recorder (which folds each batch into it once, from
+/// `sinks::Sinks::flush`) and every view of it: the state file (`sinks::live::LiveSink`), the Prometheus
+/// sink and its HTTP thread, `run --live` and `run --status`. Cloning it shares the same state.
+#[derive(Debug, Clone, Default)]
+pub struct LiveHandle(Arc<RwLock<LiveState>>);
+
+impl LiveHandle {
+    pub fn new(state: LiveState) -> Self {
+        LiveHandle(Arc::new(RwLock::new(state)))
+    }
+
+    /// The live state of a run this process records (its pid and start time tell a reused pid apart).
+    pub fn for_run(ctx: &RunContext) -> Self {
+        let me = std::process::id();
+        let mut state = LiveState::new(ctx, me, None, None);
+        state.set_recorder_start_ticks(crate::sinks::live::start_ticks(me));
+        Self::new(state)
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, LiveState> {
+        self.0.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Reads the state (a view renders from it; keep it short, the recorder waits).
+    pub fn read<R>(&self, f: impl FnOnce(&LiveState) -> R) -> R {
+        f(&self.0.read().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// The program torchmem started and the profile it writes (shown by `top` and `run --live`).
+    pub fn set_program(&self, program_pid: u32, profile: &Path) {
+        let profile = std::fs::canonicalize(profile).unwrap_or_else(|_| profile.to_path_buf());
+        let mut st = self.write();
+        st.base.program_pid = Some(program_pid);
+        st.base.profile = Some(profile.display().to_string());
+    }
+
+    /// Says why the run has no GPU readings (shown by `run --live`).
+    pub fn set_gpu_note(&self, note: Option<String>) {
+        self.write().set_gpu_note(note);
+    }
+
+    /// Folds one batch in: the run's only fold (`sinks::Sinks` calls it once per batch, before any sink).
+    pub fn fold(&self, batch: &RecordBatch) {
+        self.write().apply(batch);
+    }
+
+    /// The run ended.
+    pub fn finish(&self, exit_code: Option<i32>) {
+        self.write().finish(exit_code);
+    }
+
+    /// The state now, each process's RSS read fresh from /proc (`sinks::live::refresh_process_rss`).
+    pub fn snapshot(&self) -> LiveSnapshot {
+        let mut snap = self.read(|s| s.snapshot(torchmem_core::clock::unix_time_s()));
+        crate::sinks::live::refresh_process_rss(&mut snap);
+        snap
+    }
+
+    /// The batches folded in so far (tests: one per flush).
+    pub fn folds(&self) -> u64 {
+        self.read(LiveState::folds)
     }
 }
 

@@ -4,16 +4,15 @@
 //! The file is rewritten atomically (a temporary file renamed over it) a few times a second from the
 //! record batches, and removed when the run ends. A recorder killed with SIGKILL leaves its file behind:
 //! readers (`scan`) skip files whose recorder is gone (pid dead, or reused: its start time differs) and
-//! remove them, and so does the next run's registration. `run --live` draws from the same state
-//! (`LiveHandle`).
+//! remove them, and so does the next run's registration. The file is a view of the run's one live state
+//! (`live_state::LiveHandle`, folded once per batch by `Sinks`), which `run --live` draws from too.
 
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::{RecordBatch, RunContext, Sink};
-use crate::live_state::{LiveSnapshot, LiveState, FORMAT};
+use super::{RecordBatch, Sink};
+use crate::live_state::{LiveHandle, LiveSnapshot, FORMAT};
 
 /// How often the state file is rewritten.
 pub const WRITE_INTERVAL_MS: u64 = 250;
@@ -146,31 +145,20 @@ pub fn refresh_process_rss(snap: &mut LiveSnapshot) {
     }
 }
 
-/// The state `run --live` draws from.
-#[derive(Clone)]
-pub struct LiveHandle(Arc<Mutex<LiveState>>);
-
-impl LiveHandle {
-    pub fn snapshot(&self) -> LiveSnapshot {
-        let mut snap = self.0.lock().unwrap_or_else(|e| e.into_inner()).snapshot(torchmem_core::clock::unix_time_s());
-        refresh_process_rss(&mut snap);
-        snap
-    }
-}
-
+/// The run's state file: a view of the run's one live state (`LiveHandle`), which the recorder's `Sinks`
+/// folds each batch into before this sink sees it; the sink only writes it out, a few times a second.
 pub struct LiveSink {
-    state: Arc<Mutex<LiveState>>,
+    state: LiveHandle,
     /// The state file; None when registering failed (the run goes on, `run --live` still draws).
     path: Option<PathBuf>,
     last_write: Option<Instant>,
 }
 
 impl LiveSink {
-    /// Registers the run in `dir`. A directory that cannot be used is said once, and the run goes on
-    /// unregistered (`top` will not see it; nothing else changes).
-    pub fn start(ctx: &RunContext, dir: &Path, program_pid: u32, profile: &Path) -> (LiveSink, LiveHandle) {
+    /// Registers the run's state in `dir`. A directory that cannot be used is said once, and the run goes
+    /// on unregistered (`top` will not see it; nothing else changes).
+    pub fn start(state: &LiveHandle, dir: &Path) -> LiveSink {
         let me = std::process::id();
-        let state = Self::state(ctx, program_pid, profile);
         let path = match ensure_dir(dir) {
             Ok(()) => {
                 // Files left by killed recorders go now too, not only when a `top` looks.
@@ -189,26 +177,7 @@ impl LiveSink {
         }
         // The first batch with readings is written at once.
         sink.last_write = None;
-        (sink, LiveHandle(state))
-    }
-
-    /// The same state for `run --live` alone, registered nowhere (`TORCHMEM_LIVE=0`).
-    pub fn unregistered(ctx: &RunContext, program_pid: u32, profile: &Path) -> (LiveSink, LiveHandle) {
-        let state = Self::state(ctx, program_pid, profile);
-        (LiveSink { state: state.clone(), path: None, last_write: None }, LiveHandle(state))
-    }
-
-    fn state(ctx: &RunContext, program_pid: u32, profile: &Path) -> Arc<Mutex<LiveState>> {
-        let me = std::process::id();
-        let profile = std::fs::canonicalize(profile).unwrap_or_else(|_| profile.to_path_buf());
-        let mut state = LiveState::new(ctx, me, Some(program_pid), Some(profile.display().to_string()));
-        state.set_recorder_start_ticks(start_ticks(me));
-        Arc::new(Mutex::new(state))
-    }
-
-    /// Says why the run has no GPU readings (shown by `run --live`).
-    pub fn set_gpu_note(&mut self, note: Option<String>) {
-        self.state.lock().unwrap_or_else(|e| e.into_inner()).set_gpu_note(note);
+        sink
     }
 
     /// The state file (tests).
@@ -218,9 +187,7 @@ impl LiveSink {
 
     fn write_now(&mut self) -> anyhow::Result<()> {
         if let Some(p) = &self.path {
-            let mut snap =
-                self.state.lock().unwrap_or_else(|e| e.into_inner()).snapshot(torchmem_core::clock::unix_time_s());
-            refresh_process_rss(&mut snap);
+            let snap = self.state.snapshot();
             write_atomically(p, &serde_json::to_string(&snap)?)
                 .map_err(|e| anyhow::anyhow!("writing {}: {e}", p.display()))?;
             self.last_write = Some(Instant::now());
@@ -230,8 +197,8 @@ impl LiveSink {
 }
 
 impl Sink for LiveSink {
-    fn consume(&mut self, batch: &RecordBatch) -> anyhow::Result<()> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner()).apply(batch);
+    /// The batch is already in the state (`Sinks` folded it): write the state out when due.
+    fn consume(&mut self, _batch: &RecordBatch) -> anyhow::Result<()> {
         if self.last_write.is_none_or(|t| t.elapsed() >= Duration::from_millis(WRITE_INTERVAL_MS)) {
             self.write_now()?;
         }
@@ -239,7 +206,6 @@ impl Sink for LiveSink {
     }
 
     fn finish(&mut self, _t_ns: u64) -> anyhow::Result<()> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner()).finish(None);
         if let Some(p) = self.path.take() {
             let _ = std::fs::remove_file(p);
         }
@@ -263,6 +229,7 @@ impl Drop for LiveSink {
 mod tests {
     use super::*;
     use crate::live_state::fixtures::{cpu, process};
+    use crate::sinks::RunContext;
 
     #[test]
     fn a_run_registers_updates_and_unregisters() {
@@ -273,13 +240,17 @@ mod tests {
         let program = child.id();
         child.wait().unwrap();
         let ctx = RunContext { command: vec!["t.py".into()], started_unix_s: 5.0, ..Default::default() };
-        let (mut sink, handle) = LiveSink::start(&ctx, &live, program, Path::new("/no/such/p.sqlite"));
+        let handle = LiveHandle::for_run(&ctx);
+        handle.set_program(program, Path::new("/no/such/p.sqlite"));
+        let mut sink = LiveSink::start(&handle, &live);
         let path = sink.path().unwrap().to_path_buf();
         assert_eq!(path, live.join(format!("{}.json", std::process::id())));
         assert_eq!(std::fs::metadata(&live).unwrap().permissions().mode() & 0o777, 0o700);
         let mut records = process(program, "python t.py", 64);
         records.push(cpu(64));
-        sink.consume(&RecordBatch { records, t_ns: 1, ..Default::default() }).unwrap();
+        let batch = RecordBatch { records, t_ns: 1, ..Default::default() };
+        handle.fold(&batch);
+        sink.consume(&batch).unwrap();
         let found = scan(std::slice::from_ref(&live));
         assert_eq!(found.len(), 1);
         assert_eq!(found[0].program_pid, Some(program));
@@ -342,7 +313,9 @@ mod tests {
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
         let err = ensure_dir(&open).unwrap_err().to_string();
         assert!(err.contains("not a private directory") && err.contains(LIVE_DIR_ENV), "{err}");
-        let (sink, handle) = LiveSink::start(&RunContext::default(), &open, 1, Path::new("p.sqlite"));
+        let handle = LiveHandle::for_run(&RunContext::default());
+        handle.set_program(1, Path::new("p.sqlite"));
+        let sink = LiveSink::start(&handle, &open);
         assert!(sink.path().is_none());
         assert_eq!(handle.snapshot().program_pid, Some(1));
     }

@@ -1,7 +1,7 @@
-//! The Prometheus sink (`torchmem run --metrics HOST:PORT`, `--metrics-textfile PATH`): keeps the latest
-//! value of every series from the record batches (folded by `LiveState`, the fold `top`, `--live` and the
-//! status line render too) and, when scraped (or every few seconds for the textfile),
-//! encodes them with the official `prometheus-client` crate. All gauges, in bytes (Prometheus base units);
+//! The Prometheus sink (`torchmem run --metrics HOST:PORT`, `--metrics-textfile PATH`): renders the run's
+//! one live state (`live_state::LiveHandle`, which `Sinks` folds each batch into; the state `top`, `--live`
+//! and the status line render too, and the sink keeps no fold of its own) when scraped (or every few
+//! seconds for the textfile), with the official `prometheus-client` crate. All gauges, in bytes (Prometheus base units);
 //! labels `pid`, `rank`, `local_rank` (when the process said), `device` (NVML index) and `UUID` (DCGM's
 //! label name, so `on(UUID)` joins with DCGM_FI_DEV_FB_USED work). A value never measured has no series
 //! (no CUDA: no `torchmem_cuda_*` at all, never 0), and a process's series go when it leaves the tree.
@@ -17,14 +17,14 @@
 //! cache, non_torch; `device` is the breakdown's own `cuda:N`/`cpu`; a category not measured has no series).
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use crate::live_state::LiveState;
+use crate::live_state::{LiveHandle, LiveState};
 
 use super::http::{MetricsServer, Render};
 use super::{RecordBatch, RunContext, Sink};
@@ -34,20 +34,18 @@ pub const TEXTFILE_INTERVAL_MS: u64 = 2000;
 
 type Labels = Vec<(&'static str, String)>;
 
-/// What the sink exposes: the run's live state (`crate::live_state::LiveState`, the same fold as `top`'s
-/// state file and the status line), rendered as gauges.
-#[derive(Debug, Default)]
-pub struct MetricsState {
-    live: LiveState,
+/// How the sink renders a run's live state (`crate::live_state::LiveState`, the one fold behind `top`'s
+/// state file and the status line too) as gauges. It holds no state of its own.
+#[derive(Debug, Clone, Default)]
+pub struct MetricsView {
     /// `rank`/`local_rank` of the recorder itself when it runs as one rank (one `torchmem run` per rank):
     /// its tree-wide series carry them, so the ranks of a node stay apart.
     recorder: Labels,
 }
 
-impl MetricsState {
+impl MetricsView {
     pub fn new(ctx: &RunContext) -> Self {
-        MetricsState {
-            live: LiveState::new(ctx, std::process::id(), None, None),
+        MetricsView {
             recorder: ctx
                 .launch
                 .map(|l| {
@@ -60,22 +58,12 @@ impl MetricsState {
         }
     }
 
-    /// Folds one batch in.
-    pub fn apply(&mut self, batch: &RecordBatch) {
-        self.live.apply(batch);
-    }
-
-    /// The run ended: every process series ends with it; the devices' NVML series stay.
-    pub fn end_of_run(&mut self) {
-        self.live.end_of_run();
-    }
-
     /// pid, rank and local_rank, as far as known.
-    fn who(&self, pid: Option<u32>) -> Labels {
+    fn who(live: &LiveState, pid: Option<u32>) -> Labels {
         let mut l = Labels::new();
         if let Some(pid) = pid {
             l.push(("pid", pid.to_string()));
-            if let Some(o) = self.live.identity.get(&pid) {
+            if let Some(o) = live.identity.get(&pid) {
                 if let Some(r) = o.rank {
                     l.push(("rank", r.to_string()));
                 }
@@ -87,16 +75,18 @@ impl MetricsState {
         l
     }
 
-    fn on_device(&self, mut l: Labels, device: u32) -> Labels {
+    fn on_device(live: &LiveState, mut l: Labels, device: u32) -> Labels {
         l.push(("device", device.to_string()));
-        if let Some(u) = self.live.device_uuids.get(&device).filter(|u| !u.is_empty()) {
+        if let Some(u) = live.device_uuids.get(&device).filter(|u| !u.is_empty()) {
             l.push(("UUID", u.clone()));
         }
         l
     }
 
-    /// A registry holding the current values.
-    pub fn registry(&self) -> Registry {
+    /// A registry holding `live`'s current values.
+    pub fn registry(&self, live: &LiveState) -> Registry {
+        let who = |pid: Option<u32>| Self::who(live, pid);
+        let on_device = |l: Labels, device: u32| Self::on_device(live, l, device);
         // Families are registered at the end, and only those with a series: a value never measured (no
         // CUDA) has no HELP/TYPE lines either.
         let families = std::cell::RefCell::new(Vec::new());
@@ -118,8 +108,8 @@ impl MetricsState {
             "torchmem_cuda_peak_reserved_bytes",
             "PyTorch's peak reserved bytes since the process started (the highest the allocator reached)",
         );
-        for ((pid, device), t) in &self.live.torch {
-            let l = self.on_device(self.who(*pid), *device);
+        for ((pid, device), t) in &live.torch {
+            let l = on_device(who(*pid), *device);
             set(&alloc, &l, t.allocated_bytes);
             set(&reserved, &l, t.reserved_bytes);
             set(&peak_alloc, &l, t.peak_allocated_bytes);
@@ -129,13 +119,13 @@ impl MetricsState {
             "torchmem_gpu_process_used_bytes",
             "GPU memory NVML counts for the process on the device (CUDA context included)",
         );
-        for ((device, pid), b) in &self.live.gpu_process {
-            set(&gpu_proc, &self.on_device(self.who(Some(*pid)), *device), *b);
+        for ((device, pid), b) in &live.gpu_process {
+            set(&gpu_proc, &on_device(who(Some(*pid)), *device), *b);
         }
         let used = gauge("torchmem_gpu_used_bytes", "GPU memory used on the device, all processes (NVML)");
         let total = gauge("torchmem_gpu_total_bytes", "GPU memory on the device (NVML)");
-        for (device, g) in &self.live.gpus {
-            let l = self.on_device(Labels::new(), *device);
+        for (device, g) in &live.gpus {
+            let l = on_device(Labels::new(), *device);
             set(&used, &l, g.used_bytes);
             set(&total, &l, g.total_bytes);
         }
@@ -143,8 +133,8 @@ impl MetricsState {
         let pss = gauge("torchmem_process_pss_bytes", "Proportional set size of the process (shared pages split)");
         let uss = gauge("torchmem_process_uss_bytes", "Unique set size of the process (private pages)");
         let info = gauge("torchmem_process_info", "A process of the profiled tree (value 1)");
-        for (pid, p) in &self.live.processes {
-            let l = self.who(Some(*pid));
+        for (pid, p) in &live.processes {
+            let l = who(Some(*pid));
             for (f, v) in [(&rss, p.rss_bytes), (&pss, p.pss_bytes), (&uss, p.uss_bytes)] {
                 if let Some(v) = v {
                     set(f, &l, v);
@@ -152,27 +142,27 @@ impl MetricsState {
             }
             let mut l = l;
             l.push(("ppid", p.ppid.to_string()));
-            l.push(("host", self.live.base.hostname.clone()));
+            l.push(("host", live.base.hostname.clone()));
             l.push(("command", p.command.chars().take(200).collect()));
             set(&info, &l, 1);
         }
         let tree_rss = gauge("torchmem_tree_rss_bytes", "Summed RSS of the whole profiled process tree");
         let tree_pss = gauge("torchmem_tree_pss_bytes", "Summed PSS of the whole profiled process tree");
-        if let Some(v) = self.live.base.tree.rss_bytes {
+        if let Some(v) = live.base.tree.rss_bytes {
             set(&tree_rss, &self.recorder, v);
         }
-        if let Some(v) = self.live.base.tree.pss_bytes {
+        if let Some(v) = live.base.tree.pss_bytes {
             set(&tree_pss, &self.recorder, v);
         }
         let breakdown = gauge(
             "torchmem_breakdown_bytes",
             "What the memory is at the last step or phase boundary, by category (counted by storage)",
         );
-        for (pid, s) in &self.live.spans {
+        for (pid, s) in &live.spans {
             for e in &s.breakdown {
                 for c in torchmem_core::breakdown::Category::STACKED {
                     if let Some(v) = e.get(c) {
-                        let mut l = self.who(*pid);
+                        let mut l = who(*pid);
                         l.push(("category", c.as_str().to_string()));
                         l.push(("device", e.device.clone()));
                         set(&breakdown, &l, v);
@@ -183,8 +173,8 @@ impl MetricsState {
         let step = gauge("torchmem_step", "The program's current step index");
         let epoch = gauge("torchmem_epoch", "The program's current epoch index");
         let phase = gauge("torchmem_phase", "1 for the phase open now (innermost), 0 for the other phases seen");
-        for (pid, s) in &self.live.spans {
-            let l = self.who(*pid);
+        for (pid, s) in &live.spans {
+            let l = who(*pid);
             if let Some(v) = s.step {
                 step.get_or_create(&l).set(v);
             }
@@ -206,9 +196,9 @@ impl MetricsState {
         reg
     }
 
-    /// The Prometheus text format (0.0.4), or OpenMetrics.
-    pub fn encode(&self, openmetrics: bool) -> (String, &'static str) {
-        let reg = self.registry();
+    /// `live` in the Prometheus text format (0.0.4), or OpenMetrics.
+    pub fn encode(&self, live: &LiveState, openmetrics: bool) -> (String, &'static str) {
+        let reg = self.registry(live);
         let mut out = String::new();
         if openmetrics {
             prometheus_client::encoding::text::encode(&mut out, &reg).expect("encoding into a String");
@@ -241,16 +231,24 @@ pub fn write_textfile(path: &Path, text: &str) -> std::io::Result<()> {
 }
 
 pub struct PrometheusSink {
-    state: Arc<Mutex<MetricsState>>,
+    /// The run's live state (folded by `Sinks`, shared with the HTTP thread and the other views).
+    live: LiveHandle,
+    view: MetricsView,
     server: Option<MetricsServer>,
     textfile: Option<PathBuf>,
     last_textfile: Option<Instant>,
 }
 
 impl PrometheusSink {
-    /// Binds the server (when `listen` is given) and checks the textfile's directory, before the run.
-    pub fn start(listen: Option<&str>, textfile: Option<&Path>, ctx: &RunContext) -> anyhow::Result<Self> {
-        let state = Arc::new(Mutex::new(MetricsState::new(ctx)));
+    /// Binds the server (when `listen` is given) and checks the textfile's directory, before the run. The
+    /// gauges render `live`, which the run's `Sinks` folds the batches into.
+    pub fn start(
+        listen: Option<&str>,
+        textfile: Option<&Path>,
+        ctx: &RunContext,
+        live: &LiveHandle,
+    ) -> anyhow::Result<Self> {
+        let view = MetricsView::new(ctx);
         if let Some(p) = textfile {
             if p.extension().is_none_or(|e| e != "prom") {
                 anyhow::bail!(
@@ -267,7 +265,7 @@ impl PrometheusSink {
                 crate::output_path::OutputKind::PromTextfile,
             )?;
             // The first write says now whether the directory is writable.
-            write_textfile(p, &state.lock().unwrap().encode(false).0).map_err(|e| {
+            write_textfile(p, &live.read(|s| view.encode(s, false)).0).map_err(|e| {
                 anyhow::anyhow!(
                     "--metrics-textfile {}: cannot write it ({e}). Give a writable directory (node_exporter's --collector.textfile.directory)",
                     p.display()
@@ -276,8 +274,8 @@ impl PrometheusSink {
         }
         let server = match listen {
             Some(addr) => {
-                let st = state.clone();
-                let render: Render = Arc::new(move |om| st.lock().unwrap_or_else(|e| e.into_inner()).encode(om));
+                let (live, view) = (live.clone(), view.clone());
+                let render: Render = Arc::new(move |om| live.read(|s| view.encode(s, om)));
                 let server = match MetricsServer::start(addr, render.clone()) {
                     // A recorder that is one rank of a job: a taken port must not end the rank (and the job).
                     Err(e) if ctx.launch.is_some() && e.downcast_ref::<super::http::PortInUse>().is_some() => {
@@ -297,7 +295,8 @@ impl PrometheusSink {
             None => None,
         };
         Ok(PrometheusSink {
-            state,
+            live: live.clone(),
+            view,
             server,
             textfile: textfile.map(Path::to_path_buf),
             last_textfile: Some(Instant::now()),
@@ -309,10 +308,14 @@ impl PrometheusSink {
         self.server.as_ref().map(|s| s.local_addr())
     }
 
-    fn write_textfile_now(&mut self) -> anyhow::Result<()> {
+    /// The metrics now (what a scrape gets).
+    pub fn encode(&self, openmetrics: bool) -> (String, &'static str) {
+        self.live.read(|s| self.view.encode(s, openmetrics))
+    }
+
+    fn write_textfile_now(&mut self, text: impl FnOnce() -> String) -> anyhow::Result<()> {
         if let Some(p) = &self.textfile {
-            let text = self.state.lock().unwrap_or_else(|e| e.into_inner()).encode(false).0;
-            write_textfile(p, &text).map_err(|e| anyhow::anyhow!("writing {}: {e}", p.display()))?;
+            write_textfile(p, &text()).map_err(|e| anyhow::anyhow!("writing {}: {e}", p.display()))?;
             self.last_textfile = Some(Instant::now());
         }
         Ok(())
@@ -320,19 +323,28 @@ impl PrometheusSink {
 }
 
 impl Sink for PrometheusSink {
-    fn consume(&mut self, batch: &RecordBatch) -> anyhow::Result<()> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner()).apply(batch);
+    /// The batch is already in the live state (`Sinks` folded it): rewrite the textfile when due.
+    fn consume(&mut self, _batch: &RecordBatch) -> anyhow::Result<()> {
         if self.textfile.is_some()
             && self.last_textfile.is_none_or(|t| t.elapsed() >= Duration::from_millis(TEXTFILE_INTERVAL_MS))
         {
-            self.write_textfile_now()?;
+            let (live, view) = (&self.live, &self.view);
+            let text = live.read(|s| view.encode(s, false).0);
+            self.write_textfile_now(|| text)?;
         }
         Ok(())
     }
 
+    /// The run ended: the last textfile has no process series (a textfile left behind must not show a
+    /// finished job's memory as current); the devices' NVML series stay. The shared state itself is not
+    /// changed (the other views still show the run's last readings).
     fn finish(&mut self, _t_ns: u64) -> anyhow::Result<()> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner()).end_of_run();
-        self.write_textfile_now()?;
+        if self.textfile.is_some() {
+            let mut last = self.live.read(LiveState::clone);
+            last.end_of_run();
+            let text = self.view.encode(&last, false).0;
+            self.write_textfile_now(|| text)?;
+        }
         self.server = None;
         Ok(())
     }
@@ -377,7 +389,7 @@ mod tests {
             hostname: "h1".into(),
             ..Default::default()
         };
-        let mut st = MetricsState::new(&ctx);
+        let (view, mut st) = (MetricsView::new(&ctx), LiveState::new(&ctx, 1, None, None));
         let torch = TorchSample {
             t_ns: 1,
             device: 0,
@@ -417,7 +429,7 @@ mod tests {
             ..Default::default()
         };
         st.apply(&batch);
-        let (text, _) = st.encode(false);
+        let (text, _) = view.encode(&st, false);
         let l = r#"pid="42",rank="1",local_rank="1""#;
         assert!(
             text.contains(&format!(r#"torchmem_cuda_allocated_bytes{{{l},device="0",UUID="GPU-abc"}} 1048576"#)),
@@ -428,7 +440,7 @@ mod tests {
         // gauges keep the highest since the start.
         let later = TorchSample { t_ns: 2, allocated_bytes: 1 << 19, peak_allocated_bytes: 1 << 20, ..torch.clone() };
         st.apply(&RecordBatch { records: vec![Record::Torch(later)], ..Default::default() });
-        let (text, _) = st.encode(false);
+        let (text, _) = view.encode(&st, false);
         let dev = r#"device="0",UUID="GPU-abc""#;
         assert!(text.contains(&format!("torchmem_cuda_allocated_bytes{{{l},{dev}}} 524288")), "{text}");
         assert!(text.contains(&format!("torchmem_cuda_peak_allocated_bytes{{{l},{dev}}} 3145728")), "{text}");
@@ -450,7 +462,7 @@ mod tests {
             ..Default::default()
         }]);
         st.apply(&RecordBatch { markers: vec![end], ..Default::default() });
-        let (text, _) = st.encode(false);
+        let (text, _) = view.encode(&st, false);
         assert!(
             text.contains(&format!(r#"torchmem_breakdown_bytes{{{l},category="gradients",device="cuda:0"}} 1000"#)),
             "{text}"
@@ -458,7 +470,7 @@ mod tests {
         assert!(text.contains(&format!(r#"torchmem_breakdown_bytes{{{l},category="cache",device="cuda:0"}} 77"#)));
         assert!(!text.contains(r#"category="activations""#), "not measured: no series\n{text}");
         st.apply(&RecordBatch { exited_pids: vec![42], ..Default::default() });
-        let (text, _) = st.encode(true);
+        let (text, _) = view.encode(&st, true);
         assert!(!text.contains(r#"pid="42""#), "a process's series end with it\n{text}");
         assert!(text.ends_with("# EOF\n"));
     }
@@ -467,7 +479,8 @@ mod tests {
     fn a_rank_recorder_labels_its_tree_and_a_hello_labels_a_process_at_once() {
         use torchmem_core::model::JobPlace;
         let place = JobPlace { rank: Some(3), local_rank: Some(1), world_size: Some(4), ..Default::default() };
-        let mut st = MetricsState::new(&RunContext { launch: Some(place), ..Default::default() });
+        let ctx = RunContext { launch: Some(place), ..Default::default() };
+        let (view, mut st) = (MetricsView::new(&ctx), LiveState::new(&ctx, 1, None, None));
         let hello = serde_json::json!({"pid": 42, "rank": 3, "local_rank": 1, "world_size": 4, "t_ns": 1});
         st.apply(&RecordBatch {
             records: vec![
@@ -490,7 +503,7 @@ mod tests {
             ],
             ..Default::default()
         });
-        let (text, _) = st.encode(false);
+        let (text, _) = view.encode(&st, false);
         assert!(text.contains(r#"torchmem_tree_rss_bytes{rank="3",local_rank="1"} 9"#), "{text}");
         assert!(text.contains(r#"torchmem_process_rss_bytes{pid="42",rank="3",local_rank="1"} 5"#), "{text}");
     }
@@ -503,9 +516,19 @@ mod tests {
         write_textfile(&p, "a 2\n").unwrap();
         assert_eq!(std::fs::read_to_string(&p).unwrap(), "a 2\n");
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "no temporary file left");
-        let bad = PrometheusSink::start(None, Some(&dir.path().join("m.txt")), &RunContext::default());
+        let bad = PrometheusSink::start(
+            None,
+            Some(&dir.path().join("m.txt")),
+            &RunContext::default(),
+            &LiveHandle::default(),
+        );
         assert!(bad.err().unwrap().to_string().contains("must end in .prom"));
-        let missing = PrometheusSink::start(None, Some(&dir.path().join("no/such/m.prom")), &RunContext::default());
+        let missing = PrometheusSink::start(
+            None,
+            Some(&dir.path().join("no/such/m.prom")),
+            &RunContext::default(),
+            &LiveHandle::default(),
+        );
         assert!(missing.err().unwrap().to_string().contains("does not exist"));
     }
 
@@ -514,14 +537,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let theirs = dir.path().join("node.prom");
         std::fs::write(&theirs, "# HELP node_load1 x\nnode_load1 0.5\n").unwrap();
-        let e = PrometheusSink::start(None, Some(&theirs), &RunContext::default()).err().unwrap().to_string();
+        let e = PrometheusSink::start(None, Some(&theirs), &RunContext::default(), &LiveHandle::default())
+            .err()
+            .unwrap()
+            .to_string();
         assert!(e.contains("is not a textfile of torchmem's metrics") && e.contains("never overwrites"), "{e}");
         assert_eq!(std::fs::read_to_string(&theirs).unwrap(), "# HELP node_load1 x\nnode_load1 0.5\n");
         let ours = dir.path().join("torchmem.prom");
         std::fs::write(&ours, "# HELP torchmem_tree_rss_bytes x\ntorchmem_tree_rss_bytes 9\n").unwrap();
-        assert!(PrometheusSink::start(None, Some(&ours), &RunContext::default()).is_ok());
+        assert!(PrometheusSink::start(None, Some(&ours), &RunContext::default(), &LiveHandle::default()).is_ok());
         let empty = dir.path().join("empty.prom");
         std::fs::write(&empty, "").unwrap();
-        assert!(PrometheusSink::start(None, Some(&empty), &RunContext::default()).is_ok());
+        assert!(PrometheusSink::start(None, Some(&empty), &RunContext::default(), &LiveHandle::default()).is_ok());
     }
 }
