@@ -484,6 +484,20 @@ class StepGrowth(TypedDict):
     steps_seen: int
 
 
+class _KeptInArgOptional(TypedDict, total=False):
+    name: str | None
+    file: str | None
+    line: int | None
+    source: str
+
+
+class KeptInArg(_KeptInArgOptional):
+    """analysis::leaks::KeptIn as `leak_findings` reads it: only `container` is needed (a variable holder is
+    {"container": "variable", "name"})."""
+
+    container: str
+
+
 class _TensorSiteOptional(TypedDict, total=False):
     function: str
     source: str
@@ -493,7 +507,7 @@ class _TensorSiteOptional(TypedDict, total=False):
     graph_truncated: bool
     held_by: str | None
     graph_saves_unread: bool
-    kept_in: KeptIn | None
+    kept_in: KeptInArg | None
 
 
 class TensorSite(_TensorSiteOptional):

@@ -22,7 +22,7 @@ import sys
 import threading
 import types
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Optional, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, TextIO
 
 from . import _events, _native
 
@@ -137,6 +137,7 @@ def _start_monitoring() -> None:
         raise RuntimeError("sys.monitoring tool ids 2-4 are all taken by other tools")
     cbs = _native.line_monitoring_callbacks()
     e = mon.events
+    name: Literal["line", "start", "resume", "exit"]
     for event, name in (
         (e.LINE, "line"),
         (e.PY_START, "start"),

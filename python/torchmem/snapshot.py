@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from . import _native, _rank
 
 if TYPE_CHECKING:
-    from ._types import SnapshotReport
+    from ._types import SiteRow, SnapshotReport
 
 __all__ = ["OomHandler", "capture", "checkpointing_hazard", "on_oom", "summary"]
 
@@ -205,7 +205,7 @@ class capture:  # noqa: N801 - used as `with torchmem.capture(path):`, like a fu
                 exc.add_note(_HAZARD_NOTE)
         return False
 
-    def summary(self, top: int = 10) -> dict[str, Any]:
+    def summary(self, top: int = 10) -> SnapshotReport:
         """The summary of the written snapshot (raises FileNotFoundError when nothing was written)."""
         if not self.written:
             raise FileNotFoundError(f"{self.path} was not written (no CUDA device, or recording failed)")
@@ -374,7 +374,7 @@ class OomHandler:
         (None: not written, `snapshot_error` says why). Needs no GPU: the snapshot is read in Rust."""
         txt_path, json_path = out
         diag = _native.oom_diagnosis(alloc, allocated, reserved, device_total, device_free, None, device)
-        holders: list[dict[str, Any]] = []
+        holders: list[SiteRow] = []
         whatif: dict[str, Any] | None = None
         if snap_path is not None:
             try:

@@ -260,6 +260,15 @@ def _probe() -> dict:
                 "live_bytes_by_step": [4096, 8192, 12288, 16384],
                 "kept_in": kept,
             },
+            {
+                "file": "/x.py",
+                "line": 7,
+                "device": "cpu",
+                "live_by_step": [1, 1, 1, 1],
+                "live_bytes_by_step": [512, 1024, 1536, 2048],
+                "inplace_live": 1,
+                "kept_in": {"container": "variable", "name": "total"},
+            },
         ],
         "python": [
             {
