@@ -51,9 +51,17 @@ class MarkerMemory(TypedDict, total=False):
     held_rss_bytes: int | None
 
 
+class Origin(TypedDict, total=False):
+    """model::Origin as `MarkerLog.push` reads it (a key left out reads as None; left out: this process)."""
+
+    pid: int | None
+    rank: int | None
+    local_rank: int | None
+    world_size: int | None
+
+
 class _MarkerOptional(TypedDict, total=False):
-    #: model::Origin ({"pid", "rank", ...}); left out: this process.
-    origin: dict[str, Any]
+    origin: Origin
     device: int | None
     #: model::DeviceBreakdown records (free-form here).
     breakdown: list[dict[str, Any]] | None
@@ -207,19 +215,116 @@ class LeakFinding(TypedDict):
     message: str
 
 
+#: breakdown::Category (snake_case), the names of `_native.BREAKDOWN_CATEGORIES`.
+Category = Literal[
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "inputs",
+    "other",
+    "cache",
+    "non_torch",
+    "allocated",
+    "reserved",
+    "rss",
+]
+
+
+class MeanMax(TypedDict):
+    """analysis::breakdown::MeanMax."""
+
+    mean_bytes: int
+    max_bytes: int
+
+
+class BoundaryRow(TypedDict):
+    """analysis::breakdown::BoundaryRow: one boundary (after forward, ...) of one process and device."""
+
+    pid: int | None
+    rank: int | None
+    boundary: str
+    device: str
+    count: int
+    categories: dict[Category, MeanMax]
+
+
+class CompositionRow(TypedDict):
+    """analysis::breakdown::CompositionRow."""
+
+    category: Category
+    bytes: int
+    percent_of_peak: float
+
+
+class PeakComposition(TypedDict):
+    """analysis::breakdown::PeakComposition: what the memory was at the peak."""
+
+    pid: int | None
+    rank: int | None
+    device: str
+    #: "allocator" (a CUDA device) or "rss" (the CPU).
+    basis: str
+    step: int | None
+    phase: str
+    phase_start_t_ns: int
+    boundary: str
+    boundary_step: int | None
+    boundary_t_ns: int
+    boundary_source: str
+    peak_allocated_bytes: int | None
+    peak_reserved_bytes: int | None
+    peak_rss_bytes: int | None
+    total_bytes: int
+    rows: list[CompositionRow]
+    non_torch_source: str | None
+
+
+class ModuleRow(TypedDict):
+    """analysis::breakdown::ModuleRow."""
+
+    module: str
+    parameters_bytes: int
+    gradients_bytes: int | None
+
+
+class ParamGroupRow(TypedDict):
+    """analysis::breakdown::ParamGroupRow."""
+
+    group: int
+    optimizer_state_bytes: int
+
+
+class ModuleActivationRow(TypedDict):
+    """analysis::breakdown::ModuleActivationRow."""
+
+    module: str
+    activations_bytes: int
+
+
+class BoundaryPoint(TypedDict):
+    """analysis::breakdown::BoundaryPoint: one boundary reading, for the timeline."""
+
+    t_ns: int
+    pid: int | None
+    step: int | None
+    boundary: str
+    device: str
+    categories: dict[Category, int]
+
+
 class BreakdownSummary(TypedDict):
-    """analysis::breakdown::BreakdownSummary; its rows (BoundaryRow, PeakComposition, ModuleRow, ...) are
-    still free-form dicts here."""
+    """analysis::breakdown::BreakdownSummary: what the memory is (parameters, gradients, ...)."""
 
     recorded: bool
     hint: str | None
-    boundaries: list[dict[str, Any]]
-    peak: dict[str, Any] | None
+    boundaries: list[BoundaryRow]
+    peak: PeakComposition | None
     detail_device: str | None
-    modules: list[dict[str, Any]]
-    param_groups: list[dict[str, Any]]
-    activations_by_module: list[dict[str, Any]]
-    timeline: list[dict[str, Any]]
+    modules: list[ModuleRow]
+    param_groups: list[ParamGroupRow]
+    activations_by_module: list[ModuleActivationRow]
+    timeline: list[BoundaryPoint]
     folded_boundaries: int
 
 
@@ -271,6 +376,33 @@ class EpochReport(TypedDict):
     growth_per_epoch_bytes: int | None
 
 
+class OomFinding(TypedDict):
+    """model::OomFinding: what the kernel's OOM killer did during the run."""
+
+    cgroup_kills: int | None
+    host_kills: int | None
+    program_in_kernel_log: bool | None
+
+
+class JobPlace(TypedDict):
+    """model::JobPlace: where a launcher (torchrun, SLURM) placed the run."""
+
+    rank: int | None
+    local_rank: int | None
+    world_size: int | None
+    group_rank: int | None
+    restart_count: int | None
+
+
+class WriteFailure(TypedDict):
+    """model::WriteFailure: the profile could not be written to the end."""
+
+    t_ns: int
+    disk_full: bool
+    error: str
+    lost_samples: int
+
+
 class ReportMeta(TypedDict):
     """The report's `meta` (model::RunMeta and what the run's end says)."""
 
@@ -280,8 +412,7 @@ class ReportMeta(TypedDict):
     recording: bool
     signal: int | None
     signal_name: str | None
-    #: model::OomFinding (free-form here).
-    oom: dict[str, Any] | None
+    oom: OomFinding | None
     oom_killed: bool | None
     duration_ns: int | None
     interval_ms: float
@@ -291,10 +422,8 @@ class ReportMeta(TypedDict):
     gpu_names: list[str]
     gpu_total_bytes: list[int]
     torchmem_version: str
-    #: model::JobPlace (free-form here).
-    launch: dict[str, Any] | None
-    #: model::WriteFailure (free-form here).
-    write_failure: dict[str, Any] | None
+    launch: JobPlace | None
+    write_failure: WriteFailure | None
 
 
 # --- line profiler (crates/torchmem-py/src/line.rs, torchmem_core::lines) ---
@@ -729,6 +858,54 @@ class SimStats(TypedDict):
     num_ooms: int
 
 
+class SimSegEvent(TypedDict):
+    """sim::allocator::SegEvent: one segment event of the replay or the recording."""
+
+    kind: Literal["segment_alloc", "segment_free", "segment_map", "segment_unmap"]
+    addr: int
+    size_bytes: int
+    #: The trace entry whose allocation (or `empty_cache`) caused it.
+    entry: int
+
+
+class SimDivergence(TypedDict):
+    """sim::replay::Divergence: the first segment event where the replay and the recording differ."""
+
+    event_index: int
+    entry: int
+    expected: SimSegEvent | None
+    got: SimSegEvent | None
+    what: str
+
+
+class SimLiveBlock(TypedDict):
+    """sim::replay::LiveBlock: a block alive at the simulated OOM."""
+
+    addr: int
+    size_bytes: int
+    requested_bytes: int
+    entry: int | None
+    frame: str | None
+
+
+class SimOom(TypedDict):
+    """sim::replay::OomReport: the request the simulated allocator could not serve."""
+
+    entry: int
+    time_us: int
+    trace_start_us: int
+    requested_bytes: int
+    rounded_bytes: int
+    segment_bytes: int
+    allocated_bytes: int
+    reserved_bytes: int
+    over_memory_limit: bool
+    frames: list[str]
+    live_blocks: int
+    largest_live: list[SimLiveBlock]
+    recorded: bool
+
+
 class SimComparison(TypedDict):
     """sim::replay::Comparison: the replay against the recorded segment events."""
 
@@ -736,8 +913,7 @@ class SimComparison(TypedDict):
     segment_events: int
     recorded_segment_events: int
     recorded_peak_reserved_bytes: int
-    #: sim::replay::Divergence (free-form here).
-    divergence: dict[str, Any] | None
+    divergence: SimDivergence | None
 
 
 class SimDevice(TypedDict):
@@ -761,8 +937,7 @@ class SimDevice(TypedDict):
     num_alloc_retries: int
     num_ooms: int
     stats: SimStats
-    #: sim::replay::OomReport (free-form here).
-    oom: dict[str, Any] | None
+    oom: SimOom | None
     #: Trace entries of recorded OOMs the simulation does not hit.
     recorded_ooms_avoided: list[int]
     comparison: SimComparison | None
@@ -794,7 +969,7 @@ class _SimTopOptional(TypedDict, total=False):
     num_alloc_retries: int
     num_ooms: int
     stats: SimStats
-    oom: dict[str, Any] | None
+    oom: SimOom | None
     recorded_ooms_avoided: list[int]
     comparison: SimComparison | None
     starts_empty: bool

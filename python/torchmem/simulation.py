@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from . import _native
 
 if TYPE_CHECKING:
-    from ._types import MinMemoryDevice, SimDevice, SimRefused, SimulateResult
+    from ._types import MinMemoryDevice, SimDevice, SimOom, SimRefused, SimulateResult
 
 __all__ = ["Simulation", "simulate"]
 
@@ -53,7 +53,7 @@ class Simulation:
     num_alloc_retries: int
     num_cuda_malloc: int
     num_cuda_free: int
-    oom: dict[str, Any] | None
+    oom: SimOom | None
     """None, or where the replay ran out of memory: `entry`, `requested_bytes`, `frames`, `live_blocks`, ..."""
     matches_recording: bool | None
     """With the recorded settings: whether the replay reproduced the recording; None for a what-if."""

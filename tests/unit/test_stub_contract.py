@@ -236,6 +236,32 @@ def _marker_log() -> native.MarkerLog:
     return log
 
 
+def _monitor_markers() -> list[dict]:
+    """The markers a real Monitor pushes on the CPU (model and optimizer hooked: breakdowns, activations by
+    module, phases from its hooks), three epochs of four steps."""
+    import torch
+    import torchmem
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    opt = torch.optim.Adam(model.parameters())
+    mon = torchmem.Monitor(model, opt, verbose=False)
+    for _ in range(3):
+        with mon.epoch():
+            for _ in range(4):
+                with mon.step():
+                    model(torch.randn(16, 32)).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+    return list(mon.markers)
+
+
+def _monitor_log() -> native.MarkerLog:
+    log = native.MarkerLog()
+    for m in _monitor_markers():
+        log.push(m)
+    return log
+
+
 def _growth() -> dict:
     d = native.StepGrowthDetector(0, 4)
     seen = [d.push(1000 * i, 10**6, 0) for i in range(10)]
@@ -287,8 +313,13 @@ IN_PROCESS_CASES: dict[str, typing.Callable[[], list[object]]] = {
         _marker_log().summary(1 << 30),
         _marker_log().summary(),
         native.MarkerLog().summary(),
+        _monitor_log().summary(1 << 30),
     ],
-    "MarkerLog.epoch_report": lambda: [_marker_log().epoch_report(), native.MarkerLog().epoch_report()],
+    "MarkerLog.epoch_report": lambda: [
+        _marker_log().epoch_report(),
+        _monitor_log().epoch_report(),
+        native.MarkerLog().epoch_report(),
+    ],
     "ProfileData.summary": lambda: [native.open_profile(str(FIXTURES / "profile_v1.sqlite")).summary()],
     "device_info": lambda: [native.device_info()],
     "line_monitoring_callbacks": lambda: [native.line_monitoring_callbacks()],
@@ -413,7 +444,7 @@ def test_returned_dicts_match_their_typeddict(name: str) -> None:
 
 def test_the_inputs_the_stub_types_are_what_the_extension_reads() -> None:
     """The typed inputs (a marker, a probe, a list of leak findings) in the form the stub names are accepted."""
-    for m in _markers():
+    for m in _markers() + _monitor_markers():
         check(m, stub_param("MarkerLog.push", "marker"), "marker")
     check(_probe(), stub_param("leak_findings", "probe"), "probe")
     findings = native.leak_findings(_probe())["findings"]
