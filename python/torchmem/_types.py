@@ -60,11 +60,40 @@ class Origin(TypedDict, total=False):
     world_size: int | None
 
 
+class ModuleBytes(TypedDict, total=False):
+    """breakdown::ModuleBytes: top-level module name -> bytes (a key left out reads as empty)."""
+
+    parameters: dict[str, int]
+    gradients: dict[str, int]
+
+
+class _DeviceBreakdownOptional(TypedDict, total=False):
+    parameters_bytes: int | None
+    gradients_bytes: int | None
+    optimizer_state_bytes: int | None
+    activations_bytes: int | None
+    inputs_bytes: int | None
+    other_bytes: int | None
+    allocated_bytes: int | None
+    reserved_bytes: int | None
+    cache_bytes: int | None
+    non_torch_bytes: int | None
+    rss_bytes: int | None
+    by_module: ModuleBytes
+    #: Optimizer state bytes per param group.
+    by_param_group: list[int]
+
+
+class DeviceBreakdown(_DeviceBreakdownOptional):
+    """breakdown::DeviceBreakdown: what one device's memory is at a boundary (a key left out reads as None)."""
+
+    device: str
+
+
 class _MarkerOptional(TypedDict, total=False):
     origin: Origin
     device: int | None
-    #: model::DeviceBreakdown records (free-form here).
-    breakdown: list[dict[str, Any]] | None
+    breakdown: list[DeviceBreakdown] | None
     activations_by_module: dict[str, int] | None
 
 
