@@ -1,8 +1,8 @@
 """Type stubs for `torchmem._native`, the Rust extension. This file is the contract: every function the Rust
 side exports is listed here with its meaning and units. Sections belong to one concern each. Every dict that
 crosses has its `TypedDict` in `torchmem._types` (tests/unit/test_stub_contract.py calls each function and checks
-its dict against it); the only `dict[str, Any]`s left are torch's own `_cuda_memoryStats` dicts
-(`TorchMemoryStats`) and the tracer's summary (`TracerSummary`)."""
+its dict against it); the only `dict[str, Any]` left is torch's own `_cuda_memoryStats` dict
+(`TorchMemoryStats`)."""
 
 from typing import Any, Final, final
 

@@ -32,9 +32,6 @@ EstimateKind = Literal["training", "inference", "backward without optimizer step
 #: torch's own `torch._C._cuda_memoryStats(device)` dict (torch's shape, not torchmem's: nested
 #: `{"allocated_bytes": {"all": {"current", "peak", ...}, ...}, ...}`), which the peak ledger reads and raises.
 TorchMemoryStats = dict[str, Any]
-#: The tracer's summary (estimator::summary::Summary, written by python/torchmem/estimator/_runner.py), still
-#: free-form here: every key defaults on the Rust side.
-TracerSummary = dict[str, Any]
 
 # --- markers (model::Marker, read by MarkerLog.push) ---
 
@@ -1153,6 +1150,36 @@ class RankClass(TypedDict):
     peak_reserved_bytes: int
     nvml_bytes: int
     fits: bool
+
+
+class TracerSummary(TypedDict, total=False):
+    """The tracer's summary, `estimate_report`'s input: estimator::summary::Summary (every key defaults on the
+    Rust side), as python/torchmem/estimator/_runner.py `summary()` writes it. Its nested records built in
+    Python (`uncertainty`, `distributed`, `convolution_workspaces`) are free-form here."""
+
+    kind: EstimateKind | None
+    steps_traced: int | None
+    forward_calls: int | None
+    generate_calls: int | None
+    backward_calls: int | None
+    #: estimator::summary::StopReason: "steps", "forward calls", "program ended", "error" (others read as other).
+    reason: str | None
+    error: str | None
+    notes: list[str]
+    trace_peak_bytes: int | None
+    phase_peak_bytes: dict[str, int] | None
+    largest_at_peak: list[LargestTensor] | None
+    uses_half_precision: bool
+    uses_convolution: bool
+    convolution_workspaces: Any
+    requests: int | None
+    trace_seconds: float | None
+    torch_version: str | None
+    gpu: str | None
+    distributed: dict[str, Any] | None
+    uncertainty: list[dict[str, Any]]
+    #: [trace address, upper size in bytes, anchor] per request whose size is not known exactly.
+    uncertain_requests: list[list[int]]
 
 
 class EstimateReport(TypedDict):

@@ -447,6 +447,7 @@ def test_the_inputs_the_stub_types_are_what_the_extension_reads() -> None:
     for m in _markers() + _monitor_markers():
         check(m, stub_param("MarkerLog.push", "marker"), "marker")
     check(_probe(), stub_param("leak_findings", "probe"), "probe")
+    check(TRACER_SUMMARY, stub_param("estimate_report", "summary"), "tracer summary")
     findings = native.leak_findings(_probe())["findings"]
     assert findings
     check(findings, stub_param("leaks_text", "findings"), "findings")
