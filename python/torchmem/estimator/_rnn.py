@@ -25,6 +25,7 @@ one each time, as CUDA does (and torch warns).
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import math
@@ -66,6 +67,7 @@ class RnnShape:
     packed: bool
     dtype_bytes: int
     dropout: bool = False
+    train: bool = True  # cuDNN's training or inference temp space (`model.train()` / `model.eval()`)
 
     @property
     def directions(self) -> int:
@@ -80,11 +82,11 @@ class RnnShape:
         return (
             f"m{self.mode}|I{self.input_size}|H{self.hidden_size}|P{self.proj_size}|L{self.num_layers}|"
             f"D{self.directions}|T{self.seq_length}|B{self.mini_batch}|N{self.rows}|e{self.dtype_bytes}|"
-            f"p{int(self.packed)}|r{int(self.dropout)}"
+            f"p{int(self.packed)}|r{int(self.dropout)}|t{int(self.train)}"
         )
 
     def family(self) -> tuple:
-        return (self.mode, self.dtype_bytes, self.packed, bool(self.proj_size))
+        return (self.mode, self.dtype_bytes, self.packed, bool(self.proj_size), self.train)
 
     def workspace_scale(self) -> int:
         """What the workspace grows with, for scaling a recorded neighbour (not a formula of cuDNN's)."""
@@ -134,9 +136,13 @@ class WorkspaceCatalogue:
         ws = self.exact.get(s.key())
         if ws is not None:
             return ws, ws, "exact"
-        family = self.by_family.get(s.family()) or [
-            e for (m, _e, _p, pr), v in self.by_family.items() if m == s.mode and pr == bool(s.proj_size) for e in v
-        ]
+        if not s.train:
+            # an inference shape not recorded as such: its training workspace (recorded inference shapes are few,
+            # all at one batch shape, too few to scale from; taken as not smaller than the inference one)
+            return self.lookup(dataclasses.replace(s, train=True, dropout=False))
+        family = self.by_family.get(s.family())
+        if not family:
+            family = [e for f, v in self.by_family.items() if f[0] == s.mode and f[3] == bool(s.proj_size) for e in v]
         if not family:
             return 0, 0, "unknown"
 
@@ -153,9 +159,46 @@ class WorkspaceCatalogue:
 
         near, near_ws = min(family, key=lambda e: distance(e[0]))
         scale = s.workspace_scale()
-        point = int(near_ws * scale / near.workspace_scale())
+        point = self._regressed(s)
+        if point is None:
+            point = int(near_ws * scale / near.workspace_scale())
         upper = int(_UPPER_MARGIN * max(ws / sh.workspace_scale() for sh, ws in family) * scale)
         return point, max(point, upper), "scaled"
+
+    def _regressed(self, s: RnnShape) -> int | None:
+        """Where the same layer stack (mode, sizes, layers, directions, dtype, packing, mode of use) is recorded
+        at three or more other batch shapes: cuDNN's workspace there is linear in the rows and the batch (a
+        constant, the per-row gate buffers, a per-sequence part), fitted by least squares over them."""
+        same = [
+            (sh, ws)
+            for sh, ws in self.by_family.get(s.family(), [])
+            if (sh.input_size, sh.hidden_size, sh.proj_size, sh.num_layers, sh.directions, sh.dropout)
+            == (s.input_size, s.hidden_size, s.proj_size, s.num_layers, s.directions, s.dropout)
+        ]
+        if len(same) < 3 or len({(sh.rows, sh.mini_batch) for sh, _ in same}) < 3:
+            return None
+        # normal equations of ws = a + b * rows + c * batch (3x3, solved by Cramer's rule)
+        xs = [(1.0, float(sh.rows), float(sh.mini_batch)) for sh, _ in same]
+        ys = [float(ws) for _, ws in same]
+        m = [[sum(x[i] * x[j] for x in xs) for j in range(3)] for i in range(3)]
+        v = [sum(x[i] * y for x, y in zip(xs, ys, strict=True)) for i in range(3)]
+
+        def det(a):
+            return (
+                a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1])
+                - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
+                + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0])
+            )
+
+        d = det(m)
+        if abs(d) < 1e-9:
+            return None
+        coef = []
+        for k in range(3):
+            mk = [[v[i] if j == k else m[i][j] for j in range(3)] for i in range(3)]
+            coef.append(det(mk) / d)
+        out = coef[0] + coef[1] * s.rows + coef[2] * s.mini_batch
+        return int(out) if out > 0 else None
 
 
 def _shape_from_key(key: str) -> RnnShape:
@@ -173,6 +216,7 @@ def _shape_from_key(key: str) -> RnnShape:
         dtype_bytes=f["e"],
         packed=bool(f["p"]),
         dropout=bool(f.get("r", 0)),
+        train=bool(f.get("t", 1)),
     )
 
 
@@ -196,6 +240,7 @@ def grid_shape(cfg: dict) -> RnnShape:
         packed=cfg["packed"],
         dtype_bytes=2 if dtype in ("float16", "bfloat16") else 4,
         dropout=cfg.get("dropout", 0) > 0 and cfg["layers"] > 1,
+        train=not cfg.get("eval", False),
     )
 
 
@@ -633,6 +678,7 @@ class RnnEmulation:
             packed=packed,
             dtype_bytes=torch.empty(0, dtype=compute_dtype, device="meta").element_size(),
             dropout=bool(train and dropout > 0 and num_layers > 1),
+            train=bool(train),
         )
         # get_dropout_state: a seed drawn on the device (an 8-byte tensor), then the state, once per process
         if train and dropout > 0 and self._dropout_state is None:
