@@ -171,11 +171,15 @@ def record_grid(configs: list[dict]) -> list[dict]:
     return results
 
 
-def one_script(path: str) -> dict:
+def one_script(path: str, snapshot: str | None = None) -> dict:
     import torch
 
     t0 = time.time()
+    if snapshot:
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     runpy.run_path(path, run_name="__main__")
+    if snapshot:
+        torch.cuda.memory._dump_snapshot(snapshot)
     torch.cuda.synchronize()
     s = torch.cuda.memory_stats()
     r = {k: s.get(k, 0) for k in ("allocated_bytes.all.peak", "reserved_bytes.all.peak", "requested_bytes.all.peak",
@@ -201,10 +205,11 @@ def main() -> int:
     ap.add_argument("out", nargs="?")
     ap.add_argument("--script")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--snapshot", help="with --script: keep the allocator history, dump it to this pickle")
     ap.add_argument("--dense", action="store_true", help="record dense_grid() into rnn-truth-dense.json.gz only")
     a = ap.parse_args()
     if a.script:
-        r = one_script(a.script)
+        r = one_script(a.script, a.snapshot)
         print("TRUTH " + json.dumps(r))
         return 0
     import torch
