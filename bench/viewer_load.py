@@ -1,5 +1,5 @@
 """Time to first render: `torchmem view` against PyTorch's memory_viz (`torch.cuda._memory_viz.trace_plot`, the
-Active Memory Timeline) on the same snapshots, in the same headless chromium (tests/cdp.py drives it), plus a
+Active Memory Timeline) on the same snapshots, in the same headless chromium (tests/support/cdp.py drives it), plus a
 generated large snapshot (--entries, 1M by default). Prints a table with the ratios.
 
 memory_viz's page imports MemoryViz.js from cdn.jsdelivr.net and d3 from cdn.skypack.dev, so it cannot load
