@@ -1209,6 +1209,35 @@ mod tests {
         assert_eq!((forward.total_ns as i64, forward.count as i64), (total, count));
     }
 
+    fn v2_fixture() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/profile_v2.sqlite")
+    }
+
+    #[test]
+    fn reads_the_v2_fixture_with_every_blob_kind_of_a_cpu_run() {
+        // Made by the last v2 writer (tests/fixtures/profile_v2.py): identity, vmhwm, leaks, oom, a blob name
+        // no torchmem knows, and a line profile.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("v2.sqlite");
+        std::fs::copy(v2_fixture(), &path).unwrap();
+        let p = Profile::open(&path).unwrap();
+        assert_eq!(p.schema_version, 2);
+        let pid = p.markers[0].origin.pid.expect("v2 markers carry their identity");
+        assert!(p.markers.iter().all(|m| m.origin.pid == Some(pid)));
+        let s = crate::analysis::Summary::from_profile(&p);
+        assert_eq!(s.epochs.iter().map(|e| e.steps).collect::<Vec<_>>(), [Some(20), Some(20)]);
+        assert_eq!(s.leaks.len(), 1, "the leak probe's finding: {:?}", s.leaks);
+        assert_eq!((s.leaks[0].line, s.leaks[0].kind.as_str()), (23, "CPU tensor"));
+        let peaks = crate::report::cells::kernel_peaks(&p);
+        assert!(peaks[&pid] > 100 << 20, "{peaks:?}");
+        let lines = crate::lines::parse(&p.line_profiles);
+        assert_eq!(lines[0].functions[0].name, "train_step");
+        assert!(lines[0].functions[0].lines.iter().any(|l| l.hits == 23));
+        let names: Vec<&str> = p.blobs.iter().map(|(n, _)| n.as_str()).collect();
+        assert!(names.contains(&"oom") && names.contains(&"identity"), "{names:?}");
+        assert!(names.contains(&"future_kind"), "an unknown blob stays readable: {names:?}");
+    }
+
     #[test]
     fn a_v1_file_of_many_markers_loads_folded_with_exact_totals() {
         let dir = tempfile::tempdir().unwrap();
