@@ -14,7 +14,7 @@ versions, device, configs). The estimate of each config is `torchmem estimate --
 --json -- python scripts/gpu_distributed_truth.py --child CONFIG` (the child runs the same code on the emulated device
 when it finds no GPU).
 
-Usage: `python scripts/gpu_distributed_truth.py OUT [--only NAME,...] [--steps 3]`
+Usage: `python scripts/gpu_distributed_truth.py OUT [--only NAME,PREFIX*,...] [--steps 3] [--jobs 6]`
        `python scripts/gpu_distributed_truth.py --child NAME --snapshot FILE.pickle` (with the allocator history)
        `python scripts/gpu_distributed_truth.py --child NAME` (one config in this process; prints JSON)
 """
@@ -26,7 +26,9 @@ import gzip
 import json
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 # name -> (kind, world size, rank, options). Sizes: a Llama-like MLP stack big enough to matter on an H200.
@@ -44,8 +46,52 @@ CONFIGS["fsdp-tp-4x4"] = ("fsdp_tp", 16, 0, {})
 CONFIGS["ddp"] = ("ddp", 1, 0, {})
 CONFIGS["ddp-bucket-view"] = ("ddp", 1, 0, {"gradient_as_bucket_view": True})
 CONFIGS["ddp-static"] = ("ddp", 1, 0, {"static_graph": True})
+# Uneven shards (issue 24 rank classes): a hidden size of 1000 (up: 4000 x 1000, down: 1000 x 4000) at 24 ranks
+# (torch.chunk: ranks 0-22 hold 42 / 167 rows, rank 23 34 / 159) and at 64 (ranks 0-61 16 / 63 rows, rank 62 8 / 63,
+# rank 63 0 / 31): one config per class.
+for n, ranks in ((24, (0, 23)), (64, (0, 62, 63))):
+    for r in ranks:
+        CONFIGS[f"fsdp2-uneven-w{n}" + (f"-rank{r}" if r else "")] = ("fsdp2", n, r, {"hidden": 1000})
+# Pipeline parallel (torch.distributed.pipelining): the 8 blocks split over 2 or 4 stages, one stage per rank, 8
+# microbatches of 1 sequence, GPipe and 1F1B; every stage's rank.
+for n in (2, 4):
+    for sched in ("gpipe", "1f1b"):
+        for r in range(n):
+            CONFIGS[f"pp{n}-{sched}" + (f"-rank{r}" if r else "")] = ("pp", n, r, {"schedule": sched})
 
 HIDDEN, LAYERS, BATCH, SEQ = 4096, 8, 8, 1024
+MICROBATCHES = 8
+DDP_PORT = 29517  # + the config's index: DDP configs run side by side (--jobs), each on its own 1-rank group
+
+
+def _p2p_done() -> None:
+    """Point-to-point ops complete at once with nothing sent (pipeline parallel on the fake backend, which may not
+    implement send/recv): the receive buffers are the stage's own, allocated before the receive, so the memory is
+    what the real job's is (NCCL's buffers apart, as for every collective here)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    class Done:
+        def wait(self, *args, **kwargs):
+            return True
+
+        def is_completed(self):
+            return True
+
+        def is_success(self):
+            return True
+
+    def isend(*args, **kwargs):
+        return Done()
+
+    def irecv(*args, **kwargs):
+        return Done()
+
+    def batch_isend_irecv(ops):
+        return [Done() for _ in ops]
+
+    for mod in (dist, c10d):
+        mod.isend, mod.irecv, mod.batch_isend_irecv = isend, irecv, batch_isend_irecv
 
 
 def _child(name: str, steps: int) -> dict:
@@ -58,7 +104,8 @@ def _child(name: str, steps: int) -> dict:
     under_estimate = session is not None and session._active is not None  # `torchmem estimate -- ... --child`
     on_gpu = torch.cuda.is_available() and not under_estimate
     if kind == "ddp":
-        dist.init_process_group("nccl" if on_gpu else "gloo", init_method="tcp://127.0.0.1:29517", rank=0,
+        port = DDP_PORT + list(CONFIGS).index(name)
+        dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
                                 world_size=1)  # fmt: skip
     elif on_gpu:
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -67,17 +114,22 @@ def _child(name: str, steps: int) -> dict:
     else:  # under `torchmem estimate`: the emulated world
         dist.init_process_group("nccl")
     torch.cuda.set_device(0)
+    hidden = opts.get("hidden", HIDDEN)
+    # The rank as the process group says: under `torchmem estimate --rank R` the traced rank, else the config's.
+    me = dist.get_rank()
 
     class Block(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.up = nn.Linear(HIDDEN, 4 * HIDDEN, bias=False)
-            self.down = nn.Linear(4 * HIDDEN, HIDDEN, bias=False)
+            self.up = nn.Linear(hidden, 4 * hidden, bias=False)
+            self.down = nn.Linear(4 * hidden, hidden, bias=False)
 
         def forward(self, x):
             return x + self.down(torch.nn.functional.gelu(self.up(x)))
 
-    model = nn.Sequential(*[Block() for _ in range(LAYERS)]).cuda()
+    blocks = LAYERS // n if kind == "pp" else LAYERS  # a pipeline stage holds its share of the blocks
+    model = nn.Sequential(*[Block() for _ in range(blocks)]).cuda()
+    schedule = None
     from torch.distributed.device_mesh import init_device_mesh
 
     if kind in ("fsdp2", "hsdp", "fsdp_tp"):
@@ -107,6 +159,17 @@ def _child(name: str, steps: int) -> dict:
         mesh = init_device_mesh("cuda", (n,))
         for block in model:
             parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    elif kind == "pp":
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        if on_gpu:
+            _p2p_done()
+        # Static metadata (one microbatch in and out): no shape inference, which would need the peers.
+        meta = torch.empty(BATCH // MICROBATCHES, SEQ, hidden, device="meta")
+        stage = PipelineStage(model, me, n, torch.device("cuda", 0), input_args=(meta,),
+                              output_args=(meta.clone().requires_grad_(),))  # fmt: skip
+        cls = ScheduleGPipe if opts["schedule"] == "gpipe" else Schedule1F1B
+        schedule = cls(stage, n_microbatches=MICROBATCHES, loss_fn=lambda y, t: y.float().pow(2).mean())
     elif kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -115,8 +178,15 @@ def _child(name: str, steps: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     per_step = []
     for _ in range(steps):
-        x = torch.randn(BATCH, SEQ, HIDDEN, device="cuda")
-        if opts.get("checkpoint"):
+        x = torch.randn(BATCH, SEQ, hidden, device="cuda") if schedule is None or me == 0 else None
+        if schedule is not None:
+            if me == 0:
+                schedule.step(x)
+            elif me == n - 1:
+                schedule.step(target=torch.empty(BATCH, device="cuda"), losses=[])
+            else:
+                schedule.step()
+        elif opts.get("checkpoint"):
             from torch.utils.checkpoint import checkpoint
 
             y = x
@@ -124,7 +194,8 @@ def _child(name: str, steps: int) -> dict:
                 y = checkpoint(block, y, use_reentrant=False)
         else:
             y = model(x)
-        y.float().pow(2).mean().backward()
+        if schedule is None:
+            y.float().pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
         if on_gpu:
@@ -143,6 +214,7 @@ def main() -> int:
     ap.add_argument("--child")
     ap.add_argument("--only")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--jobs", type=int, default=1, help="configs run side by side, each in its own process")
     ap.add_argument("--snapshot", help="with --child: keep the allocator history, dump it to this pickle")
     a = ap.parse_args()
     if a.child and a.snapshot:
@@ -162,9 +234,17 @@ def main() -> int:
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    names = a.only.split(",") if a.only else list(CONFIGS)
-    results = []
-    for name in names:
+    names = list(CONFIGS)
+    if a.only:  # names, or prefixes ending in '*'
+        want = a.only.split(",")
+        names = [c for c in CONFIGS if any(c == w or (w.endswith("*") and c.startswith(w[:-1])) for w in want)]
+        unknown = [w for w in want if not w.endswith("*") and w not in CONFIGS]
+        if unknown:
+            ap.error(f"unknown config(s): {', '.join(unknown)}")
+    done: dict[str, dict] = {}
+    lock = threading.Lock()
+
+    def one(name: str) -> None:
         t0 = time.time()
         p = subprocess.run([sys.executable, __file__, "--child", name, "--steps", str(a.steps)], capture_output=True,
                            text=True, timeout=1800)  # fmt: skip
@@ -173,15 +253,20 @@ def main() -> int:
             r.update(json.loads(p.stdout.strip().splitlines()[-1]))
         else:
             r["error"] = p.stderr[-3000:]
-        results.append(r)
-        print(name, "ok" if "error" not in r else "FAILED", r["seconds"], "s", flush=True)
-        doc = {  # written after each config: a run cut short keeps what it recorded
-            "torch": torch.__version__,
-            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "configs": results,
-        }
-        with gzip.open(out / "distributed-truth.json.gz", "wt") as f:
-            json.dump(doc, f)
+        with lock:
+            done[name] = r
+            print(name, "ok" if "error" not in r else "FAILED", r["seconds"], "s", flush=True)
+            doc = {  # written after each config: a run cut short keeps what it recorded
+                "torch": torch.__version__,
+                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                "configs": [done[n] for n in names if n in done],
+            }
+            with gzip.open(out / "distributed-truth.json.gz", "wt") as f:
+                json.dump(doc, f)
+
+    # Fresh processes side by side (--jobs): each has its own caching allocator, so its peaks are its own.
+    with ThreadPoolExecutor(max(1, a.jobs)) as ex:
+        list(ex.map(one, names))
     return 0
 
 
