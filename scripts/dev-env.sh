@@ -7,7 +7,7 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import torch, torchvision, maturin, pytest, memory_profiler, psutil, numpy, transformers, accelerate, lightning, pytorch_lightning, xdist, nbclient, nbformat, ipykernel, wandb, mlflow, prometheus_client, tensorboard, pandas" 2>/dev/null || [ ! -x .venv/bin/ruff ]; then
+if ! .venv/bin/python -c "import torch, torchvision, maturin, pytest, memory_profiler, psutil, numpy, transformers, accelerate, lightning, pytorch_lightning, xdist, nbclient, nbformat, ipykernel, wandb, mlflow, prometheus_client, tensorboard, pandas, timm, peft" 2>/dev/null || [ ! -x .venv/bin/ruff ]; then
   # torch and its CUDA libraries need about 7 GiB unpacked, the Rust build about 4 GiB more.
   free_kib=$(df -Pk . | awk 'NR==2 {print $4}')
   if [ "${free_kib:-0}" -lt $((12 * 1024 * 1024)) ]; then
@@ -16,7 +16,7 @@ if ! .venv/bin/python -c "import torch, torchvision, maturin, pytest, memory_pro
   .venv/bin/python -m pip install -q --no-cache-dir --upgrade pip
   .venv/bin/python -m pip install -q --no-cache-dir "maturin>=1.9,<2" torch torchvision pytest ruff memory_profiler psutil numpy transformers \
     accelerate lightning pytorch-lightning pytest-xdist nbclient nbformat ipykernel wandb mlflow-skinny \
-    prometheus-client tensorboard pandas
+    prometheus-client tensorboard pandas timm peft
 fi
 # pip (under maturin) prints one "Ignoring ipython: markers 'extra == "jupyter"' don't match your environment"
 # per optional dependency: noise, dropped. Every other line (errors included) is shown; maturin's exit status
