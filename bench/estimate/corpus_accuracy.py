@@ -1,12 +1,18 @@
-"""Scores `torchmem estimate` on the user-style scripts of `bench/estimate/corpus/` against their H200 truth.
+"""Scores `torchmem estimate` on the user-style scripts of `bench/estimate/corpus/` against their H200 truth
+(issue 23, "Accuracy").
 
-    .venv/bin/python bench/estimate/corpus_accuracy.py [--truth tests/fixtures/rnn-h200/rnn-truth.json.gz] [--json]
+    .venv/bin/python bench/estimate/corpus_accuracy.py [--truth A.json.gz --truth B.json.gz] [--jobs 2]
+        [--only a.py,b.py] [--no-fit] [--json OUT.json] [--markdown]
 
-Each script with a recorded truth (`scripts/gpu_rnn_truth.py` records the RNN ones in fresh processes) is
-estimated unchanged (`torchmem estimate --gpu H200 --json -- python SCRIPT`, a fresh process each) and its peak
-allocated, peak reserved and NVML are compared with the H200's, with the interval's upper bound. These scripts
-were written and recorded before the estimator's RNN support was scored on them: they are held out (the RNN
-model was fitted on the grid of `gpu_rnn_truth.grid`, never on these).
+Every script of the corpus with a recorded truth (`scripts/gpu_corpus_truth.py` records all of them in fresh
+processes; `scripts/gpu_rnn_truth.py` the RNN ones; a later --truth file wins for a script in both) is estimated
+unchanged (`torchmem estimate --gpu H200 --json -- python SCRIPT`, a fresh process each, `--jobs` at a time) and
+its peak allocated, peak reserved and NVML are compared with the H200's, and the true peaks with the interval's
+upper bounds. A script the estimator refuses is listed with the reason. For the scripts whose largest batch was
+found on the H200 by bisection (the truth's `fit`), `torchmem estimate --fit 'batch=LO..HI:STEP'` is run and its
+answer compared: a FALSE FIT is an answer at or above the smallest batch that ran out of memory on the H200.
+
+The corpus is held out: it was written after the estimator and the estimator was never tuned on it.
 """
 
 from __future__ import annotations
@@ -15,61 +21,241 @@ import argparse
 import gzip
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS = ROOT / "bench" / "estimate" / "corpus"
+DEFAULT_TRUTH = [
+    ROOT / "tests/fixtures/rnn-h200/rnn-truth.json.gz",
+    ROOT / "tests/fixtures/corpus-h200/corpus-truth.json.gz",
+]
+GIB = 2**30
+
+FAMILY = {
+    "lstm": "RNN",
+    "gru": "RNN",
+    "rnn": "RNN",
+    "hf_": "HF Trainer",
+    "accelerate_": "accelerate loop",
+    "lightning_": "Lightning Trainer.fit",
+    "peft_": "LoRA (peft)",
+    "nanogpt_train_compile": "torch.compile",
+    "nanogpt_": "LM training loop",
+    "nn_transformer": "LM training loop",
+    "transformer_encoder": "LM training loop",
+    "timm_": "timm-style vision",
+    "tv_": "torchvision recipe",
+    "deeplabv3": "torchvision recipe",
+    "r3d18": "torchvision recipe",
+    "mlp_mixer": "vision training",
+    "vae_": "vision training",
+    "diffusion_": "diffusion UNet",
+    "conv1d_": "speech / audio",
+    "wav2vec2": "speech / audio",
+    "whisper_seq2seq": "speech / audio",
+    "whisper_greedy": "generation",
+    "_generate": "generation",
+    "_beam": "generation",
+    "t5_greedy": "generation",
+    "_eval": "inference",
+    "dlrm": "recommender",
+    "two_tower": "recommender",
+}
 
 
-def estimate(script: Path) -> dict:
+def family(name: str) -> str:
+    for key, fam in FAMILY.items():
+        if key in name:
+            return fam
+    return "other"
+
+
+def torchmem_cmd(extra: list[str], script: Path, args: list[str]) -> list[str]:
     exe = Path(sys.executable).with_name("torchmem")
-    cmd = [str(exe), "estimate", "--gpu", "H200", "--json", "--", sys.executable, str(script)]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(CORPUS), env=os.environ.copy(), timeout=900)
+    return [str(exe), "estimate", "--gpu", "H200", "--json", *extra, "--", sys.executable, str(script), *args]
+
+
+def run_json(cmd: list[str], timeout: int = 1200) -> dict:
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(CORPUS), env=os.environ.copy(), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s", "seconds": timeout}
     if p.returncode != 0:
-        return {"error": (p.stderr or p.stdout).strip().splitlines()[-1:]}
-    return json.loads(p.stdout)
+        lines = [ln for ln in (p.stderr or p.stdout).strip().splitlines() if ln.startswith("torchmem")]
+        return {"error": (lines or (p.stderr or p.stdout).strip().splitlines() or ["?"])[-1][:400],
+                "seconds": round(time.time() - t0, 1)}  # fmt: skip
+    e = json.loads(p.stdout)
+    e["seconds"] = round(time.time() - t0, 1)
+    return e
+
+
+def pct(est: float, true: float) -> float:
+    return (est - true) / true * 100
+
+
+def score(name: str, t: dict, e: dict) -> dict:
+    row = {"script": name, "family": family(name), "measured": t, "estimate": e}
+    if "error" in e:
+        row["refused"] = e["error"]
+        return row
+    for key, est_key in (("allocated_bytes.all.peak", "peak_allocated_bytes"),
+                         ("reserved_bytes.all.peak", "peak_reserved_bytes"),
+                         ("nvml_process_bytes", "nvml_bytes")):  # fmt: skip
+        if t.get(key):
+            row[est_key + "_error_pct"] = pct(e[est_key], t[key])
+    res_up = e.get("peak_reserved_upper_bytes", e["peak_reserved_bytes"])
+    nvml_up = e.get("nvml_upper_bytes", e["nvml_bytes"])
+    row["reserved_upper_bytes"] = res_up
+    row["inside_interval"] = t["reserved_bytes.all.peak"] <= res_up and (
+        not t.get("nvml_process_bytes") or t["nvml_process_bytes"] <= nvml_up
+    )
+    return row
+
+
+def fit_row(name: str, f: dict) -> dict:
+    step = f["step"]
+    hi = max(4 * (f["fails"] or f["fits"] or step), 8 * step)
+    spec = f"batch={step}..{hi}:{step}"
+    e = run_json(torchmem_cmd(["--fit", spec], CORPUS / name, ["--batch-size", "{batch}"]), timeout=1800)
+    row = {"script": name, "spec": spec, "h200_fits": f["fits"], "h200_fails": f["fails"], "exact": f["exact"]}
+    if "error" in e:
+        row["error"] = e["error"]
+        return row
+    fit = e.get("fit", {})
+    ans = fit.get("largest_fitting")
+    row["answer"] = ans
+    row["fit"] = fit
+    row["seconds"] = e["seconds"]
+    if ans is None:
+        row["verdict"] = "no answer"
+    elif f["fails"] is not None and ans >= f["fails"]:
+        row["verdict"] = "FALSE FIT"
+    elif ans <= f["fits"]:
+        row["verdict"] = "safe" + (f" ({pct(ans, f['fits']):+.1f} % of the H200's)" if f["fits"] else "")
+    else:
+        row["verdict"] = "unknown (between the H200's bracket)"
+    return row
+
+
+def summary(rows: list[dict]) -> dict:
+    est = [r for r in rows if "refused" not in r]
+    out = {"scripts": len(rows), "estimated": len(est), "refused": len(rows) - len(est),
+           "inside_interval": sum(1 for r in est if r["inside_interval"])}  # fmt: skip
+    for k in ("peak_allocated_bytes", "peak_reserved_bytes", "nvml_bytes"):
+        errs = [abs(r[k + "_error_pct"]) for r in est if k + "_error_pct" in r]
+        signed = [r[k + "_error_pct"] for r in est if k + "_error_pct" in r]
+        if errs:
+            out[k] = {"median_abs_pct": statistics.median(errs), "max_abs_pct": max(errs),
+                      "mean_signed_pct": statistics.fmean(signed), "n": len(errs),
+                      "within_1pct": sum(1 for x in errs if x <= 1),
+                      "within_3pct": sum(1 for x in errs if x <= 3)}  # fmt: skip
+    return out
+
+
+def g(v) -> str:
+    return f"{v / GIB:.3f}" if v else "-"
+
+
+def print_table(rows: list[dict], fits: list[dict], summ: dict, markdown: bool):
+    if markdown:
+        print("| script | family | H200 allocated / reserved / NVML (GiB) | estimate (GiB) | reserved upper | "
+              "error alloc / reserved / NVML | true peak inside |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|")
+    else:
+        print(f"{'script':36s} {'family':22s} {'alloc':>7s} {'reserv':>7s} {'NVML':>7s} | {'alloc':>7s} {'reserv':>7s} "
+              f"{'NVML':>7s} {'upper':>7s} | {'err a':>7s} {'err r':>7s} {'err N':>7s} in  "
+              "(GiB, H200 | estimate)")  # fmt: skip
+    for r in rows:
+        t, e = r["measured"], r["estimate"]
+        meas = (t.get("allocated_bytes.all.peak"), t.get("reserved_bytes.all.peak"), t.get("nvml_process_bytes"))
+        if "refused" in r:
+            if markdown:
+                print(f"| {r['script']} | {r['family']} | {' / '.join(g(v) for v in meas)} | refused: "
+                      f"{r['refused'][:160]} | | | |")  # fmt: skip
+            else:
+                print(f"{r['script']:36s} {r['family']:22s} {g(meas[0]):>7s} {g(meas[1]):>7s} {g(meas[2]):>7s} | "
+                      f"REFUSED: {r['refused'][:200]}")  # fmt: skip
+            continue
+        errs = [r.get(k + "_error_pct") for k in ("peak_allocated_bytes", "peak_reserved_bytes", "nvml_bytes")]
+        es = ["-" if x is None else f"{x:+.2f}%" for x in errs]
+        pred = (e["peak_allocated_bytes"], e["peak_reserved_bytes"], e["nvml_bytes"])
+        inside = "yes" if r["inside_interval"] else "NO"
+        if markdown:
+            print(f"| {r['script']} | {r['family']} | {' / '.join(g(v) for v in meas)} | "
+                  f"{' / '.join(g(v) for v in pred)} | {g(r['reserved_upper_bytes'])} | {' / '.join(es)} | "
+                  f"{inside} |")  # fmt: skip
+        else:
+            print(f"{r['script']:36s} {r['family']:22s} {g(meas[0]):>7s} {g(meas[1]):>7s} {g(meas[2]):>7s} | "
+                  f"{g(pred[0]):>7s} {g(pred[1]):>7s} {g(pred[2]):>7s} {g(r['reserved_upper_bytes']):>7s} | "
+                  f"{es[0]:>7s} {es[1]:>7s} {es[2]:>7s} {inside}")  # fmt: skip
+    print()
+    print(f"scripts {summ['scripts']}, estimated {summ['estimated']}, refused {summ['refused']}, "
+          f"true peak inside the interval {summ['inside_interval']}/{summ['estimated']}")  # fmt: skip
+    for k, label in (("peak_allocated_bytes", "allocated"), ("peak_reserved_bytes", "reserved"),
+                     ("nvml_bytes", "NVML")):  # fmt: skip
+        s = summ.get(k)
+        if s:
+            print(f"{label:9s}: median |error| {s['median_abs_pct']:.2f} %, max {s['max_abs_pct']:.2f} %, mean signed "
+                  f"{s['mean_signed_pct']:+.2f} %, within 1 % {s['within_1pct']}/{s['n']}, within 3 % "
+                  f"{s['within_3pct']}/{s['n']}")  # fmt: skip
+    for f in fits:
+        print(f"--fit {f['script']} ({f['spec']}): H200 fits {f['h200_fits']}, OOM at {f['h200_fails']}"
+              f"{'' if f['exact'] else ' (bracket)'}; estimate {f.get('answer', f.get('error'))} -> "
+              f"{f.get('verdict', 'error')}")  # fmt: skip
+    if fits:
+        print(f"false fits: {sum(1 for f in fits if f.get('verdict') == 'FALSE FIT')}/{len(fits)}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--truth", default=str(ROOT / "tests/fixtures/rnn-h200/rnn-truth.json.gz"))
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--truth", action="append", help="truth file(s); later ones win (default: RNN then corpus)")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--only", help="comma-separated script names")
+    ap.add_argument("--no-fit", action="store_true")
+    ap.add_argument("--json", help="write every row (estimates included) here")
+    ap.add_argument("--markdown", action="store_true")
     a = ap.parse_args()
-    truth = json.load(gzip.open(a.truth))["scripts"]
-    rows = []
-    for name, t in sorted(truth.items()):
-        e = estimate(CORPUS / name)
-        row = {"script": name, "measured": t, "estimate": e}
-        if "error" not in e:
-            for key, est_key in (("allocated_bytes.all.peak", "peak_allocated_bytes"),
-                                 ("reserved_bytes.all.peak", "peak_reserved_bytes"),
-                                 ("nvml_process_bytes", "nvml_bytes")):  # fmt: skip
-                if t.get(key):
-                    row[est_key + "_error_pct"] = (e[est_key] - t[key]) / t[key] * 100
-            upper = e.get("peak_reserved_upper_bytes", e["peak_reserved_bytes"])
-            row["reserved_inside_interval"] = (
-                e["peak_reserved_bytes"] <= upper and t["reserved_bytes.all.peak"] <= upper
-            )
-        rows.append(row)
+    truth: dict[str, dict] = {}
+    fit_truth: dict[str, dict] = {}
+    for path in a.truth or [str(p) for p in DEFAULT_TRUTH if p.exists()]:
+        doc = json.load(gzip.open(path))
+        truth.update(doc.get("scripts", {}))
+        fit_truth.update(doc.get("fit", {}))
+    names = sorted(p.name for p in CORPUS.glob("*.py"))
+    if a.only:
+        keep = set(a.only.split(","))
+        names = [n for n in names if n in keep]
+    missing = [n for n in names if n not in truth]
+    bad = [n for n in names if n in truth and truth[n].get("status", "ok") != "ok"]
+    names = [n for n in names if n in truth and n not in bad]
+
+    def one(n: str) -> dict:
+        row = score(n, truth[n], run_json(torchmem_cmd([], CORPUS / n, [])))
+        print(f"  {n}: {'refused' if 'refused' in row else 'estimated'} ({row['estimate'].get('seconds')} s)",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return row
+
+    with ThreadPoolExecutor(a.jobs) as pool:
+        rows = list(pool.map(one, names))
+    fits = []
+    if not a.no_fit:
+        fits = [fit_row(n, f) for n, f in sorted(fit_truth.items()) if n in names or not a.only]
+    summ = summary(rows)
+    if missing:
+        print(f"no truth for: {', '.join(missing)}")
+    if bad:
+        failed = ", ".join(f"{n} ({truth[n]['status']})" for n in bad)
+        print(f"the H200 run did not end well (not scored): {failed}")
+    print_table(rows, fits, summ, a.markdown)
     if a.json:
-        print(json.dumps(rows, indent=1))
-        return 0
-    gib = 2**30
-    print(f"{'script':28s} {'alloc H200':>10s} {'estimate':>9s} {'err':>7s} {'reserved':>9s} "
-          f"{'estimate':>9s} {'err':>7s} "
-          f"{'NVML':>7s} {'err':>7s}  upper>=truth")  # fmt: skip
-    for r in rows:
-        t, e = r["measured"], r["estimate"]
-        if "error" in e:
-            print(f"{r['script']:28s} refused/failed: {e['error']}")
-            continue
-        print(f"{r['script']:28s} {t['allocated_bytes.all.peak'] / gib:9.3f}G {e['peak_allocated_bytes'] / gib:8.3f}G "
-              f"{r['peak_allocated_bytes_error_pct']:+6.2f}% {t['reserved_bytes.all.peak'] / gib:8.3f}G "
-              f"{e['peak_reserved_bytes'] / gib:8.3f}G {r['peak_reserved_bytes_error_pct']:+6.2f}% "
-              f"{t.get('nvml_process_bytes', 0) / gib:6.3f}G {r.get('nvml_bytes_error_pct', float('nan')):+6.2f}%  "
-              f"{r['reserved_inside_interval']}")  # fmt: skip
+        Path(a.json).write_text(json.dumps({"summary": summ, "rows": rows, "fit": fits, "missing": missing,
+                                            "bad_truth": bad}, indent=1))  # fmt: skip
     return 0
 
 
