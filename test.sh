@@ -10,7 +10,7 @@ export PATH="$PWD/.venv/bin:$PATH"
 export TORCHMEM_PYTHON="$PWD/.venv/bin/python"
 export PYO3_PYTHON="$PWD/.venv/bin/python"
 cargo test --workspace
-pytest=(.venv/bin/python -m pytest -q -n auto --dist worksteal)
+pytest=(.venv/bin/python -m pytest -q -n auto --dist worksteal --durations=25)
 failed=()
 layer() {
   local name=$1 start=$SECONDS status=0
