@@ -122,9 +122,9 @@ impl FitSpec {
         }
     }
 
-    /// Searches the largest multiple of STEP in LO..=HI whose upper bound fits: doubling from LO until a value
-    /// does not fit (or HI), then bisection between the last fit and the first miss; then the same for the
-    /// point estimate, from what is known (it goes at least as far; values tried once are not estimated again).
+    /// Searches the largest multiple of STEP in LO..=HI whose upper bound fits (`largest_in`: guided by the
+    /// headroom of the values that fit, bisection where that guide is refuted), then the same for the point
+    /// estimate, from what is known (it goes at least as far; values tried once are not estimated again).
     /// `estimate` is called once per value tried; its first error stops the search.
     pub fn search<E>(
         &self,
@@ -136,10 +136,19 @@ impl FitSpec {
         let (lo, hi) = (self.lo / step, self.hi / step);
         let mut tried: Vec<FitTry> = Vec::new();
         let mut reports: BTreeMap<u64, EstimateReport> = BTreeMap::new();
-        let mut attempt = |unit: u64, point: bool| -> Result<bool, E> {
+        let total = target.cuda_total_bytes as i64;
+        // What the search's model reads: whether it fits and the headroom left (device memory less NVML).
+        let answer = move |r: &EstimateReport, point: bool| {
+            if point {
+                (r.fits_point, total - r.nvml_bytes as i64)
+            } else {
+                (r.fits, total - r.nvml_upper_bytes as i64)
+            }
+        };
+        let mut attempt = |unit: u64, point: bool| -> Result<(bool, i64), E> {
             let v = unit * step;
             if let Some(r) = reports.get(&v) {
-                return Ok(if point { r.fits_point } else { r.fits });
+                return Ok(answer(r, point));
             }
             let r = estimate(v)?;
             tried.push(FitTry {
@@ -151,14 +160,14 @@ impl FitSpec {
                 peak_reserved_upper_bytes: r.peak_reserved_upper_bytes,
                 nvml_upper_bytes: r.nvml_upper_bytes,
             });
-            let fits = if point { r.fits_point } else { r.fits };
+            let got = answer(&r, point);
             reports.insert(v, r);
-            Ok(fits)
+            Ok(got)
         };
         let (good, bad) = largest_in(lo, hi, |u| attempt(u, false))?;
         // The point estimate fits wherever the upper bound does: it goes on from the upper bound's first miss.
         let (point_good, point_bad) = match bad {
-            Some(x) if attempt(x, true)? => largest_in(x, hi, |u| attempt(u, true))?,
+            Some(x) if attempt(x, true)?.0 => largest_in(x, hi, |u| attempt(u, true))?,
             _ => (good, bad),
         };
         let at = |u: Option<u64>| u.map(|u| u * step);
@@ -192,39 +201,66 @@ impl FitSpec {
     }
 }
 
-/// The largest unit in `lo..=hi` for which `fits` holds (None: not even `lo`) and the smallest above it that
-/// does not (None: `hi` fits): doubling from `lo`, then bisection.
+/// The largest unit in `lo..=hi` for which `probe` says it fits (None: not even `lo`) and the smallest above it
+/// that does not (None: `hi` fits). `probe(u)` is `(fits, headroom_bytes)`: the device memory left at `u`.
+///
+/// Memory grows with the value, nearly linearly (batch, tokens), so the two largest values that fit predict
+/// where the headroom runs out: `e = g + headroom(g) / slope`. Until a value fails, the next try is `e`, but
+/// at most 4× the last (a line through two small values is too flat: activations outgrow the fixed part), and
+/// 2× where there is no slope yet; then, between the last fit `g` and the first miss `x`, `e` where it falls
+/// strictly inside, else the middle (bisection: a guide that overshot is refuted). The answer is exact whatever
+/// the shape: the search ends only with `g` fitting and `g + 1` failing (or at the range's ends). Values tried
+/// with headroom that does not fall (allocator rounding) give no slope and fall back to doubling/bisection.
+/// GPT-2's --fit on the H200 tried 16 values by doubling and bisection; this finds the same edge in 7.
 fn largest_in<E>(
     lo: u64,
     hi: u64,
-    mut fits: impl FnMut(u64) -> Result<bool, E>,
+    mut probe: impl FnMut(u64) -> Result<(bool, i64), E>,
 ) -> Result<(Option<u64>, Option<u64>), E> {
-    let (mut good, mut bad) = (None::<u64>, None::<u64>);
+    // The two largest values that fit, with their headroom.
+    let (mut good, mut prev): (Option<(u64, i64)>, Option<(u64, i64)>) = (None, None);
+    let mut bad: Option<u64> = None;
     let mut u = lo;
     loop {
-        if fits(u)? {
-            good = Some(u);
-            if u >= hi {
-                break;
+        let (fits, headroom) = probe(u)?;
+        if fits {
+            if good.is_none_or(|(g, _)| u > g) {
+                prev = good;
+                good = Some((u, headroom));
             }
-            u = (u * 2).min(hi);
-        } else {
+        } else if bad.is_none_or(|x| u < x) {
             bad = Some(u);
-            break;
         }
-    }
-    if let (Some(mut g), Some(mut x)) = (good, bad) {
-        while x - g > 1 {
-            let mid = g + (x - g) / 2;
-            if fits(mid)? {
-                g = mid;
-            } else {
-                x = mid;
+        let g = match good {
+            None => return Ok((None, bad)),
+            Some((g, _)) => g,
+        };
+        if g >= hi {
+            return Ok((Some(g), None));
+        }
+        if bad == Some(g + 1) {
+            return Ok((Some(g), bad));
+        }
+        // Where the line through the two largest fits says the headroom runs out (None: no slope).
+        let edge = match (prev, good) {
+            (Some((p, hp)), Some((g, hg))) if hp > hg && hg >= 0 => {
+                let per_unit = (hp - hg) as f64 / (g - p) as f64;
+                Some(g.saturating_add((hg as f64 / per_unit).floor().min(u64::MAX as f64 / 2.0) as u64))
             }
-        }
-        return Ok((Some(g), Some(x)));
+            _ => None,
+        };
+        u = match bad {
+            None => {
+                let cap = hi.min(g.saturating_mul(if edge.is_some() { 4 } else { 2 }));
+                edge.map_or(cap, |e| e.clamp(g + 1, cap))
+            }
+            Some(x) => match edge {
+                Some(e) if e > g && e < x => e,
+                Some(e) if e == g => g + 1,
+                _ => g + (x - g) / 2,
+            },
+        };
     }
-    Ok((good, bad))
 }
 
 impl FitReport {
@@ -377,5 +413,84 @@ mod tests {
         let json = serde_json::to_value(&out).unwrap();
         assert_eq!(json["fit"]["point_largest_fitting"], 120);
         assert_eq!(json["tried"][0]["fits_point"], true);
+    }
+
+    /// A fake estimate shaped like GPT-2's on the H200 (NVML at each batch the real `--fit` tried, in GB,
+    /// joined by straight lines, steeper as the batch grows): the guided search finds the brute-force edge in
+    /// at most 8 tries (doubling and bisection took 16).
+    #[test]
+    fn the_guided_search_finds_gpt2s_edge_in_few_tries() {
+        const NVML_GB: [(u64, f64); 12] = [
+            (1, 3.796),
+            (2, 4.299),
+            (4, 6.057),
+            (8, 8.877),
+            (16, 16.073),
+            (32, 27.049),
+            (64, 52.490),
+            (128, 103.488),
+            (160, 128.945),
+            (176, 141.770),
+            (184, 148.155),
+            (186, 149.787),
+        ];
+        let nvml = |v: u64| -> u64 {
+            let k = NVML_GB.iter().position(|&(b, _)| b >= v).unwrap_or(NVML_GB.len() - 1).max(1);
+            let ((b0, y0), (b1, y1)) = (NVML_GB[k - 1], NVML_GB[k]);
+            ((y0 + (y1 - y0) * (v as f64 - b0 as f64) / (b1 - b0) as f64) * 1e9) as u64
+        };
+        for capacity in [150_109_880_320u64, 80_000_000_000, 24_000_000_000, 141_000_000_000, 5_000_000_000] {
+            let target = Target::new("H200", Some(capacity)).unwrap();
+            let brute = (1..=4096u64).take_while(|&v| nvml(v) <= capacity).last();
+            let fake = |v: u64| -> Result<EstimateReport, String> {
+                let mut r = fake_report();
+                r.nvml_bytes = nvml(v);
+                r.nvml_upper_bytes = r.nvml_bytes;
+                r.fits = r.nvml_bytes <= capacity;
+                r.fits_point = r.fits;
+                Ok(r)
+            };
+            let out = FitSpec::parse("batch=1..4096").unwrap().search(&target, &["x".into()], fake).unwrap();
+            assert_eq!(out.fit.largest_fitting, brute, "capacity {capacity}: {:?}", out.tried);
+            assert_eq!(out.fit.first_not_fitting, brute.map(|b| b + 1));
+            assert!(out.tried.len() <= 8, "capacity {capacity}: {} tries {:?}", out.tried.len(), out.tried);
+        }
+    }
+
+    /// Whatever the memory's shape (flat stretches from allocator rounding, a drop, a cliff), the answer is the
+    /// exact edge of the search's own tries: the largest value that fits with the next one failing.
+    #[test]
+    fn the_guided_search_is_exact_on_awkward_shapes() {
+        let shapes: [(&str, fn(u64) -> u64); 4] = [
+            ("rounded to 2 MiB steps", |v| (100 + 3 * v).div_ceil(64) * 64),
+            ("flat then steep", |v| if v < 300 { 500 } else { 500 + 40 * (v - 300) }),
+            ("a drop (another algorithm) at 700", |v| if v == 700 { 200 } else { 100 + v }),
+            ("quadratic", |v| 50 + v * v / 100),
+        ];
+        for (name, mem) in shapes {
+            for capacity in [600u64, 1000, 2500, 9000] {
+                let target = Target::new("L4", Some(capacity)).unwrap();
+                let fake = |v: u64| -> Result<EstimateReport, String> {
+                    let mut r = fake_report();
+                    r.nvml_bytes = mem(v);
+                    r.nvml_upper_bytes = r.nvml_bytes;
+                    r.fits = r.nvml_bytes <= capacity;
+                    r.fits_point = r.fits;
+                    Ok(r)
+                };
+                let out = FitSpec::parse("batch=1..2000").unwrap().search(&target, &["x".into()], fake).unwrap();
+                let fits = |v: u64| mem(v) <= capacity;
+                match (out.fit.largest_fitting, out.fit.first_not_fitting) {
+                    (Some(g), Some(x)) => assert!(fits(g) && !fits(x) && x == g + 1, "{name} @ {capacity}: {g} {x}"),
+                    (Some(g), None) => assert!(g == 2000 && fits(g), "{name} @ {capacity}"),
+                    (None, Some(x)) => assert!(x == 1 && !fits(1), "{name} @ {capacity}"),
+                    (None, None) => panic!("{name} @ {capacity}: no answer"),
+                }
+                if mem(1) <= capacity && (1..=2000).all(|v| mem(v) <= mem(v + 1)) {
+                    let brute = (1..=2000u64).take_while(|&v| fits(v)).last();
+                    assert_eq!(out.fit.largest_fitting, brute, "{name} @ {capacity}: {:?}", out.tried);
+                }
+            }
+        }
     }
 }
