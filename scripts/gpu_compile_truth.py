@@ -8,6 +8,9 @@ NVML numbers of this process right after the step, and the seconds. A thread sam
 compiled config has its eager twin (same model, same step, no `torch.compile`) in the same run, so the direction
 and size of the compile effect is measured on the same GPU, torch and allocator.
 
+The compiled convolutional configs run one more step with their cuDNN convolution calls captured (channels-last
+layouts that Inductor chooses; `scripts/gpu_op_workspaces.py`'s format, for the catalogue).
+
 Per config the output holds the allocator history (`torch.cuda.memory._record_memory_history`, gzipped pickle)
 and, for compiled ones, Inductor's generated code (`TORCH_LOGS=output_code`, gzipped): the wrapper's buffer plan
 (`empty_strided_cuda`, `del bufN`, reuse) that the estimate executes on the emulated device.
@@ -310,6 +313,9 @@ def child(args) -> None:
         torch.cuda.memory._record_memory_history(enabled=None)
         with gzip.open(args.snapshot, "wb", compresslevel=9) as f:
             pickle.dump(snap, f, protocol=4)
+    capture = None
+    if args.capture and spec.get("compile") and spec["model"] in ("cnn", "resnet50") and oom is None:
+        capture = _capture_convolutions(torch, step, args.capture)
     props = torch.cuda.get_device_properties(0)
     import torch._inductor.config as icfg
 
@@ -337,9 +343,73 @@ def child(args) -> None:
                     "triton.cudagraphs": icfg.triton.cudagraphs,
                 },
                 "snapshot": Path(args.snapshot).name if args.snapshot else None,
+                "convolution_capture": capture,
             }
         )
     )
+
+
+def _capture_convolutions(torch, step, path: str) -> dict:
+    """One more step (after the measured ones and the snapshot) with the compiled program's cuDNN convolution calls
+    recorded as `scripts/gpu_op_workspaces.py` records eager ones (its `Capture`; the same JSON, so
+    `scripts/build_conv_catalogue.py` can take it): Inductor runs convolutions in channels-last layouts that eager
+    programs rarely use. The wrapper calls `extern_kernels.convolution(..., stride=...)` (keywords) and
+    `torch.ops.aten.convolution_backward.default(...)`; both are routed through the capture with the positional
+    arguments the dispatcher gives `aten.convolution.default`."""
+    import gpu_op_workspaces
+    from torch._inductor.select_algorithm import extern_kernels
+    from torch.utils._pytree import tree_flatten
+
+    t0 = time.time()
+    torch.cuda.memory._record_memory_history(context=None, stacks="python", max_entries=4096)
+    cap = gpu_op_workspaces.Capture(torch)
+    cap.source = "compiled/" + Path(path).name.split("__")[0]
+    names = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding", "groups")
+    conv_fwd = torch.ops.aten.convolution.default
+    conv_bwd = torch.ops.aten.convolution_backward
+    original_conv = extern_kernels.convolution
+
+    def convolution(*a, **k):
+        full = tuple(a) + tuple(k[n] for n in names[len(a) :])
+        return cap.dispatch(conv_fwd, full, {}, tree_flatten)
+
+    class _Backward:
+        default = staticmethod(lambda *a, **k: cap.dispatch(conv_bwd.default, a, k, tree_flatten))
+
+        def __getattr__(self, name):
+            return getattr(conv_bwd, name)
+
+    extern_kernels.convolution = convolution
+    torch.ops.aten.convolution_backward = _Backward()
+    try:
+        step()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - the capture is extra; the run's numbers are already taken
+        cap.errors.append(f"{type(e).__name__}: {str(e)[:300]}")
+    finally:
+        extern_kernels.convolution = original_conv
+        torch.ops.aten.convolution_backward = conv_bwd
+        torch.cuda.memory._record_memory_history(enabled=None)
+    result = {
+        "device_name": torch.cuda.get_device_name(0),
+        "capability": list(torch.cuda.get_device_capability(0)),
+        "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "cudnn_version": torch.backends.cudnn.version(),
+        "cudnn_flags": {
+            "benchmark": torch.backends.cudnn.benchmark,
+            "deterministic": torch.backends.cudnn.deterministic,
+            "allow_tf32": torch.backends.cudnn.allow_tf32,
+        },
+        "sources": {cap.source: {"seconds": round(time.time() - t0, 2)}},
+        "errors": cap.errors[:200],
+        "conv": cap.conv,
+        "other_ops": [],
+    }
+    with gzip.open(path, "wt") as f:
+        json.dump(result, f, indent=0, sort_keys=True)
+    return {"keys": len(cap.conv), "errors": len(cap.errors), "snapshots": cap.snapshots}
 
 
 # ----------------------------------------------------------------------------------------------- parent side
@@ -358,6 +428,7 @@ def _run(name: str, work: Path, steps: int, snapshots: bool) -> dict:
     argv = [sys.executable, str(HERE), "--child", "--workload", name, "--steps", str(steps)]
     if snapshots:
         argv += ["--snapshot", str(work / f"{name}__compile.pickle.gz")]
+    argv += ["--capture", str(work / f"{name}__op-workspaces.json.gz")]
     t0 = time.time()
     try:
         p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
@@ -405,7 +476,10 @@ def parent(args) -> None:
     (out / "compile-truth.json").write_text(json.dumps(truth, indent=1, sort_keys=True))
     # What comes back from the device: at most 8 files of <= 16 MiB. Tars of <= 14 MiB, at most 6, the compiled
     # configs' files first (their generated code, then their snapshots); what does not fit is named.
-    files = sorted(work.iterdir(), key=lambda f: ("_eager__" in f.name, not f.name.endswith(".txt.gz"), f.name))
+    files = sorted(
+        work.iterdir(),
+        key=lambda f: ("_eager__" in f.name, not f.name.endswith((".txt.gz", ".json.gz")), f.name),
+    )
     packs: list[list[Path]] = [[]]
     size = 0
     for f in files:
@@ -436,6 +510,7 @@ def main() -> None:
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--workload")
     ap.add_argument("--snapshot")
+    ap.add_argument("--capture")
     args = ap.parse_args()
     if args.child:
         child(args)
