@@ -5,20 +5,23 @@ Two parts, written to `OUT/corpus-truth.json.gz` (and `OUT/corpus-truth.log`):
 
 1. `scripts`: every `*.py` of the corpus run unchanged in a FRESH process each (`--jobs` at a time: torch's
    statistics are per process and NVML is read per pid, so parallel runs do not disturb each other's figures;
-   the caching allocator is deterministic, so one run each): torch's `memory_stats()` peaks at the end
+   the caching allocator is deterministic, so one run each; a script that runs out of memory among the others is
+   run again alone at the end): torch's `memory_stats()` peaks at the end
    (`allocated_bytes.all.peak`, `reserved_bytes.all.peak`, requested/active peaks, `num_alloc_retries`,
    `num_ooms`), NVML's `usedGpuMemory` of the process (its largest value, sampled every 5 ms by a thread, and
    its value at the end), the exit status (`ok`, `oom`, `error` with the traceback's tail), wall seconds.
 2. `fit`: for the scripts of `FIT`, the largest `--batch-size` (a multiple of its step) that runs to its end
    without an out-of-memory error, each try a fresh process run ALONE on the GPU (after part 1): from the
-   starting guess, steps of x1.25 outward until the answer is bracketed, then bisection on multiples of the
-   step. A try that ends with `torch.OutOfMemoryError` (or CUDA's "out of memory") does not fit; any other
-   failure stops that script's search (recorded). `--fit-budget` bounds the wall time of the whole part: a
-   search cut short keeps its bracket (`fits` = largest known to fit, `fails` = smallest known not to).
+   starting guess, steps of x1.15 outward until the answer is bracketed, then bisection on multiples of the
+   step (5-7 tries of 10-25 s each per script). A try that ends with `torch.OutOfMemoryError` (or CUDA's "out of
+   memory") does not fit; any other failure stops that script's search (recorded). `--fit-budget` bounds the
+   wall time of the whole part: a search cut short keeps its bracket (`fits` = largest known to fit, `fails` =
+   smallest known not to).
    PYTORCH_CUDA_ALLOC_CONF is left as it is (unset) and no memory fraction is set: the whole card's memory.
 
 Usage (from the repository root on the GPU machine):
-    python scripts/gpu_corpus_truth.py OUT [--jobs 4] [--only a.py,b.py] [--no-fit] [--fit-only]
+    python scripts/gpu_corpus_truth.py OUT [--jobs 4] [--only a.py,b.py] [--no-fit] [--fit-only] [--fit-budget S]
+        (a second call with the same OUT adds to the first one's file: `--no-fit`, then `--fit-only`)
     python scripts/gpu_corpus_truth.py --child SCRIPT [ARGS...]      (one script in this process; prints JSON)
     python scripts/gpu_corpus_truth.py OUT --plumbing                 (no GPU: checks the parallel runs, the
         child protocol and the bisection on stub scripts; writes OUT/corpus-truth-plumbing.json.gz)
@@ -45,11 +48,11 @@ CORPUS = ROOT / "bench" / "estimate" / "corpus"
 # script: (starting guess, step). The guesses come from `torchmem estimate --fit` on this corpus (they only set
 # where the search starts; the answer is the GPU's).
 FIT = {
-    "nanogpt_train.py": (64, 1),
-    "peft_lora_llama_bf16.py": (48, 1),
-    "diffusion_unet_ddpm.py": (1024, 16),
-    "tv_reference_resnet50.py": (1024, 16),
-    "gpt2_greedy_generate.py": (2048, 32),
+    "nanogpt_train.py": (108, 4),
+    "diffusion_unet_ddpm.py": (864, 16),
+    "transformer_encoder_classifier.py": (320, 8),
+    "hf_bert_text_classification.py": (1792, 32),
+    "tv_reference_resnet50.py": (2560, 32),
 }
 CHILD_TIMEOUT_S = 300
 
@@ -148,7 +151,8 @@ def run_child(script: Path, argv: list[str], plumbing: bool, timeout: int = CHIL
         cmd.insert(2, "--plumbing")
     t0 = time.time()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(script.parent))
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled"}
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(script.parent), env=env)
     except subprocess.TimeoutExpired:
         return {"argv": argv, "status": "timeout", "wall_seconds": round(time.time() - t0, 1)}
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("TRUTH ")]
@@ -178,10 +182,10 @@ def fit_search(script: Path, guess: int, step: int, deadline: float, plumbing: b
         return {"ok": True, "oom": False}.get(r["status"])
 
     def up(b: int) -> int:
-        return max(b + step, int(b * 1.25) // step * step)
+        return max(b + step, int(b * 1.15) // step * step)
 
     def down(b: int) -> int:
-        return max(step, int(b / 1.25) // step * step)
+        return max(step, int(b / 1.15) // step * step)
 
     b = max(step, guess // step * step)
     stopped = None
@@ -250,7 +254,7 @@ def plumbing_corpus(tmp: Path) -> tuple[list[Path], dict]:
         "p.add_argument('--batch-size', type=int, default=8)\na = p.parse_args()\n"
         "if a.batch_size > 37:\n    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')\n"
     )
-    return sorted(tmp.glob("stub_*.py")), {"stub_oom.py": (16, 1), "stub_ok.py": (64, 8)}
+    return sorted(tmp.glob("stub_*.py")), {"stub_oom.py": (34, 1), "stub_ok.py": (4096, 512)}
 
 
 def main() -> int:
@@ -291,6 +295,9 @@ def main() -> int:
     name = "corpus-truth-plumbing.json.gz" if a.plumbing else "corpus-truth.json.gz"
     doc = {"versions": versions(a.plumbing), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "jobs": a.jobs, "scripts": {}, "fit": {}}  # fmt: skip
+    if (out / name).exists():  # a second call (--fit-only after --no-fit) adds to the first one's file
+        old = json.load(gzip.open(out / name))
+        doc["scripts"], doc["fit"] = old.get("scripts", {}), old.get("fit", {})
     t0 = time.time()
 
     def save():
@@ -308,6 +315,11 @@ def main() -> int:
 
         with ThreadPoolExecutor(a.jobs) as pool:
             for n, r in pool.map(one, scripts):
+                doc["scripts"][n] = r
+        for p in scripts:  # an OOM next to other runs may be theirs: again, alone on the GPU
+            if doc["scripts"][p.name]["status"] == "oom" and a.jobs > 1:
+                n, r = one(p)
+                r["rerun_alone"] = True
                 doc["scripts"][n] = r
         log(f"scripts: {len(scripts)} in {time.time() - t0:.0f} s")
         save()

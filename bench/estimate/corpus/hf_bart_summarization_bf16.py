@@ -1,5 +1,6 @@
 """Summarization fine-tuning with the HF Seq2SeqTrainer and bf16: BART-base from its config, articles of 512
-tokens, summaries of 128, batch 16, label smoothing 0.1."""
+tokens, summaries of 128, batch 16, label smoothing 0.1 (the Trainer then takes the labels out of the model's
+inputs, so the decoder inputs come with the batch, as DataCollatorForSeq2Seq(model=...) makes them)."""
 
 import argparse
 
@@ -19,10 +20,12 @@ class Articles(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         g = torch.Generator().manual_seed(i)
+        labels = torch.randint(4, 50265, (args.max_target_length,), generator=g)
         return {
             "input_ids": torch.randint(4, 50265, (args.max_source_length,), generator=g),
             "attention_mask": torch.ones(args.max_source_length, dtype=torch.long),
-            "labels": torch.randint(4, 50265, (args.max_target_length,), generator=g),
+            "labels": labels,
+            "decoder_input_ids": torch.cat([torch.tensor([2]), labels[:-1]]),  # shift_tokens_right
         }
 
 
