@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import (
 )
 
 from . import _device, _rules
+from ._compile import CompileEmulation
 from ._inference import ForwardCounter, GenerationPatches
 from ._rnn import RnnEmulation
 from ._tracer import Tracer
@@ -125,6 +126,7 @@ class Session:
         self._warning_filter: tuple | None = None
         self._generation = GenerationPatches(self.forwards, self.tracer.note)
         self._rnn = RnnEmulation(self.tracer, gpu)
+        self._compile = CompileEmulation(self.tracer, self.rules, gpu)
         # Called once `steps_limit` steps are traced (the script runner writes the trace and exits); without
         # it the hook raises StopTrace.
         self.on_limit = None
@@ -160,17 +162,8 @@ class Session:
         import torch.nn.functional as F
 
         self._patch(F, "scaled_dot_product_attention", _rules.sdpa_wrapper(self.rules, F.scaled_dot_product_attention))
-        tr = self.tracer
-
-        def compile_eager(model=None, *_args, **_kwargs):
-            # Inductor needs a real device; like torchtitan's estimator we trace the eager program (a compiled
-            # graph usually needs less memory: fused buffers), and say so.
-            tr.note("torch.compile was ignored: the estimate is for eager execution (compiled graphs fuse buffers)")
-            if model is None:
-                return lambda m: m
-            return model
-
-        self._patch(torch, "compile", compile_eager)
+        # torch.compile: Inductor's plan executed on the emulated device, or a stated bound (`_compile`).
+        self._compile.install(self._patch)
         self._patch_dataloader()
         self._rnn.install()
         tr = self.tracer
@@ -179,11 +172,15 @@ class Session:
         forwards = self.forwards
 
         def forward_pre(_module, _args):
+            if torch.compiler.is_compiling():  # inside a compiled graph: its caller's call counted
+                return
             forwards.forward_pre()
             if session._in_backward == 0 and session._in_optimizer == 0 and tr.phase != "forward":
                 session._set_phase("forward")
 
         def forward_post(_module, _args, _out):
+            if torch.compiler.is_compiling():
+                return
             forwards.forward_post(in_backward=session._in_backward > 0)
 
         def opt_pre(_opt, _args, _kwargs):
@@ -334,6 +331,7 @@ class Session:
         self._handles.clear()
         self._generation.uninstall()
         self._rnn.uninstall()
+        self._compile.uninstall()
         for obj, name, old in reversed(self._patches):
             if isinstance(old, list) and name == "_foreach_supported_types":
                 getattr(obj, name)[:] = old
