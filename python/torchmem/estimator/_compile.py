@@ -33,6 +33,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -162,6 +163,7 @@ class CompileEmulation:
         self._real_compile = None
         self._patches: list[tuple[Any, str, Any]] = []
         self._message = ""
+        self._library = None
 
     # ------------------------------------------------------------------ install
     def install(self, patch) -> None:
@@ -172,11 +174,49 @@ class CompileEmulation:
         # eagerly): the tracer asks it not to look at compile internals, which run with the modes taken off
         # (`_compiling`), while the compiled code runs under them.
         self.tracer.ignore_compile_internals = lambda: True
+        self._install_sdpa(patch)
         _reset_dynamo()
+
+    def _install_sdpa(self, patch) -> None:
+        """SDPA in a compiled graph: the estimate's `F.scaled_dot_product_attention` wrapper picks the backend in
+        Python (`_rules.sdpa_wrapper`), which dynamo cannot trace (a graph break in every attention layer split
+        nanoGPT's forward into 14 graphs). While dynamo traces, the wrapper hands over to torch's own function, as
+        on a GPU: aot_autograd then asks `aten._fused_sdp_choice` for the backend, which on fake CUDA tensors without
+        a GPU answers math; its Meta kernel (the one fake tensors run) answers the estimate's rule instead."""
+        import torch.nn.functional as F
+
+        wrapper = F.scaled_dot_product_attention
+        original = torch._C._nn.scaled_dot_product_attention
+
+        @functools.wraps(wrapper)
+        def scaled_dot_product_attention(*args, **kwargs):
+            if torch.compiler.is_compiling():
+                return original(*args, **kwargs)
+            return wrapper(*args, **kwargs)
+
+        patch(F, "scaled_dot_product_attention", scaled_dot_product_attention)
+        rules = self.rules
+
+        def fused_sdp_choice(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+            if q.device.type != "cuda":
+                return 0  # math, as torch's Meta kernel answers for a tensor not on CUDA
+            return int(rules.sdpa_backend(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa))
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": ours, until uninstall
+                lib = torch.library.Library("aten", "IMPL")
+                lib.impl("_fused_sdp_choice", fused_sdp_choice, "Meta")
+            self._library = lib
+        except Exception:  # noqa: BLE001 - then compiled attention takes torch's answer (math), said in a note
+            self.tracer.note("torch.compile: the SDPA backend rule could not be installed for compiled graphs")
 
     def uninstall(self) -> None:
         if self._real_compile is not None:
             _reset_dynamo()
+        if self._library is not None:
+            self._library._destroy()
+            self._library = None
         self.tracer.__dict__.pop("ignore_compile_internals", None)
 
     # ------------------------------------------------------------------ torch.compile
