@@ -98,73 +98,9 @@ def stats_html(stats: Any) -> str:
 
 
 def monitor_html(monitor: Any) -> str:
-    """A `torchmem.Monitor`'s epochs, phases and journey as HTML tables."""
-    data = monitor.to_dict()
-    parts = []
-    epochs = data.get("epochs") or []
-    gpu = any(e.get("peak_allocated_bytes") is not None for e in epochs) or any(
-        p.get("max_peak_allocated_bytes") is not None for p in data.get("phases") or []
-    )
-    if epochs:
-        header = ["epoch", "time", "steps"]
-        header += ["allocated", "peak allocated", "peak reserved"] if gpu else []
-        header += ["CPU RSS", "peak RSS", "Δ RSS"]
-        rows = []
-        for e in epochs:
-            row = [str(e["index"]), f"{(e.get('duration_ns') or 0) / 1e9:.3f} s", str(e.get("steps", ""))]
-            if gpu:
-                row += [
-                    _fmt(e.get("allocated_bytes")),
-                    _fmt(e.get("peak_allocated_bytes")),
-                    _fmt(e.get("peak_reserved_bytes")),
-                ]
-            row += [_fmt(e.get("rss_bytes")), _fmt(e.get("peak_rss_bytes")), _fmt_delta(e.get("growth_rss_bytes"))]
-            rows.append(row)
-        parts.append(_table("Epochs", header, rows, "Memory at the end of each epoch."))
-    phases = data.get("phases") or []
-    if phases:
-        header = ["phase", "count", "total time", "mean time"]
-        header += ["mean Δ allocated", "max peak allocated", "max peak reserved"] if gpu else []
-        header += ["mean Δ RSS", "max peak RSS"]
-        rows = []
-        for p in phases:
-            count = p.get("count") or 0
-            total_s = (p.get("total_ns") or 0) / 1e9
-            row = [p["name"], str(count), f"{total_s:.3f} s", f"{total_s / count if count else 0:.4f} s"]
-            if gpu:
-                row += [
-                    _fmt_delta(p.get("mean_delta_allocated_bytes")),
-                    _fmt(p.get("max_peak_allocated_bytes")),
-                    _fmt(p.get("max_peak_reserved_bytes")),
-                ]
-            row += [_fmt_delta(p.get("mean_delta_rss_bytes")), _fmt(p.get("max_peak_rss_bytes"))]
-            rows.append(row)
-        parts.append(
-            _table(
-                f"Phases ({data.get('steps', 0)} steps)",
-                header,
-                rows,
-                "Δ = memory at the phase's end minus at its start, averaged.",
-            )
-        )
-    journey = data.get("journey") or []
-    if journey:
-        rows = [
-            [
-                f"{i}. {j['name']}",
-                _fmt(j.get("allocated_bytes")),
-                _fmt(j.get("reserved_bytes")),
-                _fmt(j.get("rss_bytes")),
-            ]
-            for i, j in enumerate(journey, 1)
-        ]
-        parts.append(_table("Memory journey", ["stage", "allocated", "reserved", "CPU RSS"], rows))
-    for growth in data.get("growth") or []:
-        message = growth.get("message", "") if isinstance(growth, dict) else str(growth)
-        parts.append(f'<div style="font-family:sans-serif;color:#b00">WARNING: {html.escape(message)}</div>')
-    if not parts:
-        parts.append('<div style="font-family:sans-serif">torchmem.Monitor: nothing recorded yet</div>')
-    return '<div class="torchmem-monitor">' + "".join(parts) + "</div>"
+    """A `torchmem.Monitor`'s epochs, phases, breakdown, journey and growth warnings as HTML: the tables of its
+    text `summary()`, drawn in Rust (`report::monitor::summary_html`) as every torchmem report's HTML is."""
+    return monitor._log.summary_html(monitor._capacity_bytes())
 
 
 @dataclasses.dataclass

@@ -74,6 +74,8 @@ class MarkerLog:
         (each named point once). `capacity_bytes`: the journey's yardstick."""
     def summary_text(self, capacity_bytes: int | None = None) -> str:
         """The per-epoch and per-phase tables, the breakdown tables and growth warnings, as text."""
+    def summary_html(self, capacity_bytes: int | None = None) -> str:
+        """The same tables, the journey and the growth warnings as one self-contained HTML `<div>` (Jupyter)."""
     def journey(
         self, capacity_bytes: int | None = None, format: str = "text", title: str = "torchmem memory journey"
     ) -> str:

@@ -108,6 +108,12 @@ impl MarkerLog {
         py.detach(|| monitor::summary_text(&self.log, capacity_bytes))
     }
 
+    /// The same tables as HTML, for the Monitor's `_repr_html_` (Jupyter): one self-contained `<div>`.
+    #[pyo3(signature = (capacity_bytes=None))]
+    fn summary_html(&self, py: Python<'_>, capacity_bytes: Option<u64>) -> String {
+        py.detach(|| monitor::summary_html(&self.log, capacity_bytes))
+    }
+
     /// The memory journey as "text" or "mermaid" (InputError for another format).
     #[pyo3(signature = (capacity_bytes=None, format="text", title="torchmem memory journey"))]
     fn journey(&self, capacity_bytes: Option<u64>, format: &str, title: &str) -> Result<String> {

@@ -1,7 +1,8 @@
 //! The Monitor's views, rendered from its `MarkerLog` (the Python Monitor keeps the hooks and pushes each
 //! marker into the log; this is everything it shows): `summary()` as text (per-epoch and per-phase tables,
-//! growth warnings; as data it is `MarkerLog::summary`), the journey as text or Mermaid, and the line and
-//! growth warnings printed when an epoch ends.
+//! growth warnings; as data it is `MarkerLog::summary`), the same tables as HTML for Jupyter's rich display
+//! (`summary_html`: `cells` tables drawn by `html::render_table`, as every report's HTML is), the journey as
+//! text or Mermaid, and the line and growth warnings printed when an epoch ends.
 
 use serde::Serialize;
 
@@ -9,7 +10,7 @@ use crate::analysis::{EpochRow, MarkerLog, Summary};
 use crate::error::Result;
 use crate::journey;
 use crate::model::Marker;
-use crate::report::table;
+use crate::report::{breakdown, cells, html, svg::esc, table};
 use crate::units::{format_delta, format_opt_bytes};
 
 /// Parses markers in their `model::Marker` serde form (a JSON list).
@@ -40,6 +41,52 @@ pub fn summary_text(log: &MarkerLog, capacity_bytes: Option<u64>) -> String {
     if out.is_empty() {
         out.push_str("no epochs, steps or phases recorded yet\n");
     }
+    out
+}
+
+/// The rules `summary_html`'s tables need where no stylesheet is (a notebook's output cell), scoped to its div.
+const MONITOR_STYLE: &str = "<style>\
+.torchmem-monitor{font-family:sans-serif;font-size:12px;margin:4px 0}\
+.torchmem-monitor h3{font-size:13px;margin:6px 0 2px}\
+.torchmem-monitor table{border-collapse:collapse}\
+.torchmem-monitor th,.torchmem-monitor td{padding:2px 10px;white-space:nowrap;border-bottom:1px solid #ddd;text-align:left}\
+.torchmem-monitor th{background:#eee}\
+.torchmem-monitor .num{text-align:right}\
+.torchmem-monitor .note,.torchmem-monitor .empty{font-size:11px;color:#666;margin:2px 0}\
+.torchmem-monitor .warning{color:#b00}\
+</style>";
+
+/// The Monitor's rich display (Jupyter's `_repr_html_`): the tables `summary_text` draws (epochs, phases, the
+/// breakdown), then the journey and the growth warnings, each table only when it has rows; one
+/// self-contained `<div>` (a scoped `<style>`, no script, nothing loaded), every cell escaped.
+pub fn summary_html(log: &MarkerLog, capacity_bytes: Option<u64>) -> String {
+    let s = log.summary(capacity_bytes);
+    let mut tables = Vec::new();
+    if !s.epochs.is_empty() {
+        tables.push(cells::epochs_table(&s.epochs));
+    }
+    if !s.phases.is_empty() {
+        let mut t = cells::phases_table(&s.phases);
+        t.title = format!("Phases ({} step{})", s.steps, if s.steps == 1 { "" } else { "s" });
+        tables.push(t);
+    }
+    if s.steps > 0 || !s.phases.is_empty() || s.breakdown.recorded {
+        tables.extend(breakdown::monitor_tables(&s.breakdown));
+    }
+    if !s.journey.is_empty() {
+        tables.push(cells::journey_table(&s.journey));
+    }
+    let mut out = format!("<div class=\"torchmem-monitor\">{MONITOR_STYLE}");
+    for t in &tables {
+        out.push_str(&html::render_table(t));
+    }
+    for g in &s.growth {
+        out.push_str(&format!("<p class=\"warning\">WARNING: {}</p>\n", esc(&super::findings::growth_message(g))));
+    }
+    if tables.is_empty() && s.growth.is_empty() {
+        out.push_str("<p>torchmem.Monitor: nothing recorded yet</p>");
+    }
+    out.push_str("</div>");
     out
 }
 
@@ -116,6 +163,35 @@ mod tests {
             "memory": {"rss_bytes": rss, "peak_rss_bytes": peak},
         }))
         .unwrap()
+    }
+
+    #[test]
+    fn summary_html_draws_the_text_summarys_tables_self_contained() {
+        let empty = summary_html(&MarkerLog::new(None), None);
+        assert!(empty.contains("nothing recorded yet") && !empty.contains("Epochs"), "{empty}");
+        let mut log = MarkerLog::new(None);
+        for e in 0..3 {
+            log.push(epoch(e as u64 * 10, Edge::Start, e, 100 * MIB + e as u64 * 8 * MIB));
+            log.push(epoch(e as u64 * 10 + 5, Edge::End, e, 100 * MIB + (e as u64 + 1) * 8 * MIB));
+        }
+        let h = summary_html(&log, None);
+        assert!(h.starts_with("<div class=\"torchmem-monitor\"><style>") && h.ends_with("</div>"), "{h}");
+        assert!(h.contains("<h3>Epochs</h3>") && h.contains("<td class=\"num\">124.0 MiB</td>"), "{h}");
+        assert!(h.contains("WARNING: ") && h.contains("+8.0 MiB per epoch"), "{h}");
+        assert!(!h.contains("<script") && !h.contains("src="), "{h}");
+        // A phase's name is the user's text: escaped, never markup.
+        let mut named = MarkerLog::new(None);
+        for (t, edge) in [(0, "start"), (5, "end")] {
+            named.push(
+                serde_json::from_value(serde_json::json!({
+                    "t_ns": t, "kind": "phase", "edge": edge, "name": "<img onerror=x>",
+                    "memory": {"rss_bytes": 100 * MIB},
+                }))
+                .unwrap(),
+            );
+        }
+        let h = summary_html(&named, None);
+        assert!(h.contains("&lt;img onerror=x&gt;") && !h.contains("<img"), "{h}");
     }
 
     #[test]
