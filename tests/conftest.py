@@ -38,6 +38,8 @@ SLOW = (
     "e2e/test_conv_workspaces.py::test_gpt2_backward_requests_equal_the_h200_recording",
     "e2e/test_conv_workspaces.py::test_request_identical_traces_simulate_to_the_h200_reserved_peak",
     "e2e/test_conv_workspaces.py::test_resnet50_at_the_h200s_fit_edge",
+    "e2e/test_estimate_corpus.py::test_corpus_script_against_the_h200",
+    "e2e/test_estimate_corpus.py::test_deepcopy_of_a_module_with_batchnorm_before_cuda",
     "e2e/test_estimate.py::test_fit_finds_the_largest_batch",
     "e2e/test_estimate_inference.py::test_fit_finds_the_largest_eval_batch",
     "e2e/test_long_run.py::test_a_long_fast_run_keeps_few_markers_and_exact_totals",

@@ -89,6 +89,9 @@ class GenerationPatches:
         self._patched: set[str] = set()
 
     def install(self) -> None:
+        from . import _deepcopy
+
+        _deepcopy.install()  # deep copies of constant-carrying fake tensors (EMA, Lightning's self.log)
         for name in (_GEN_UTILS, _GEN_STOPPING):
             if name in sys.modules:
                 self.patch_module(name, sys.modules[name])
@@ -97,6 +100,9 @@ class GenerationPatches:
             sys.meta_path.insert(0, self._finder)
 
     def uninstall(self) -> None:
+        from . import _deepcopy
+
+        _deepcopy.uninstall()
         if self._finder is not None and self._finder in sys.meta_path:
             sys.meta_path.remove(self._finder)
         self._finder = None
