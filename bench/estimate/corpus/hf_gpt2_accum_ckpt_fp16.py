@@ -1,5 +1,5 @@
-"""The HF Trainer with the memory-saving flags people reach for: GPT-2 medium from its config,
-gradient_accumulation_steps=4, fp16, gradient_checkpointing, batch 8 x 1024 tokens."""
+"""The HF Trainer with the memory-saving flags people reach for: GPT-2 from its config,
+gradient_accumulation_steps=2, fp16, gradient_checkpointing, batch 8 x 1024 tokens."""
 
 import argparse
 
@@ -8,10 +8,10 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--batch-size", type=int, default=8)
-parser.add_argument("--grad-accum", type=int, default=4)
+parser.add_argument("--grad-accum", type=int, default=2)
 args = parser.parse_args()
 
-config = GPT2Config(n_embd=1024, n_layer=24, n_head=16)
+config = GPT2Config()
 model = GPT2LMHeadModel(config)
 n = args.batch_size * args.grad_accum * 3
 data = torch.randint(0, config.vocab_size, (n, 1024))
@@ -20,7 +20,7 @@ train = [{"input_ids": data[i], "labels": data[i]} for i in range(n)]
 trainer = Trainer(
     model=model,
     args=TrainingArguments(
-        output_dir="/tmp/gpt2-medium",
+        output_dir="/tmp/gpt2-accum",
         per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum,
         gradient_checkpointing=True,

@@ -1,5 +1,5 @@
 """Chat-style sampling from a small Llama (from its config: 8 layers, hidden 1024, grouped-query attention) in
-bf16: batch 24, prompts of 512 tokens, top-p sampling, max_new_tokens 32."""
+bf16: batch 48, prompts of 512 tokens, top-p sampling, max_new_tokens 32."""
 
 import argparse
 
@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--batch-size", type=int, default=24)
+parser.add_argument("--batch-size", type=int, default=48)
 parser.add_argument("--prompt-len", type=int, default=512)
 parser.add_argument("--max-new-tokens", type=int, default=32)
 args = parser.parse_args()
