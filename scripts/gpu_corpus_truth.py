@@ -50,7 +50,7 @@ CORPUS = ROOT / "bench" / "estimate" / "corpus"
 FIT = {
     "nanogpt_train.py": (108, 4),
     "diffusion_unet_ddpm.py": (864, 16),
-    "transformer_encoder_classifier.py": (320, 8),
+    "transformer_encoder_classifier.py": (384, 8),
     "hf_bert_text_classification.py": (1792, 32),
     "tv_reference_resnet50.py": (2560, 32),
 }

@@ -1,5 +1,5 @@
-"""QLoRA-free LoRA on a Llama-style model in bf16 (the usual SFT script without the Trainer): a 1.3B-parameter
-Llama from its config (24 layers, hidden 2048, GQA) loaded in bf16, LoRA r=64 on every projection, gradient
+"""QLoRA-free LoRA on a Llama-style model in bf16 (the usual SFT script without the Trainer): a 0.7B-parameter
+Llama from its config (12 layers, hidden 2048, GQA) loaded in bf16, LoRA r=64 on every projection, gradient
 checkpointing (reentrant, the HF default), AdamW on the adapters, batch 8 x 1024."""
 
 import argparse
@@ -13,7 +13,7 @@ parser.add_argument("--batch-size", type=int, default=8)
 parser.add_argument("--seq-len", type=int, default=1024)
 args = parser.parse_args()
 
-config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=12,
                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048)  # fmt: skip
 model = LlamaForCausalLM(config).to(torch.bfloat16)
 model.gradient_checkpointing_enable()
