@@ -21,6 +21,7 @@ import argparse
 import gzip
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -80,12 +81,31 @@ def torchmem_cmd(extra: list[str], script: Path, args: list[str]) -> list[str]:
     return [str(exe), "estimate", "--gpu", "H200", "--json", *extra, "--", sys.executable, str(script), *args]
 
 
-def run_json(cmd: list[str], timeout: int = 1200) -> dict:
+def run_json(cmd: list[str], timeout: int = 1200, cache: Path | None = None) -> dict:
+    """Runs a `torchmem estimate --json` command; with `cache` (a NAME.json path) reuses an earlier answer there
+    (NAME.json, or NAME.err whose last `torchmem` line is a refusal) and stores a new one."""
+    if cache is not None:
+        err = cache.with_suffix(".err")
+        try:
+            e = json.loads(cache.read_text())
+            e.setdefault("seconds", None)
+            e["cached"] = True
+            return e
+        except (OSError, ValueError):
+            pass
+        if err.exists():
+            lines = [ln for ln in err.read_text(errors="replace").splitlines() if ln.startswith("torchmem")]
+            if lines:
+                return {"error": lines[-1][:400], "cached": True}
     t0 = time.time()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(CORPUS), env=os.environ.copy(), timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout} s", "seconds": timeout}
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(p.stdout)
+        cache.with_suffix(".err").write_text(p.stderr)
     if p.returncode != 0:
         lines = [ln for ln in (p.stderr or p.stdout).strip().splitlines() if ln.startswith("torchmem")]
         return {"error": (lines or (p.stderr or p.stdout).strip().splitlines() or ["?"])[-1][:400],
@@ -103,6 +123,8 @@ def score(name: str, t: dict, e: dict) -> dict:
     row = {"script": name, "family": family(name), "measured": t, "estimate": e}
     if "error" in e:
         row["refused"] = e["error"]
+        # a clear refusal names what cannot be emulated; an exception from the program's run is a failure (a bug)
+        row["failure"] = bool(re.search(r"\b[A-Z]\w*(Error|Exception):", e["error"])) or "timed out" in e["error"]
         return row
     for key, est_key in (("allocated_bytes.all.peak", "peak_allocated_bytes"),
                          ("reserved_bytes.all.peak", "peak_reserved_bytes"),
@@ -118,11 +140,15 @@ def score(name: str, t: dict, e: dict) -> dict:
     return row
 
 
-def fit_row(name: str, f: dict) -> dict:
-    step = f["step"]
-    hi = max(4 * (f["fails"] or f["fits"] or step), 8 * step)
-    spec = f"batch={step}..{hi}:{step}"
-    e = run_json(torchmem_cmd(["--fit", spec], CORPUS / name, ["--batch-size", "{batch}"]), timeout=1800)
+def fit_spec(guess: int, step: int) -> str:
+    """The search range: 0.7x to 1.4x the truth's starting guess (an estimate's own guess), on the truth's step."""
+    return f"batch={guess * 7 // 10 // step * step}..{(guess * 14 // 10 + step - 1) // step * step}:{step}"
+
+
+def fit_row(name: str, f: dict, cache: Path | None) -> dict:
+    spec = fit_spec(f["guess"], f["step"])
+    cmd = torchmem_cmd(["--fit", spec], CORPUS / name, ["--batch-size", "{batch}"])
+    e = run_json(cmd, timeout=2400, cache=cache / "fit" / (Path(name).stem + ".json") if cache else None)
     row = {"script": name, "spec": spec, "h200_fits": f["fits"], "h200_fails": f["fails"], "exact": f["exact"]}
     if "error" in e:
         row["error"] = e["error"]
@@ -145,7 +171,8 @@ def fit_row(name: str, f: dict) -> dict:
 
 def summary(rows: list[dict]) -> dict:
     est = [r for r in rows if "refused" not in r]
-    out = {"scripts": len(rows), "estimated": len(est), "refused": len(rows) - len(est),
+    out = {"scripts": len(rows), "estimated": len(est), "refused": sum(1 for r in rows if r.get("failure") is False),
+           "failed": sum(1 for r in rows if r.get("failure")),
            "inside_interval": sum(1 for r in est if r["inside_interval"])}  # fmt: skip
     for k in ("peak_allocated_bytes", "peak_reserved_bytes", "nvml_bytes"):
         errs = [abs(r[k + "_error_pct"]) for r in est if k + "_error_pct" in r]
@@ -176,11 +203,13 @@ def print_table(rows: list[dict], fits: list[dict], summ: dict, markdown: bool):
         meas = (t.get("allocated_bytes.all.peak"), t.get("reserved_bytes.all.peak"), t.get("nvml_process_bytes"))
         if "refused" in r:
             if markdown:
-                print(f"| {r['script']} | {r['family']} | {' / '.join(g(v) for v in meas)} | refused: "
+                what = "failed" if r["failure"] else "refused"
+                print(f"| {r['script']} | {r['family']} | {' / '.join(g(v) for v in meas)} | {what}: "
                       f"{r['refused'][:160]} | | | |")  # fmt: skip
             else:
+                what = "FAILED" if r["failure"] else "REFUSED"
                 print(f"{r['script']:36s} {r['family']:22s} {g(meas[0]):>7s} {g(meas[1]):>7s} {g(meas[2]):>7s} | "
-                      f"REFUSED: {r['refused'][:200]}")  # fmt: skip
+                      f"{what}: {r['refused'][:200]}")  # fmt: skip
             continue
         errs = [r.get(k + "_error_pct") for k in ("peak_allocated_bytes", "peak_reserved_bytes", "nvml_bytes")]
         es = ["-" if x is None else f"{x:+.2f}%" for x in errs]
@@ -195,7 +224,8 @@ def print_table(rows: list[dict], fits: list[dict], summ: dict, markdown: bool):
                   f"{g(pred[0]):>7s} {g(pred[1]):>7s} {g(pred[2]):>7s} {g(r['reserved_upper_bytes']):>7s} | "
                   f"{es[0]:>7s} {es[1]:>7s} {es[2]:>7s} {inside}")  # fmt: skip
     print()
-    print(f"scripts {summ['scripts']}, estimated {summ['estimated']}, refused {summ['refused']}, "
+    print(f"scripts {summ['scripts']}, estimated {summ['estimated']}, refused {summ['refused']}, failed "
+          f"{summ['failed']}, "
           f"true peak inside the interval {summ['inside_interval']}/{summ['estimated']}")  # fmt: skip
     for k, label in (("peak_allocated_bytes", "allocated"), ("peak_reserved_bytes", "reserved"),
                      ("nvml_bytes", "NVML")):  # fmt: skip
@@ -220,6 +250,8 @@ def main() -> int:
     ap.add_argument("--no-fit", action="store_true")
     ap.add_argument("--json", help="write every row (estimates included) here")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--cache", help="a folder of earlier estimates (NAME.json / NAME.err, fit/NAME.json) to reuse; "
+                    "new ones are stored there")  # fmt: skip
     a = ap.parse_args()
     truth: dict[str, dict] = {}
     fit_truth: dict[str, dict] = {}
@@ -236,7 +268,8 @@ def main() -> int:
     names = [n for n in names if n in truth and n not in bad]
 
     def one(n: str) -> dict:
-        row = score(n, truth[n], run_json(torchmem_cmd([], CORPUS / n, [])))
+        cache = Path(a.cache) / (Path(n).stem + ".json") if a.cache else None
+        row = score(n, truth[n], run_json(torchmem_cmd([], CORPUS / n, []), cache=cache))
         print(f"  {n}: {'refused' if 'refused' in row else 'estimated'} ({row['estimate'].get('seconds')} s)",
               file=sys.stderr, flush=True)  # fmt: skip
         return row
@@ -245,7 +278,8 @@ def main() -> int:
         rows = list(pool.map(one, names))
     fits = []
     if not a.no_fit:
-        fits = [fit_row(n, f) for n, f in sorted(fit_truth.items()) if n in names or not a.only]
+        cache = Path(a.cache) if a.cache else None
+        fits = [fit_row(n, f, cache) for n, f in sorted(fit_truth.items()) if n in names or not a.only]
     summ = summary(rows)
     if missing:
         print(f"no truth for: {', '.join(missing)}")
