@@ -1,0 +1,154 @@
+"""`torchmem estimate` of `torch.compile` programs (issue 23 item 4): Inductor compiles for real on this CPU-only
+machine (for the emulated GPU) and its plan is executed on the emulated device (`_compile.py`);
+when Inductor fails or takes too long, the partitioned graphs run op by op (a stated upper bound). Real torch, real
+dynamo / aot_autograd / Inductor, the real tracer and simulator; the H200's truth of the recorded configs is in
+tests/fixtures/compile-h200/ (scripts/gpu_compile_truth.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+torch = pytest.importorskip("torch")
+
+if torch.cuda.is_available():  # pragma: no cover - these tests are about machines without a GPU
+    pytest.skip("the estimator tests run on a machine without a GPU", allow_module_level=True)
+
+B, H = 4096, 2048  # the MLP's batch and hidden width: one [B, H] fp32 activation is 32 MiB
+
+
+class GatedMLP(torch.nn.Module):
+    """h = W1 x; y = tanh(h) * sigmoid(h); out = W2 y. Eager autograd saves tanh's and sigmoid's outputs (their
+    backward and the product's need them) and y (W2's gradient): 3 [B, H] tensors. aot_autograd's min-cut
+    partition saves h and y and recomputes tanh and sigmoid in backward (pointwise, fused): 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = torch.nn.Linear(256, H)
+        self.w2 = torch.nn.Linear(H, 256)
+
+    def forward(self, x):
+        h = self.w1(x)
+        return self.w2(torch.tanh(h) * torch.sigmoid(h))
+
+
+COMPILED_MLP = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(256, 2048), nn.GELU(), nn.Linear(2048, 256)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model = torch.compile(model)
+    x = torch.randn(4096, 256, device="cuda")
+    for _ in range(3):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    """
+)
+
+
+def _torchmem(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    full = dict(os.environ, TORCHMEM_PYTHON=sys.executable, **(env or {}))
+    return subprocess.run(
+        [sys.executable, "-m", "torchmem", *args], capture_output=True, text=True, env=full, timeout=timeout
+    )
+
+
+def _mlp_after_forward(compiled: bool, mode: str | None, monkeypatch) -> tuple[list[int], object]:
+    """Live bytes on the emulated device right after each step's forward, and the estimate."""
+    import torchmem
+
+    if mode is None:
+        monkeypatch.delenv("TORCHMEM_ESTIMATE_COMPILE", raising=False)
+    else:
+        monkeypatch.setenv("TORCHMEM_ESTIMATE_COMPILE", mode)
+    state: dict = {}
+    after_forward: list[int] = []
+
+    def step():
+        if not state:
+            m = GatedMLP().cuda()
+            state["opt"] = torch.optim.SGD(m.parameters(), lr=0.1)
+            state["m"] = torch.compile(m) if compiled else m
+            state["x"] = torch.randn(B, 256, device="cuda")
+        loss = state["m"](state["x"]).square().mean()
+        after_forward.append(torch.cuda.memory_allocated())
+        loss.backward()
+        state["opt"].step()
+        state["opt"].zero_grad(set_to_none=True)
+
+    est = torchmem.estimate(step, gpu="H200", steps=3)
+    return after_forward, est
+
+
+def test_a_compiled_program_keeps_what_inductors_plan_keeps(monkeypatch):
+    """After the forward, the compiled program holds exactly one [B, H] fp32 tensor less than the eager one
+    (`GatedMLP`: the partition's saved set). The bound (b) runs the same partition op by op: its saved set is the
+    same (exact), and its peak is at or above the plan's (every fused intermediate materialised)."""
+    eager, eager_est = _mlp_after_forward(False, None, monkeypatch)
+    plan, plan_est = _mlp_after_forward(True, None, monkeypatch)
+    bound, bound_est = _mlp_after_forward(True, "bound", monkeypatch)
+    assert eager[-1] - plan[-1] == B * H * 4, (eager, plan)
+    assert bound[-1] == plan[-1], (bound, plan)
+    assert bound_est.peak_allocated_bytes >= plan_est.peak_allocated_bytes
+    # The estimate says which it is: Inductor's plan executed, or the bound; never eager with a note.
+    assert not any(n.startswith("torch.compile") for n in eager_est.notes)
+    plan_notes = [n for n in plan_est.notes if n.startswith("torch.compile")]
+    assert len(plan_notes) == 1 and "Inductor's plan was executed" in plan_notes[0], plan_est.notes
+    assert "2 graph(s)" in plan_notes[0]  # forward and backward, no graph break, no recompilation
+    bound_notes = [n for n in bound_est.notes if n.startswith("torch.compile")]
+    assert len(bound_notes) == 1 and "upper bound" in bound_notes[0], bound_est.notes
+    for est in (plan_est, bound_est):
+        kinds = [u["kind"] for u in est.uncertainty]
+        assert "torch.compile" in kinds, est.uncertainty
+
+
+def test_the_cli_estimate_of_a_compiled_script_names_torch_compile(tmp_path):
+    script = tmp_path / "train_compiled.py"
+    script.write_text(COMPILED_MLP)
+    p = _torchmem("estimate", "--gpu", "H200", "--json", "--", sys.executable, str(script))
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    notes = [n for n in r["notes"] if n.startswith("torch.compile")]
+    assert notes and "Inductor's plan was executed" in notes[0], r["notes"]
+    assert any(u["kind"] == "torch.compile" for u in r["uncertainty"]), r["uncertainty"]
+    p = _torchmem("estimate", "--gpu", "H200", "--", sys.executable, str(script))
+    assert p.returncode == 0, p.stderr
+    assert "torch.compile" in p.stdout, p.stdout
+
+
+def test_an_estimate_of_a_compiled_program_never_hangs(tmp_path):
+    """A compile that outlasts its bound (here 0.5 s; 240 s by default) gives the stated bound instead, and the
+    estimate ends."""
+    script = tmp_path / "train_compiled.py"
+    script.write_text(COMPILED_MLP)
+    t0 = time.monotonic()
+    p = _torchmem(
+        "estimate",
+        "--gpu",
+        "H200",
+        "--json",
+        "--",
+        sys.executable,
+        str(script),
+        timeout=300,
+        env={"TORCHMEM_ESTIMATE_COMPILE_SECONDS": "0.5"},
+    )
+    assert p.returncode == 0, p.stderr
+    assert time.monotonic() - t0 < 300
+    r = json.loads(p.stdout)
+    notes = [n for n in r["notes"] if n.startswith("torch.compile")]
+    assert notes and "took more than 0.5 s" in notes[0] and "upper bound" in notes[0], r["notes"]
+    assert any(u["kind"] == "torch.compile" for u in r["uncertainty"])
