@@ -5,14 +5,15 @@
 //! storage trace (an allocator snapshot) and summary go to the estimate use case (`torchmem_estimator`: the
 //! replay through the allocator simulator, the GPU catalogue, the typed report and its text, the `--fit`
 //! search), which `torchmem.estimate()` calls in-process too, so both report the same way. This module is
-//! arguments → call → print, plus the launch of the program under the tracer (the sitecustomize, the
-//! environment, a private temp dir), which stays here.
+//! arguments → call → print: the program is resolved and started as `torchmem run` starts it
+//! (`torchmem_recorder::launch`: the interpreter, PATH, a private folder with the injected sitecustomize first
+//! on PYTHONPATH); what stays here is the tracer's part (its sitecustomize, its `TORCHMEM_ESTIMATE` config, the
+//! program's stdout on stderr with --json, no real GPU) and reading its summary back.
 //!
 //! `--trace SNAPSHOT --summary JSON` reports on a trace written earlier; `--fit 'batch=1..4096'` searches
 //! the largest value that fits by re-running the command with `{batch}` replaced.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 
 use anyhow::{anyhow, bail};
 use serde_json::json;
@@ -20,7 +21,7 @@ use torchmem_estimator::{estimate_trace, gpus, EstimateReport, FitSpec, StopReas
 use torchmem_sim::AllocConf;
 use torchmem_units::format_bytes;
 
-use crate::cmd_run::resolve_command;
+use torchmem_recorder::launch::{self, PrivateDir, Program};
 
 #[derive(Debug, clap::Args)]
 pub struct EstimateArgs {
@@ -83,47 +84,9 @@ pub struct EstimateArgs {
     pub command: Vec<String>,
 }
 
-/// Loads the tracer into the program, then hands over to any sitecustomize the environment already had.
-const SITECUSTOMIZE: &str = r#"# Placed first on PYTHONPATH by `torchmem estimate`: runs the program on an emulated CUDA device and
-# traces it (torchmem.estimator._runner), then chains to the next sitecustomize on sys.path.
-import importlib.util as _tm_util
-import os as _tm_os
-import sys as _tm_sys
-
-try:
-    import torchmem.estimator._runner as _tm_runner
-except ImportError as _tm_err:
-    # One message for `torchmem estimate` to print, then a quiet exit: sys.exit here would make Python print
-    # "Fatal Python error: init_import_site" and a traceback.
-    _tm_name = (getattr(_tm_err, "name", None) or "").split(".")[0]
-    _tm_what = "torch" if _tm_name == "torch" else "torchmem"
-    _tm_msg = (
-        f"this Python ({_tm_sys.executable}) cannot import {_tm_what} ({_tm_err}), and the estimate runs the "
-        f"program with torchmem and torch. Install {_tm_what} into it (`{_tm_sys.executable} -m pip install "
-        f"{_tm_what}`), or run the program with a Python that has both"
-    )
-    try:
-        import json as _tm_json
-
-        with open(_tm_json.loads(_tm_os.environ["TORCHMEM_ESTIMATE"])["startup_error"], "w") as _tm_f:
-            _tm_f.write(_tm_msg)
-    except Exception:
-        _tm_sys.stderr.write(f"torchmem estimate: {_tm_msg}\n")
-    _tm_sys.stderr.flush()
-    _tm_os._exit(3)
-_tm_runner.start_from_env()
-
-_tm_here = _tm_os.path.dirname(_tm_os.path.abspath(__file__))
-for _tm_dir in _tm_sys.path:
-    if not _tm_dir or _tm_os.path.abspath(_tm_dir) == _tm_here:
-        continue
-    _tm_path = _tm_os.path.join(_tm_dir, "sitecustomize.py")
-    if _tm_os.path.isfile(_tm_path):
-        _tm_spec = _tm_util.spec_from_file_location("_torchmem_next_sitecustomize", _tm_path)
-        if _tm_spec and _tm_spec.loader:
-            _tm_spec.loader.exec_module(_tm_util.module_from_spec(_tm_spec))
-        break
-"#;
+/// Loads the tracer into the program (`launch::sitecustomize` appends the hand-over to the environment's own
+/// sitecustomize).
+const TRACER_SITECUSTOMIZE: &str = include_str!("sitecustomize_estimate.py");
 
 /// The device an estimate is for: `--gpu`, with `--device-memory` instead of its memory when given.
 fn target(args: &EstimateArgs) -> anyhow::Result<Target> {
@@ -217,16 +180,14 @@ fn world(args: &EstimateArgs) -> anyhow::Result<Option<serde_json::Value>> {
 
 /// Runs the program under the tracer and reports; an error names what stopped the estimate.
 fn estimate_command(args: &EstimateArgs, target: &Target, command: &[String]) -> anyhow::Result<EstimateReport> {
-    let argv = resolve_command(args.module.as_deref(), command)?;
-    let dir = TempDir::create()?;
-    std::fs::write(dir.path.join("sitecustomize.py"), SITECUSTOMIZE)
-        .map_err(|e| anyhow!("cannot write into {}: {e}", dir.path.display()))?;
+    let program = Program::resolve(args.module.as_deref(), command)?;
+    let dir = PrivateDir::create(&launch::temp_base(), "estimate", &launch::sitecustomize(TRACER_SITECUSTOMIZE))?;
     let trace = match &args.keep_trace {
         Some(p) => p.clone(),
-        None => dir.path.join("trace.pickle"),
+        None => dir.path().join("trace.pickle"),
     };
-    let summary_path = dir.path.join("summary.json");
-    let startup_error_path = dir.path.join("startup-error.txt");
+    let summary_path = dir.path().join("summary.json");
+    let startup_error_path = dir.path().join("startup-error.txt");
     let g = &target.gpu;
     let cfg = json!({
         "trace": trace,
@@ -239,24 +200,18 @@ fn estimate_command(args: &EstimateArgs, target: &Target, command: &[String]) ->
                 "sms": g.multi_processor_count},
         "distributed": world(args)?,
     });
-    let mut path = std::ffi::OsString::from(&dir.path);
-    if let Some(old) = std::env::var_os("PYTHONPATH").filter(|p| !p.is_empty()) {
-        path.push(":");
-        path.push(old);
-    }
-    let mut cmd = Command::new(&argv[0]);
+    let mut cmd = program.command();
+    dir.inject_into(&mut cmd);
     if args.json {
         // stdout is the report's: the program's own output goes to stderr.
         cmd.stdout(std::process::Stdio::from(std::io::stderr()));
     }
     let status = cmd
-        .args(&argv[1..])
-        .env("PYTHONPATH", path)
         .env("TORCHMEM_ESTIMATE", cfg.to_string())
         // The trace never touches a real GPU, even on a machine that has one.
         .env("CUDA_VISIBLE_DEVICES", "")
         .status()
-        .map_err(|e| anyhow!("cannot start `{}`: {e}. Check that it is an executable program", argv[0]))?;
+        .map_err(|e| anyhow!("cannot start `{}`: {e}. Check that it is an executable program", program.argv[0]))?;
     if let Ok(why) = std::fs::read_to_string(&startup_error_path) {
         // The sitecustomize could not load the tracer (no torch, no torchmem in that Python): its one message.
         bail!("{why}");
@@ -265,7 +220,7 @@ fn estimate_command(args: &EstimateArgs, target: &Target, command: &[String]) ->
         anyhow!(
             "`{}` exited ({status}) without starting the estimator: it must be a Python program whose Python can \
              import torchmem and torch (set TORCHMEM_PYTHON for a bare script)",
-            argv.join(" ")
+            program.shown()
         )
     })?;
     let summary: Summary = serde_json::from_str(&text)
@@ -281,7 +236,7 @@ fn estimate_command(args: &EstimateArgs, target: &Target, command: &[String]) ->
         bail!(
             "`{}` ended without putting anything on the GPU ({}, no CUDA tensor): nothing to estimate. Check that \
              it moves its model and data to \"cuda\" (`model.to(\"cuda\")`)",
-            argv.join(" "),
+            program.shown(),
             summary.progress()
         );
     }
@@ -321,27 +276,4 @@ fn fit_search(args: &EstimateArgs, target: &Target, spec: &FitSpec) -> anyhow::R
         print!("{}", out.text(spec.lo));
     }
     Ok(out.exit_code())
-}
-
-/// A private folder for the sitecustomize and the trace, removed when dropped.
-struct TempDir {
-    path: PathBuf,
-}
-
-impl TempDir {
-    fn create() -> anyhow::Result<TempDir> {
-        let base = std::env::var_os("TMPDIR").filter(|t| !t.is_empty() && Path::new(t).is_dir()).map(PathBuf::from);
-        let base = base.unwrap_or_else(|| PathBuf::from("/tmp"));
-        let path =
-            base.join(format!("torchmem-estimate-{}-{}", std::process::id(), torchmem_core::clock::monotonic_ns()));
-        std::fs::create_dir(&path)
-            .map_err(|e| anyhow!("cannot create {}: {e}. Set TMPDIR to a writable directory", path.display()))?;
-        Ok(TempDir { path })
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.path);
-    }
 }
