@@ -1,5 +1,5 @@
 """Batch summarization with greedy decoding (model.generate, no optimizer): T5-small from its config in fp32,
-inputs of 512 tokens, batch 64, max_new_tokens 40, two batches."""
+inputs of 512 tokens, batch 64, max_new_tokens 24, two batches."""
 
 import argparse
 
@@ -8,7 +8,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--batch-size", type=int, default=64)
-parser.add_argument("--max-new-tokens", type=int, default=40)
+parser.add_argument("--max-new-tokens", type=int, default=24)
 args = parser.parse_args()
 
 model = T5ForConditionalGeneration(T5Config(decoder_start_token_id=0, num_layers=6, d_model=512, d_ff=2048))
