@@ -167,21 +167,7 @@ impl Allocator {
         self.stats.segments += 1;
         self.stats.peak_segments = self.stats.peak_segments.max(self.stats.segments);
         self.add_reserved(size_bytes);
-        self.arena.alloc(Block {
-            addr,
-            size_bytes,
-            requested_bytes: 0,
-            stream,
-            pool,
-            allocated: false,
-            pending: false,
-            mapped: true,
-            expandable: NONE,
-            prev: NONE,
-            next: NONE,
-            gc_base: 0,
-            alloc_entry: u32::MAX,
-        })
+        self.arena.alloc(Block::free(addr, size_bytes, stream, pool))
     }
 
     /// `malloc`: returns the block serving `orig_bytes` on `stream`, or why it failed.
@@ -297,19 +283,10 @@ impl Allocator {
         let id = if split {
             let rem = self.arena.get(block).clone();
             let front = Block {
-                addr: rem.addr,
-                size_bytes: size,
-                requested_bytes: 0,
-                stream: rem.stream,
-                pool: rem.pool,
-                allocated: false,
-                pending: false,
-                mapped: true,
                 expandable: rem.expandable,
                 prev: rem.prev,
                 next: block,
-                gc_base: 0,
-                alloc_entry: u32::MAX,
+                ..Block::free(rem.addr, size, rem.stream, rem.pool)
             };
             let fid = self.arena.alloc(front);
             if rem.prev != NONE {
@@ -430,21 +407,7 @@ impl Allocator {
         }
         let hint = self.hinted_addr(SegKind::SegmentAlloc, Some(alloc_size));
         let addr = self.device.address(alloc_size, hint);
-        let id = self.arena.alloc(Block {
-            addr,
-            size_bytes: alloc_size,
-            requested_bytes: 0,
-            stream,
-            pool: pool as u8,
-            allocated: false,
-            pending: false,
-            mapped: true,
-            expandable: NONE,
-            prev: NONE,
-            next: NONE,
-            gc_base: 0,
-            alloc_entry: u32::MAX,
-        });
+        let id = self.arena.alloc(Block::free(addr, alloc_size, stream, pool as u8));
         self.add_reserved(alloc_size);
         self.stats.segments += 1;
         self.stats.peak_segments = self.stats.peak_segments.max(self.stats.segments);

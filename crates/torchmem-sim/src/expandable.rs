@@ -89,21 +89,7 @@ impl Allocator {
             pool: pool as u8,
             released: false,
         });
-        let b = Block {
-            addr: base,
-            size_bytes,
-            requested_bytes: 0,
-            stream,
-            pool: pool as u8,
-            allocated: false,
-            pending: false,
-            mapped: false,
-            expandable: es_id,
-            prev: NONE,
-            next: NONE,
-            gc_base: 0,
-            alloc_entry: u32::MAX,
-        };
+        let b = Block { mapped: false, expandable: es_id, ..Block::free(base, size_bytes, stream, pool as u8) };
         let id = self.arena.alloc(b.clone());
         self.pools[pool].insert_unmapped(&b, id);
         id
@@ -222,19 +208,11 @@ impl Allocator {
         self.arena.get_mut(id).mapped = true;
         if mapped < b.size_bytes {
             let rest = Block {
-                addr: b.addr + mapped,
-                size_bytes: b.size_bytes - mapped,
-                requested_bytes: 0,
-                stream: b.stream,
-                pool: b.pool,
-                allocated: false,
-                pending: false,
                 mapped: false,
                 expandable: b.expandable,
                 prev: id,
                 next: b.next,
-                gc_base: 0,
-                alloc_entry: u32::MAX,
+                ..Block::free(b.addr + mapped, b.size_bytes - mapped, b.stream, b.pool)
             };
             let rid = self.arena.alloc(rest.clone());
             if b.next != NONE {
@@ -271,19 +249,10 @@ impl Allocator {
         let before = ustart - b.addr;
         if before > 0 {
             let f = Block {
-                addr: b.addr,
-                size_bytes: before,
-                requested_bytes: 0,
-                stream: b.stream,
-                pool: b.pool,
-                allocated: false,
-                pending: false,
-                mapped: true,
                 expandable: b.expandable,
                 prev: b.prev,
                 next: id,
-                gc_base: 0,
-                alloc_entry: u32::MAX,
+                ..Block::free(b.addr, before, b.stream, b.pool)
             };
             let fid = self.arena.alloc(f);
             if b.prev != NONE {
@@ -296,19 +265,10 @@ impl Allocator {
         if after > 0 {
             let next = self.arena.get(id).next;
             let f = Block {
-                addr: ustart + usize_,
-                size_bytes: after,
-                requested_bytes: 0,
-                stream: b.stream,
-                pool: b.pool,
-                allocated: false,
-                pending: false,
-                mapped: true,
                 expandable: b.expandable,
                 prev: id,
                 next,
-                gc_base: 0,
-                alloc_entry: u32::MAX,
+                ..Block::free(ustart + usize_, after, b.stream, b.pool)
             };
             let fid = self.arena.alloc(f);
             if next != NONE {

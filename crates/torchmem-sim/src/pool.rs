@@ -32,6 +32,26 @@ pub struct Block {
 }
 
 impl Block {
+    /// A free, mapped block of a segment, on its own (no neighbours, not expandable), requested by nobody:
+    /// what a new segment starts as and what a split leaves; callers set the links and the rest they differ in.
+    pub fn free(addr: u64, size_bytes: u64, stream: u16, pool: u8) -> Block {
+        Block {
+            addr,
+            size_bytes,
+            requested_bytes: 0,
+            stream,
+            pool,
+            allocated: false,
+            pending: false,
+            mapped: true,
+            expandable: NONE,
+            prev: NONE,
+            next: NONE,
+            gc_base: 0,
+            alloc_entry: u32::MAX,
+        }
+    }
+
     pub fn is_split(&self) -> bool {
         self.prev != NONE || self.next != NONE
     }
