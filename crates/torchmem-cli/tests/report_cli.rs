@@ -468,7 +468,7 @@ fn line_profiles_in_the_profile_reach_every_report() {
     w.push(Record::LineProfile {
         t_ns: 1,
         origin: Default::default(),
-        data: serde_json::json!({
+        profile: serde_json::from_value(serde_json::json!({
             "schema": "torchmem.lines/1", "hook": "settrace", "gate_ns": 400.0, "gpu_device": null, "warnings": [],
             "functions": [{
                 "name": "load_batch", "filename": "/tmp/x.py", "first_line": 3, "calls": 2, "threads": 1,
@@ -478,7 +478,8 @@ fn line_profiles_in_the_profile_reach_every_report() {
                      "cpu_rss_bytes": 200 * mib, "cpu_delta_bytes": 128 * mib, "cpu_delta_max_bytes": 64 * mib}
                 ]
             }]
-        }),
+        }))
+        .unwrap(),
     });
     w.flush().unwrap();
     w.finish(Some(0), 1_000_000).unwrap();

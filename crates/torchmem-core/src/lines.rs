@@ -14,8 +14,9 @@ use serde_json::Value;
 
 use crate::units::{escape_html, format_bytes, format_delta};
 
-/// One payload as sent by the Python side.
-#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+/// One payload as sent by the Python side (`line_profiler.profile_data()`): the typed `line_profile` record
+/// (`record::Record::LineProfile`, `wire::ChildMessage::LineProfile`), stored as its JSON.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 pub struct LineProfile {
     #[serde(default)]
     pub schema: String,
@@ -26,13 +27,21 @@ pub struct LineProfile {
     /// CUDA device the GPU columns come from; `None` when there are no GPU columns.
     #[serde(default)]
     pub gpu_device: Option<i64>,
+    /// The Python version that ran it ("3.12.1").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub python: Option<String>,
+    /// Memory reads and line events the profiler made (its cost).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reads: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub events: Option<u64>,
     #[serde(default)]
     pub warnings: Vec<String>,
     #[serde(default)]
     pub functions: Vec<FunctionProfile>,
 }
 
-#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 pub struct FunctionProfile {
     pub name: String,
     #[serde(default)]
@@ -86,16 +95,17 @@ impl LineRow {
 
 /// Parse payloads, skipping (not failing on) ones that are not line profiles.
 pub fn parse(profiles: &[Value]) -> Vec<LineProfile> {
-    profiles
-        .iter()
-        .filter_map(|v| serde_json::from_value::<LineProfile>(v.clone()).ok())
-        .filter(|p| !p.functions.is_empty())
-        .collect()
+    profiles.iter().filter_map(|v| LineProfile::deserialize(v).ok()).filter(|p| !p.functions.is_empty()).collect()
+}
+
+/// The profiles that profiled a function (an empty one renders nothing).
+fn with_functions(profiles: &[LineProfile]) -> Vec<&LineProfile> {
+    profiles.iter().filter(|p| !p.functions.is_empty()).collect()
 }
 
 /// The `lines` section of `torchmem report --format json`.
-pub fn to_json(profiles: &[Value]) -> Value {
-    let parsed = parse(profiles);
+pub fn to_json(profiles: &[LineProfile]) -> Value {
+    let parsed = with_functions(profiles);
     let mut functions = Vec::new();
     for p in &parsed {
         for f in &p.functions {
@@ -121,8 +131,8 @@ fn opt_bytes(v: Option<i64>) -> String {
 }
 
 /// memory_profiler-style tables, one per function; empty string when there is nothing.
-pub fn render_text(profiles: &[Value]) -> String {
-    let parsed = parse(profiles);
+pub fn render_text(profiles: &[LineProfile]) -> String {
+    let parsed = with_functions(profiles);
     let mut out = String::new();
     for p in &parsed {
         let gpu = p.gpu_device.is_some();
@@ -185,8 +195,8 @@ pub fn render_text(profiles: &[Value]) -> String {
 /// A self-contained HTML fragment (inline styles, no scripts, nothing fetched): annotated source per
 /// function, the heaviest lines highlighted (shade grows with the line's weight; the top 3 are bold; red
 /// where the line allocated, green where it freed).
-pub fn render_html(profiles: &[Value]) -> String {
-    let parsed = parse(profiles);
+pub fn render_html(profiles: &[LineProfile]) -> String {
+    let parsed = with_functions(profiles);
     if parsed.is_empty() {
         return String::new();
     }
@@ -281,7 +291,11 @@ mod tests {
 
     const MIB: i64 = 1 << 20;
 
-    fn payload(gpu: bool) -> Value {
+    fn payload(gpu: bool) -> LineProfile {
+        LineProfile::deserialize(payload_json(gpu)).unwrap()
+    }
+
+    fn payload_json(gpu: bool) -> Value {
         let g = |v: i64| if gpu { json!(v) } else { Value::Null };
         json!({
             "schema": "torchmem.lines/1", "hook": "settrace", "gate_ns": 400.0,
@@ -326,7 +340,9 @@ mod tests {
         let t = render_text(&[payload(false)]);
         assert!(!t.contains("GPU"), "{t}");
         assert_eq!(render_text(&[]), "");
-        assert_eq!(render_text(&[json!({"something": "else"})]), "");
+        assert_eq!(render_text(&parse(&[json!({"something": "else"}), json!({"functions": 3})])), "");
+        assert_eq!(parse(&[payload_json(false)]), [payload(false)]);
+        assert!(render_text(&[LineProfile::default()]).is_empty(), "no function: nothing");
     }
 
     #[test]

@@ -536,8 +536,11 @@ pub struct Profile {
     pub aggregates: Vec<SpanAggregate>,
     /// The breakdowns of folded boundaries (exact per-category count/sum/max), with `markers`' own.
     pub breakdown_aggregates: Vec<BreakdownAggregate>,
-    pub line_profiles: Vec<serde_json::Value>,
+    pub line_profiles: Vec<crate::lines::LineProfile>,
     /// Who sent each of `line_profiles` (same order).
     pub line_profile_origins: Vec<Origin>,
-    pub blobs: Vec<(String, serde_json::Value)>,
+    /// The side records (`record::Blob`), in the order written; unknown kinds are `Blob::Other`.
+    pub blobs: Vec<crate::record::Blob>,
+    /// Who sent each of `blobs` (same order; all None for the recorder's own, and in v1/v2 files).
+    pub blob_origins: Vec<Origin>,
 }

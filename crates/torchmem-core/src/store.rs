@@ -8,17 +8,26 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
+use rusqlite::{Connection, OpenFlags, OptionalExtension};
 
 use crate::error::{CoreError, Result};
 use crate::model::*;
-pub use crate::record::Record;
+pub use crate::record::{Blob, Record};
+
+mod tables;
+use tables::{
+    Blobs, BreakdownAggregates, Breakdowns, CpuSamples, GpuSamples, LineProfiles, Markers, Meta, ModuleActivations,
+    ProcessSamples, Processes, Sent, SpanAggregates, Table, TorchSamples,
+};
 
 pub const FORMAT_NAME: &str = "torchmem-profile";
 /// The schema this code writes. v2 added identity (pid, rank, local_rank, world_size) to markers, torch
-/// samples and line profiles, the marker's device, and `span_aggregates`; v1 files still load. Later v2
-/// files add the breakdown tables (`breakdowns`, `module_activations`, `breakdown_aggregates`, below): a
-/// file without them reads as "no breakdown recorded", and older readers ignore them.
+/// samples and line profiles, the marker's device, and `span_aggregates`; v3 made the side records typed
+/// (`record::Blob`: a closed set of kinds, each a serde struct, stored as its name and JSON; the line profile a
+/// `lines::LineProfile`) and gave `blobs` the sender's identity. v1 and v2 files still load (their blobs read
+/// into the same kinds; a name this torchmem does not know stays `Blob::Other`). Later v2 files add the
+/// breakdown tables (`breakdowns`, `module_activations`, `breakdown_aggregates`, below): a file without them
+/// reads as "no breakdown recorded", and older readers ignore them.
 ///
 /// The breakdown ("what is the memory?", `crate::breakdown`): `breakdowns` holds one row per (kept marker,
 /// device), linked by the marker's `rowid`, with one column per category (`parameters_bytes` …
@@ -28,49 +37,7 @@ pub const FORMAT_NAME: &str = "torchmem-profile";
 /// `breakdown_aggregates` one row per (pid, rank, boundary, device, category) of the boundaries the
 /// recorder folded (every step after the first `keep_spans`): count, sum and max, so the mean and max
 /// over all steps are exact while the file grows by the first `keep_spans` steps' rows only.
-pub const SCHEMA_VERSION: i64 = 2;
-
-const SCHEMA: &str = "
-CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE cpu_samples (t_ns INTEGER NOT NULL, rss_bytes INTEGER NOT NULL, pss_bytes INTEGER,
-    uss_bytes INTEGER, process_count INTEGER NOT NULL);
-CREATE TABLE process_samples (t_ns INTEGER NOT NULL, pid INTEGER NOT NULL, rss_bytes INTEGER NOT NULL,
-    pss_bytes INTEGER, uss_bytes INTEGER, gpu_bytes INTEGER);
-CREATE TABLE processes (pid INTEGER PRIMARY KEY, ppid INTEGER NOT NULL, cmdline TEXT NOT NULL,
-    first_t_ns INTEGER NOT NULL, last_t_ns INTEGER NOT NULL);
-CREATE TABLE gpu_samples (t_ns INTEGER NOT NULL, device INTEGER NOT NULL, used_bytes INTEGER NOT NULL,
-    total_bytes INTEGER NOT NULL, process_bytes INTEGER);
-CREATE TABLE torch_samples (t_ns INTEGER NOT NULL, device INTEGER NOT NULL, allocated_bytes INTEGER NOT NULL,
-    reserved_bytes INTEGER NOT NULL, peak_allocated_bytes INTEGER NOT NULL, peak_reserved_bytes INTEGER NOT NULL,
-    active_bytes INTEGER NOT NULL, inactive_split_bytes INTEGER NOT NULL,
-    pid INTEGER, rank INTEGER, local_rank INTEGER, world_size INTEGER);
-CREATE TABLE markers (t_ns INTEGER NOT NULL, kind TEXT NOT NULL, edge TEXT NOT NULL, name TEXT NOT NULL,
-    idx INTEGER, rss_bytes INTEGER, allocated_bytes INTEGER, reserved_bytes INTEGER,
-    peak_allocated_bytes INTEGER, peak_reserved_bytes INTEGER, peak_rss_bytes INTEGER,
-    pid INTEGER, rank INTEGER, local_rank INTEGER, world_size INTEGER, device INTEGER);
-CREATE TABLE span_aggregates (pid INTEGER, rank INTEGER, local_rank INTEGER, world_size INTEGER,
-    kind TEXT NOT NULL, name TEXT NOT NULL, epoch INTEGER, device INTEGER,
-    count INTEGER NOT NULL, open_count INTEGER NOT NULL, total_ns INTEGER NOT NULL, min_ns INTEGER, max_ns INTEGER,
-    delta_allocated_sum_bytes INTEGER NOT NULL, delta_allocated_count INTEGER NOT NULL,
-    delta_rss_sum_bytes INTEGER NOT NULL, delta_rss_count INTEGER NOT NULL,
-    peak_allocated_bytes INTEGER, peak_reserved_bytes INTEGER, peak_rss_bytes INTEGER,
-    first_start_t_ns INTEGER NOT NULL, last_end_t_ns INTEGER);
-CREATE INDEX span_aggregates_by_name ON span_aggregates (kind, name);
-CREATE TABLE line_profiles (t_ns INTEGER NOT NULL, data TEXT NOT NULL,
-    pid INTEGER, rank INTEGER, local_rank INTEGER, world_size INTEGER);
-CREATE TABLE blobs (t_ns INTEGER NOT NULL, name TEXT NOT NULL, data TEXT NOT NULL);
-CREATE TABLE breakdowns (marker_rowid INTEGER NOT NULL, device TEXT NOT NULL,
-    parameters_bytes INTEGER, gradients_bytes INTEGER, optimizer_state_bytes INTEGER,
-    activations_bytes INTEGER, inputs_bytes INTEGER, other_bytes INTEGER,
-    allocated_bytes INTEGER, reserved_bytes INTEGER, cache_bytes INTEGER, non_torch_bytes INTEGER,
-    rss_bytes INTEGER, by_module TEXT NOT NULL, by_param_group TEXT NOT NULL);
-CREATE INDEX breakdowns_by_marker ON breakdowns (marker_rowid);
-CREATE TABLE module_activations (marker_rowid INTEGER NOT NULL, module TEXT NOT NULL,
-    activations_bytes INTEGER NOT NULL);
-CREATE TABLE breakdown_aggregates (pid INTEGER, rank INTEGER, local_rank INTEGER, world_size INTEGER,
-    boundary TEXT NOT NULL, device TEXT NOT NULL, category TEXT NOT NULL, boundaries INTEGER NOT NULL,
-    count INTEGER NOT NULL, sum_bytes INTEGER NOT NULL, max_bytes INTEGER NOT NULL);
-";
+pub const SCHEMA_VERSION: i64 = 3;
 
 pub struct ProfileWriter {
     conn: Connection,
@@ -113,13 +80,6 @@ fn reserve_space(dir: &Path, bytes: i64) -> Option<std::fs::File> {
     (unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, bytes) } == 0).then_some(f)
 }
 
-fn sql_u64(v: u64) -> i64 {
-    v.min(i64::MAX as u64) as i64
-}
-fn sql_opt(v: Option<u64>) -> Option<i64> {
-    v.map(sql_u64)
-}
-
 impl ProfileWriter {
     /// Creates a new profile at `path` (which must not exist) and writes the run's metadata. The file is
     /// born locked (see `_lock`): it is made as an unnamed file, locked, then linked to `path`, so another
@@ -134,7 +94,7 @@ impl ProfileWriter {
             // The schema and the run's metadata in one transaction: a checkpoint never sees one without
             // the other (a live profile's main file copied alone then still reads as a profile).
             conn.execute_batch("BEGIN")?;
-            conn.execute_batch(SCHEMA)?;
+            conn.execute_batch(&tables::schema())?;
             let dir = match path.parent() {
                 Some(p) if !p.as_os_str().is_empty() => p,
                 _ => Path::new("."),
@@ -217,10 +177,7 @@ impl ProfileWriter {
     }
 
     fn put_meta(&self, key: &str, value: &str) -> Result<()> {
-        self.conn.execute(
-            "INSERT INTO meta(key, value) VALUES (?1, ?2) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-            params![key, value],
-        )?;
+        Meta::write(&mut self.conn.prepare_cached(&Meta::insert())?, &(key.to_string(), value.to_string()))?;
         Ok(())
     }
 
@@ -239,187 +196,62 @@ impl ProfileWriter {
         }
         let tx = self.conn.transaction()?;
         {
-            let mut cpu = tx.prepare_cached("INSERT INTO cpu_samples VALUES (?1,?2,?3,?4,?5)")?;
-            let mut proc_s = tx.prepare_cached("INSERT INTO process_samples VALUES (?1,?2,?3,?4,?5,?6)")?;
-            let mut seen = tx.prepare_cached(
-                "INSERT INTO processes VALUES (?1,?2,?3,?4,?5) ON CONFLICT(pid) DO UPDATE SET last_t_ns = excluded.last_t_ns, cmdline = CASE WHEN length(excluded.cmdline) > 0 THEN excluded.cmdline ELSE cmdline END",
-            )?;
-            let mut gpu = tx.prepare_cached("INSERT INTO gpu_samples VALUES (?1,?2,?3,?4,?5)")?;
-            let mut torch =
-                tx.prepare_cached("INSERT INTO torch_samples VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12)")?;
-            let mut marker = tx.prepare_cached(
-                "INSERT INTO markers VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16)",
-            )?;
-            let mut agg_del = tx.prepare_cached(
-                "DELETE FROM span_aggregates WHERE pid IS ?1 AND rank IS ?2 AND kind = ?3 AND name = ?4 AND epoch IS ?5 AND device IS ?6",
-            )?;
-            let mut agg = tx.prepare_cached(
-                "INSERT INTO span_aggregates VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18,?19,?20,?21,?22)",
-            )?;
-            let mut lines = tx.prepare_cached("INSERT INTO line_profiles VALUES (?1,?2,?3,?4,?5,?6)")?;
-            let mut blob = tx.prepare_cached("INSERT INTO blobs VALUES (?1,?2,?3)")?;
-            let mut breakdown = tx
-                .prepare_cached("INSERT INTO breakdowns VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15)")?;
-            let mut activation = tx.prepare_cached("INSERT INTO module_activations VALUES (?1,?2,?3)")?;
-            let mut bagg_del = tx.prepare_cached(
-                "DELETE FROM breakdown_aggregates WHERE pid IS ?1 AND rank IS ?2 AND boundary = ?3 AND device = ?4",
-            )?;
-            let mut bagg =
-                tx.prepare_cached("INSERT INTO breakdown_aggregates VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11)")?;
+            let mut cpu = tx.prepare_cached(&CpuSamples::insert())?;
+            let mut proc_s = tx.prepare_cached(&ProcessSamples::insert())?;
+            let mut seen = tx.prepare_cached(&Processes::insert())?;
+            let mut gpu = tx.prepare_cached(&GpuSamples::insert())?;
+            let mut torch = tx.prepare_cached(&TorchSamples::insert())?;
+            let mut marker = tx.prepare_cached(&Markers::insert())?;
+            let mut agg_del = tx.prepare_cached(SpanAggregates::DELETE)?;
+            let mut agg = tx.prepare_cached(&SpanAggregates::insert())?;
+            let mut lines = tx.prepare_cached(&LineProfiles::insert())?;
+            let mut blob = tx.prepare_cached(&Blobs::insert())?;
+            let mut breakdown = tx.prepare_cached(&Breakdowns::insert())?;
+            let mut activation = tx.prepare_cached(&ModuleActivations::insert())?;
+            let mut bagg_del = tx.prepare_cached(BreakdownAggregates::DELETE)?;
+            let mut bagg = tx.prepare_cached(&BreakdownAggregates::insert())?;
             for r in self.pending.drain(..) {
                 match r {
-                    Record::Cpu(s) => {
-                        cpu.execute(params![
-                            sql_u64(s.t_ns),
-                            sql_u64(s.rss_bytes),
-                            sql_opt(s.pss_bytes),
-                            sql_opt(s.uss_bytes),
-                            s.process_count
-                        ])?;
-                    }
-                    Record::Process(s) => {
-                        proc_s.execute(params![
-                            sql_u64(s.t_ns),
-                            s.pid,
-                            sql_u64(s.rss_bytes),
-                            sql_opt(s.pss_bytes),
-                            sql_opt(s.uss_bytes),
-                            sql_opt(s.gpu_bytes)
-                        ])?;
-                    }
-                    Record::ProcessSeen(p) => {
-                        seen.execute(params![p.pid, p.ppid, p.cmdline, sql_u64(p.first_t_ns), sql_u64(p.last_t_ns)])?;
-                    }
-                    Record::Gpu(s) => {
-                        gpu.execute(params![
-                            sql_u64(s.t_ns),
-                            s.device,
-                            sql_u64(s.used_bytes),
-                            sql_u64(s.total_bytes),
-                            sql_opt(s.process_bytes)
-                        ])?;
-                    }
-                    Record::Torch(s) => {
-                        torch.execute(params![
-                            sql_u64(s.t_ns),
-                            s.device,
-                            sql_u64(s.allocated_bytes),
-                            sql_u64(s.reserved_bytes),
-                            sql_u64(s.peak_allocated_bytes),
-                            sql_u64(s.peak_reserved_bytes),
-                            sql_u64(s.active_bytes),
-                            sql_u64(s.inactive_split_bytes),
-                            s.origin.pid,
-                            s.origin.rank,
-                            s.origin.local_rank,
-                            s.origin.world_size
-                        ])?;
-                    }
+                    Record::Cpu(s) => CpuSamples::write(&mut cpu, &s)?,
+                    Record::Process(s) => ProcessSamples::write(&mut proc_s, &s)?,
+                    Record::ProcessSeen(p) => Processes::write(&mut seen, &p)?,
+                    Record::Gpu(s) => GpuSamples::write(&mut gpu, &s)?,
+                    Record::Torch(s) => TorchSamples::write(&mut torch, &s)?,
                     Record::Marker(m) => {
-                        let mm = &m.memory;
-                        marker.execute(params![
-                            sql_u64(m.t_ns),
-                            m.kind.as_str(),
-                            m.edge.as_str(),
-                            m.name,
-                            m.index,
-                            sql_opt(mm.rss_bytes),
-                            sql_opt(mm.allocated_bytes),
-                            sql_opt(mm.reserved_bytes),
-                            sql_opt(mm.peak_allocated_bytes),
-                            sql_opt(mm.peak_reserved_bytes),
-                            sql_opt(mm.peak_rss_bytes),
-                            m.origin.pid,
-                            m.origin.rank,
-                            m.origin.local_rank,
-                            m.origin.world_size,
-                            m.device
-                        ])?;
+                        Markers::write(&mut marker, &m)?;
                         if m.breakdown.is_some() || m.activations_by_module.is_some() {
                             let rowid = tx.last_insert_rowid();
-                            for b in m.breakdown.iter().flatten() {
-                                breakdown.execute(params![
-                                    rowid,
-                                    b.device,
-                                    sql_opt(b.parameters_bytes),
-                                    sql_opt(b.gradients_bytes),
-                                    sql_opt(b.optimizer_state_bytes),
-                                    sql_opt(b.activations_bytes),
-                                    sql_opt(b.inputs_bytes),
-                                    b.other_bytes,
-                                    sql_opt(b.allocated_bytes),
-                                    sql_opt(b.reserved_bytes),
-                                    sql_opt(b.cache_bytes),
-                                    b.non_torch_bytes,
-                                    sql_opt(b.rss_bytes),
-                                    serde_json::to_string(&b.by_module)?,
-                                    serde_json::to_string(&b.by_param_group)?
-                                ])?;
+                            for b in m.breakdown.into_iter().flatten() {
+                                Breakdowns::write(&mut breakdown, &(rowid, b))?;
                             }
-                            for (module, bytes) in m.activations_by_module.iter().flatten() {
-                                activation.execute(params![rowid, module, sql_u64(*bytes)])?;
+                            for (module, bytes) in m.activations_by_module.into_iter().flatten() {
+                                ModuleActivations::write(&mut activation, &(rowid, module, bytes))?;
                             }
                         }
                     }
                     Record::BreakdownAggregate(a) => {
-                        let o = &a.origin;
-                        bagg_del.execute(params![o.pid, o.rank, a.boundary, a.device])?;
-                        for (c, st) in &a.categories {
-                            bagg.execute(params![
-                                o.pid,
-                                o.rank,
-                                o.local_rank,
-                                o.world_size,
-                                a.boundary,
-                                a.device,
-                                c.as_str(),
-                                sql_u64(a.count),
-                                sql_u64(st.count),
-                                sql_u64(st.sum_bytes),
-                                sql_u64(st.max_bytes)
-                            ])?;
+                        BreakdownAggregates::delete(&mut bagg_del, &a)?;
+                        for (c, stat) in &a.categories {
+                            let row = tables::BreakdownAggregateRow {
+                                origin: a.origin,
+                                boundary: a.boundary.clone(),
+                                device: a.device.clone(),
+                                category: Some(*c),
+                                boundaries: a.count,
+                                stat: *stat,
+                            };
+                            BreakdownAggregates::write(&mut bagg, &row)?;
                         }
                     }
                     Record::Aggregate(a) => {
-                        let o = &a.origin;
-                        agg_del.execute(params![o.pid, o.rank, a.kind.as_str(), a.name, a.epoch, a.device])?;
-                        agg.execute(params![
-                            o.pid,
-                            o.rank,
-                            o.local_rank,
-                            o.world_size,
-                            a.kind.as_str(),
-                            a.name,
-                            a.epoch,
-                            a.device,
-                            sql_u64(a.count),
-                            sql_u64(a.open_count),
-                            sql_u64(a.total_ns),
-                            sql_opt(a.min_ns),
-                            sql_opt(a.max_ns),
-                            a.delta_allocated_sum_bytes,
-                            sql_u64(a.delta_allocated_count),
-                            a.delta_rss_sum_bytes,
-                            sql_u64(a.delta_rss_count),
-                            sql_opt(a.peak_allocated_bytes),
-                            sql_opt(a.peak_reserved_bytes),
-                            sql_opt(a.peak_rss_bytes),
-                            sql_u64(a.first_start_t_ns),
-                            sql_opt(a.last_end_t_ns)
-                        ])?;
+                        SpanAggregates::delete(&mut agg_del, &a)?;
+                        SpanAggregates::write(&mut agg, &a)?;
                     }
-                    Record::LineProfile { t_ns, origin: o, data } => {
-                        lines.execute(params![
-                            sql_u64(t_ns),
-                            data.to_string(),
-                            o.pid,
-                            o.rank,
-                            o.local_rank,
-                            o.world_size
-                        ])?;
+                    Record::LineProfile { t_ns, origin, profile } => {
+                        LineProfiles::write(&mut lines, &Sent { t_ns, origin, what: Some(profile) })?;
                     }
-                    Record::Blob { t_ns, name, data } => {
-                        blob.execute(params![sql_u64(t_ns), name, data.to_string()])?;
+                    Record::Blob { t_ns, origin, blob: b } => {
+                        Blobs::write(&mut blob, &Sent { t_ns, origin, what: Some(b) })?;
                     }
                 }
             }
@@ -661,13 +493,6 @@ fn read_meta(conn: &Connection, path: &Path) -> Result<RunMeta> {
 }
 
 /// The loaded profile is plain data in `model`; `Profile::open` below reads it from a file.
-fn get_u64(row: &rusqlite::Row, i: usize) -> rusqlite::Result<u64> {
-    Ok(row.get::<_, i64>(i)?.max(0) as u64)
-}
-fn get_opt(row: &rusqlite::Row, i: usize) -> rusqlite::Result<Option<u64>> {
-    Ok(row.get::<_, Option<i64>>(i)?.map(|v| v.max(0) as u64))
-}
-
 impl Profile {
     /// Opens and loads a profile. A missing file, a file that is not SQLite, and an SQLite file that is not a
     /// torchmem profile each get their own clear error. A profile whose recorder was killed opens fine.
@@ -685,24 +510,6 @@ impl Profile {
         // recorder leaves its log beside the file).
         meta.copied_without_wal = without_wal && !recording && meta.duration_ns.is_none();
         load(&conn, path, meta)
-    }
-}
-
-fn get_origin(row: &rusqlite::Row, first: usize) -> rusqlite::Result<Origin> {
-    Ok(Origin {
-        pid: row.get(first)?,
-        rank: row.get(first + 1)?,
-        local_rank: row.get(first + 2)?,
-        world_size: row.get(first + 3)?,
-    })
-}
-
-/// The identity columns of a table, or NULLs in a v1 file (which has none).
-fn origin_columns(version: i64) -> &'static str {
-    if version >= 2 {
-        "pid, rank, local_rank, world_size"
-    } else {
-        "NULL, NULL, NULL, NULL"
     }
 }
 
@@ -725,114 +532,34 @@ fn load(conn: &Connection, path: &Path, meta: RunMeta) -> Result<Profile> {
     load_tables(conn, path, meta, version).map_err(damaged)
 }
 
+/// Every row of table `T` (through its row definition) in a file of schema `version`, in `order`.
+fn rows<T: Table>(conn: &Connection, version: i64, order: &str) -> rusqlite::Result<Vec<T::Row>> {
+    let mut st = conn.prepare(&T::select(version, "", order))?;
+    let rows = st.query_map([], |r| T::read(r))?;
+    rows.collect()
+}
+
 fn load_tables(conn: &Connection, path: &Path, meta: RunMeta, version: i64) -> rusqlite::Result<Profile> {
-    let ids = origin_columns(version);
     let keep_spans = meta.keep_spans.unwrap_or(crate::fold::DEFAULT_KEEP_SPANS).min(crate::fold::MAX_KEEP_SPANS_READ);
     let mut p = Profile { path: path.into(), meta, schema_version: version, ..Default::default() };
-    let mut st =
-        conn.prepare("SELECT t_ns, rss_bytes, pss_bytes, uss_bytes, process_count FROM cpu_samples ORDER BY t_ns")?;
-    p.cpu = st
-        .query_map([], |r| {
-            Ok(CpuSample {
-                t_ns: get_u64(r, 0)?,
-                rss_bytes: get_u64(r, 1)?,
-                pss_bytes: get_opt(r, 2)?,
-                uss_bytes: get_opt(r, 3)?,
-                process_count: r.get(4)?,
-            })
-        })?
-        .collect::<rusqlite::Result<_>>()?;
-    let mut st =
-        conn.prepare("SELECT pid, ppid, cmdline, first_t_ns, last_t_ns FROM processes ORDER BY first_t_ns, pid")?;
-    p.processes = st
-        .query_map([], |r| {
-            Ok(ProcessInfo {
-                pid: r.get(0)?,
-                ppid: r.get(1)?,
-                cmdline: r.get(2)?,
-                first_t_ns: get_u64(r, 3)?,
-                last_t_ns: get_u64(r, 4)?,
-            })
-        })?
-        .collect::<rusqlite::Result<_>>()?;
-    let mut st = conn.prepare(
-        "SELECT t_ns, pid, rss_bytes, pss_bytes, uss_bytes, gpu_bytes FROM process_samples ORDER BY t_ns, pid",
-    )?;
-    p.process_samples = st
-        .query_map([], |r| {
-            Ok(ProcessSample {
-                t_ns: get_u64(r, 0)?,
-                pid: r.get(1)?,
-                rss_bytes: get_u64(r, 2)?,
-                pss_bytes: get_opt(r, 3)?,
-                uss_bytes: get_opt(r, 4)?,
-                gpu_bytes: get_opt(r, 5)?,
-            })
-        })?
-        .collect::<rusqlite::Result<_>>()?;
-    let mut st = conn.prepare(
-        "SELECT t_ns, device, used_bytes, total_bytes, process_bytes FROM gpu_samples ORDER BY t_ns, device",
-    )?;
-    p.gpu = st
-        .query_map([], |r| {
-            Ok(GpuSample {
-                t_ns: get_u64(r, 0)?,
-                device: r.get(1)?,
-                used_bytes: get_u64(r, 2)?,
-                total_bytes: get_u64(r, 3)?,
-                process_bytes: get_opt(r, 4)?,
-            })
-        })?
-        .collect::<rusqlite::Result<_>>()?;
-    let mut st = conn.prepare(&format!(
-        "SELECT t_ns, device, allocated_bytes, reserved_bytes, peak_allocated_bytes, peak_reserved_bytes, active_bytes, inactive_split_bytes, {ids} FROM torch_samples ORDER BY t_ns, device"
-    ))?;
-    p.torch = st
-        .query_map([], |r| {
-            Ok(TorchSample {
-                t_ns: get_u64(r, 0)?,
-                device: r.get(1)?,
-                allocated_bytes: get_u64(r, 2)?,
-                reserved_bytes: get_u64(r, 3)?,
-                peak_allocated_bytes: get_u64(r, 4)?,
-                peak_reserved_bytes: get_u64(r, 5)?,
-                active_bytes: get_u64(r, 6)?,
-                inactive_split_bytes: get_u64(r, 7)?,
-                origin: get_origin(r, 8)?,
-            })
-        })?
-        .collect::<rusqlite::Result<_>>()?;
-    let device_column = if version >= 2 { "device" } else { "NULL" };
-    let mut st = conn.prepare(&format!(
-        "SELECT t_ns, kind, edge, name, idx, rss_bytes, allocated_bytes, reserved_bytes, peak_allocated_bytes, peak_reserved_bytes, peak_rss_bytes, {ids}, {device_column}, rowid FROM markers ORDER BY t_ns, rowid"
-    ))?;
-    let has_breakdowns = version >= 2 && has_table(conn, "breakdowns")?;
-    let mut breakdowns = if has_breakdowns { load_breakdowns(conn)? } else { HashMap::new() };
-    let mut activations = if has_breakdowns { load_module_activations(conn)? } else { HashMap::new() };
-    let mut rows = st.query([])?;
+    p.cpu = rows::<CpuSamples>(conn, version, "ORDER BY t_ns")?;
+    p.processes = rows::<Processes>(conn, version, "ORDER BY first_t_ns, pid")?;
+    p.process_samples = rows::<ProcessSamples>(conn, version, "ORDER BY t_ns, pid")?;
+    p.gpu = rows::<GpuSamples>(conn, version, "ORDER BY t_ns, device")?;
+    p.torch = rows::<TorchSamples>(conn, version, "ORDER BY t_ns, device")?;
+    let has_breakdowns = version >= 2 && has_table(conn, Breakdowns::NAME)?;
+    let mut breakdowns = if has_breakdowns { load_breakdowns(conn, version)? } else { HashMap::new() };
+    let mut activations = if has_breakdowns { load_module_activations(conn, version)? } else { HashMap::new() };
+    let mut st = conn.prepare(&Markers::select(version, ", rowid", "ORDER BY t_ns, rowid"))?;
+    let rowid_at = Markers::COLUMNS.len();
+    let mut rows_of = st.query([])?;
     let mut folder = crate::fold::SpanFolder::new(keep_spans);
-    while let Some(r) = rows.next()? {
-        let kind = MarkerKind::parse(r.get_ref(1)?.as_str()?).unwrap_or(MarkerKind::Mark);
-        let edge = Edge::parse(r.get_ref(2)?.as_str()?).unwrap_or(Edge::Point);
+    while let Some(r) = rows_of.next()? {
+        let rowid: i64 = r.get(rowid_at)?;
         let m = Marker {
-            t_ns: get_u64(r, 0)?,
-            kind,
-            edge,
-            name: r.get(3)?,
-            index: r.get(4)?,
-            memory: MarkerMemory {
-                rss_bytes: get_opt(r, 5)?,
-                allocated_bytes: get_opt(r, 6)?,
-                reserved_bytes: get_opt(r, 7)?,
-                peak_allocated_bytes: get_opt(r, 8)?,
-                peak_reserved_bytes: get_opt(r, 9)?,
-                peak_rss_bytes: get_opt(r, 10)?,
-                held_rss_bytes: None,
-            },
-            origin: get_origin(r, 11)?,
-            device: r.get(15)?,
-            breakdown: breakdowns.remove(&r.get::<_, i64>(16)?),
-            activations_by_module: activations.remove(&r.get::<_, i64>(16)?),
+            breakdown: breakdowns.remove(&rowid),
+            activations_by_module: activations.remove(&rowid),
+            ..Markers::read(r)?
         };
         if let Some(kept) = folder.push(m) {
             p.markers.push(kept);
@@ -840,7 +567,7 @@ fn load_tables(conn: &Connection, path: &Path, meta: RunMeta, version: i64) -> r
     }
     folder.finish();
     let mut breakdown_aggregates =
-        if has_breakdowns { load_breakdown_aggregates(conn)? } else { Vec::<BreakdownAggregate>::new() };
+        if has_breakdowns { load_breakdown_aggregates(conn, version)? } else { Vec::<BreakdownAggregate>::new() };
     let mut at: HashMap<crate::breakdown::BreakdownKey, usize> =
         breakdown_aggregates.iter().enumerate().map(|(i, a)| (a.key(), i)).collect();
     for folded in folder.breakdown_aggregates() {
@@ -853,7 +580,11 @@ fn load_tables(conn: &Connection, path: &Path, meta: RunMeta, version: i64) -> r
         }
     }
     p.breakdown_aggregates = breakdown_aggregates;
-    let mut aggregates: Vec<SpanAggregate> = if version >= 2 { load_aggregates(conn)? } else { Vec::new() };
+    let mut aggregates: Vec<SpanAggregate> = if version >= 2 {
+        rows::<SpanAggregates>(conn, version, "ORDER BY first_start_t_ns, rowid")?
+    } else {
+        Vec::new()
+    };
     let mut at: HashMap<AggregateKey, usize> = aggregates.iter().enumerate().map(|(i, a)| (a.key(), i)).collect();
     for folded in folder.into_aggregates() {
         match at.get(&folded.key()) {
@@ -865,19 +596,20 @@ fn load_tables(conn: &Connection, path: &Path, meta: RunMeta, version: i64) -> r
         }
     }
     p.aggregates = aggregates;
-    let mut st = conn.prepare(&format!("SELECT data, {ids} FROM line_profiles ORDER BY t_ns, rowid"))?;
-    let rows: Vec<(String, Origin)> =
-        st.query_map([], |r| Ok((r.get(0)?, get_origin(r, 1)?)))?.collect::<rusqlite::Result<_>>()?;
-    for (text, origin) in rows {
-        if let Ok(v) = serde_json::from_str(&text) {
-            p.line_profiles.push(v);
-            p.line_profile_origins.push(origin);
+    // A payload that is not a line profile, or a blob whose text is not JSON (no writer made either), is
+    // skipped, as the reports always did; a blob of a name this torchmem does not know is `Blob::Other`.
+    for s in rows::<LineProfiles>(conn, version, "ORDER BY t_ns, rowid")? {
+        if let Some(profile) = s.what {
+            p.line_profiles.push(profile);
+            p.line_profile_origins.push(s.origin);
         }
     }
-    let mut st = conn.prepare("SELECT name, data FROM blobs ORDER BY t_ns, rowid")?;
-    let rows: Vec<(String, String)> =
-        st.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?.collect::<rusqlite::Result<_>>()?;
-    p.blobs = rows.into_iter().filter_map(|(n, t)| Some((n, serde_json::from_str(&t).ok()?))).collect();
+    for s in rows::<Blobs>(conn, version, "ORDER BY t_ns, rowid")? {
+        if let Some(blob) = s.what {
+            p.blobs.push(blob);
+            p.blob_origins.push(s.origin);
+        }
+    }
     Ok(p)
 }
 
@@ -888,114 +620,44 @@ fn has_table(conn: &Connection, name: &str) -> rusqlite::Result<bool> {
     .map(|n| n > 0)
 }
 
-fn json_column<T: serde::de::DeserializeOwned + Default>(r: &rusqlite::Row, i: usize) -> rusqlite::Result<T> {
-    let text: String = r.get(i)?;
-    serde_json::from_str(&text)
-        .map_err(|e| rusqlite::Error::FromSqlConversionFailure(i, rusqlite::types::Type::Text, Box::new(e)))
-}
-
 /// The breakdown rows, by the rowid of the marker they belong to.
-fn load_breakdowns(conn: &Connection) -> rusqlite::Result<HashMap<i64, Vec<DeviceBreakdown>>> {
-    let mut st = conn.prepare(
-        "SELECT marker_rowid, device, parameters_bytes, gradients_bytes, optimizer_state_bytes, activations_bytes, inputs_bytes, other_bytes, allocated_bytes, reserved_bytes, cache_bytes, non_torch_bytes, rss_bytes, by_module, by_param_group FROM breakdowns ORDER BY marker_rowid, rowid",
-    )?;
+fn load_breakdowns(conn: &Connection, version: i64) -> rusqlite::Result<HashMap<i64, Vec<DeviceBreakdown>>> {
     let mut out: HashMap<i64, Vec<DeviceBreakdown>> = HashMap::new();
-    let mut rows = st.query([])?;
-    while let Some(r) = rows.next()? {
-        let b = DeviceBreakdown {
-            device: r.get(1)?,
-            parameters_bytes: get_opt(r, 2)?,
-            gradients_bytes: get_opt(r, 3)?,
-            optimizer_state_bytes: get_opt(r, 4)?,
-            activations_bytes: get_opt(r, 5)?,
-            inputs_bytes: get_opt(r, 6)?,
-            other_bytes: r.get(7)?,
-            allocated_bytes: get_opt(r, 8)?,
-            reserved_bytes: get_opt(r, 9)?,
-            cache_bytes: get_opt(r, 10)?,
-            non_torch_bytes: r.get(11)?,
-            rss_bytes: get_opt(r, 12)?,
-            by_module: json_column(r, 13)?,
-            by_param_group: json_column(r, 14)?,
-        };
-        out.entry(r.get(0)?).or_default().push(b);
+    for (rowid, b) in rows::<Breakdowns>(conn, version, "ORDER BY marker_rowid, rowid")? {
+        out.entry(rowid).or_default().push(b);
     }
     Ok(out)
 }
 
-fn load_module_activations(conn: &Connection) -> rusqlite::Result<HashMap<i64, BTreeMap<String, u64>>> {
-    let mut st =
-        conn.prepare("SELECT marker_rowid, module, activations_bytes FROM module_activations ORDER BY rowid")?;
+fn load_module_activations(conn: &Connection, version: i64) -> rusqlite::Result<HashMap<i64, BTreeMap<String, u64>>> {
     let mut out: HashMap<i64, BTreeMap<String, u64>> = HashMap::new();
-    let mut rows = st.query([])?;
-    while let Some(r) = rows.next()? {
-        out.entry(r.get(0)?).or_default().insert(r.get(1)?, get_u64(r, 2)?);
+    for (rowid, module, bytes) in rows::<ModuleActivations>(conn, version, "ORDER BY rowid")? {
+        out.entry(rowid).or_default().insert(module, bytes);
     }
     Ok(out)
 }
 
-fn load_breakdown_aggregates(conn: &Connection) -> rusqlite::Result<Vec<BreakdownAggregate>> {
-    let mut st = conn.prepare(
-        "SELECT pid, rank, local_rank, world_size, boundary, device, category, boundaries, count, sum_bytes, max_bytes FROM breakdown_aggregates ORDER BY rowid",
-    )?;
+/// The folded breakdowns: one `BreakdownAggregate` per (pid, rank, boundary, device), from its category rows.
+fn load_breakdown_aggregates(conn: &Connection, version: i64) -> rusqlite::Result<Vec<BreakdownAggregate>> {
     let mut out: Vec<BreakdownAggregate> = Vec::new();
     let mut at: HashMap<crate::breakdown::BreakdownKey, usize> = HashMap::new();
-    let mut rows = st.query([])?;
-    while let Some(r) = rows.next()? {
-        let row = BreakdownAggregate::new(get_origin(r, 0)?, r.get(4)?, r.get(5)?);
-        let i = *at.entry(row.key()).or_insert_with(|| {
-            out.push(row);
+    for row in rows::<BreakdownAggregates>(conn, version, "ORDER BY rowid")? {
+        let agg = BreakdownAggregate::new(row.origin, row.boundary, row.device);
+        let i = *at.entry(agg.key()).or_insert_with(|| {
+            out.push(agg);
             out.len() - 1
         });
-        let category: String = r.get(6)?;
-        let Some(c) = crate::breakdown::Category::parse(&category) else { continue };
-        out[i].count = out[i].count.max(get_u64(r, 7)?);
-        out[i].categories.insert(
-            c,
-            crate::breakdown::CategoryStat {
-                count: get_u64(r, 8)?,
-                sum_bytes: get_u64(r, 9)?,
-                max_bytes: get_u64(r, 10)?,
-            },
-        );
+        let Some(c) = row.category else { continue };
+        out[i].count = out[i].count.max(row.boundaries);
+        out[i].categories.insert(c, row.stat);
     }
     Ok(out)
-}
-
-fn load_aggregates(conn: &Connection) -> rusqlite::Result<Vec<SpanAggregate>> {
-    let mut st = conn.prepare(
-        "SELECT pid, rank, local_rank, world_size, kind, name, epoch, device, count, open_count, total_ns, min_ns, max_ns, delta_allocated_sum_bytes, delta_allocated_count, delta_rss_sum_bytes, delta_rss_count, peak_allocated_bytes, peak_reserved_bytes, peak_rss_bytes, first_start_t_ns, last_end_t_ns FROM span_aggregates ORDER BY first_start_t_ns, rowid",
-    )?;
-    let rows = st.query_map([], |r| {
-        let kind: String = r.get(4)?;
-        Ok(SpanAggregate {
-            origin: get_origin(r, 0)?,
-            kind: MarkerKind::parse(&kind).unwrap_or(MarkerKind::Phase),
-            name: r.get(5)?,
-            epoch: r.get(6)?,
-            device: r.get(7)?,
-            count: get_u64(r, 8)?,
-            open_count: get_u64(r, 9)?,
-            total_ns: get_u64(r, 10)?,
-            min_ns: get_opt(r, 11)?,
-            max_ns: get_opt(r, 12)?,
-            delta_allocated_sum_bytes: r.get(13)?,
-            delta_allocated_count: get_u64(r, 14)?,
-            delta_rss_sum_bytes: r.get(15)?,
-            delta_rss_count: get_u64(r, 16)?,
-            peak_allocated_bytes: get_opt(r, 17)?,
-            peak_reserved_bytes: get_opt(r, 18)?,
-            peak_rss_bytes: get_opt(r, 19)?,
-            first_start_t_ns: get_u64(r, 20)?,
-            last_end_t_ns: get_opt(r, 21)?,
-        })
-    })?;
-    rows.collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rusqlite::params;
 
     fn meta() -> RunMeta {
         RunMeta { command: vec!["python".into(), "x.py".into()], interval_ms: 10.0, ..Default::default() }
@@ -1050,7 +712,12 @@ mod tests {
             breakdown: None,
             activations_by_module: None,
         }));
-        w.push(Record::Blob { t_ns: 4, name: "x".into(), data: serde_json::json!({"a": 1}) });
+        let origin = Origin { pid: Some(12), rank: Some(1), local_rank: None, world_size: Some(2) };
+        w.push(Record::Blob { t_ns: 4, origin, blob: Blob::from_parts("x".into(), serde_json::json!({"a": 1})) });
+        let oom = Blob::from_parts("oom".into(), serde_json::json!({"pid": 12, "requested_bytes": 5, "x": 1}));
+        w.push(Record::Blob { t_ns: 5, origin, blob: oom });
+        let outlived = Blob::Outlived(crate::record::Outlived { t_ns: 6, pids: vec![7, 8] });
+        w.push(Record::Blob { t_ns: 6, origin: Origin::default(), blob: outlived.clone() });
         w.flush().unwrap();
         w.finish(Some(3), 10).unwrap();
         let p = Profile::open(&path).unwrap();
@@ -1061,7 +728,12 @@ mod tests {
         assert_eq!(p.processes[0].last_t_ns, 9);
         assert_eq!(p.torch[0].peak_reserved_bytes, 6);
         assert_eq!(p.markers[0].memory.rss_bytes, Some(7));
-        assert_eq!(p.blobs[0].1["a"], 1);
+        assert_eq!(p.blobs[0], Blob::Other { name: "x".into(), data: serde_json::json!({"a": 1}) });
+        let Blob::Oom(o) = &p.blobs[1] else { panic!("{:?}", p.blobs[1]) };
+        assert_eq!((o.pid, o.requested_bytes, o.allocated_bytes), (12, Some(5), None));
+        assert_eq!(p.blobs[2], outlived);
+        assert_eq!(p.blob_origins, [origin, origin, Origin::default()], "v3: each blob's sender");
+        assert_eq!(crate::report::cells::outlived_program(&p), [7, 8].into());
     }
 
     #[test]
@@ -1230,12 +902,28 @@ mod tests {
         assert_eq!((s.leaks[0].line, s.leaks[0].kind.as_str()), (23, "CPU tensor"));
         let peaks = crate::report::cells::kernel_peaks(&p);
         assert!(peaks[&pid] > 100 << 20, "{peaks:?}");
-        let lines = crate::lines::parse(&p.line_profiles);
+        let lines = &p.line_profiles;
         assert_eq!(lines[0].functions[0].name, "train_step");
         assert!(lines[0].functions[0].lines.iter().any(|l| l.hits == 23));
-        let names: Vec<&str> = p.blobs.iter().map(|(n, _)| n.as_str()).collect();
+        let names: Vec<&str> = p.blobs.iter().map(|b| b.name()).collect();
         assert!(names.contains(&"oom") && names.contains(&"identity"), "{names:?}");
         assert!(names.contains(&"future_kind"), "an unknown blob stays readable: {names:?}");
+        // Every blob of a known name reads as its kind; the unknown one stays as it was.
+        for b in &p.blobs {
+            match b {
+                Blob::Other { name, data } => {
+                    assert_eq!((name.as_str(), data), ("future_kind", &serde_json::json!({"anything": [1, 2]})))
+                }
+                Blob::Oom(o) => assert_eq!((o.pid, o.requested_bytes), (pid, Some(2 << 30))),
+                Blob::Identity(i) => assert!(i.origin.pid.is_some()),
+                Blob::Leaks(l) => assert_eq!((l.pid, l.report.findings.len()), (Some(pid), 1)),
+                Blob::Vmhwm(v) => assert!(v.pids.contains_key(&pid)),
+                other => panic!("not in the fixture: {other:?}"),
+            }
+        }
+        assert_eq!(p.blob_origins.len(), p.blobs.len());
+        assert!(p.blob_origins.iter().all(|o| *o == Origin::default()), "v2 blobs have no sender columns");
+        assert_eq!(lines[0].python.as_deref().map(|v| v.starts_with('3')), Some(true));
     }
 
     #[test]
@@ -1314,7 +1002,7 @@ mod tests {
         row.count = 7;
         row.total_ns = 70;
         w.push(Record::Aggregate(row.clone()));
-        w.push(Record::LineProfile { t_ns: 4, origin, data: serde_json::json!({"functions": []}) });
+        w.push(Record::LineProfile { t_ns: 4, origin, profile: Default::default() });
         w.flush().unwrap();
         drop(w);
         let p = Profile::open(&path).unwrap();

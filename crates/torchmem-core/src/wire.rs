@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::lines::LineProfile;
 use crate::model::{DeviceBreakdown, Edge, Launch, MarkerKind, MarkerMemory, Origin};
 use crate::sources::allocator::AllocatorCounters;
 
@@ -51,9 +52,10 @@ pub enum ChildMessage {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         activations_by_module: Option<BTreeMap<String, u64>>,
     },
-    /// The line profiler's result table (schema owned by the line profiler), stored as JSON.
-    LineProfile { t_ns: u64, data: serde_json::Value },
-    /// Free-form JSON stored under a name (e.g. "journey", "torch_info").
+    /// The line profiler's tables (`lines::LineProfile`, schema in docs/line-profiler.md).
+    LineProfile { t_ns: u64, data: LineProfile },
+    /// A side record under its name: `oom` (`torchmem.on_oom`) and `leaks` (the leak probe) today. The
+    /// recorder reads it as its kind (`record::Blob::from_parts`); a name it does not know is kept as it is.
     Blob { t_ns: u64, name: String, data: serde_json::Value },
 }
 

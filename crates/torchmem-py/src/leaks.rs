@@ -84,7 +84,9 @@ impl HeldRss {
 #[pyfunction]
 fn leak_findings<'py>(py: Python<'py>, probe: &Bound<'py, PyAny>) -> Result<Bound<'py, PyAny>> {
     let probe: ProbeData = from_py(probe, "a leak probe in leaks::ProbeData form")?;
-    to_py(py, &leaks::leak_findings(&probe))
+    let mut report = leaks::leak_findings(&probe);
+    torchmem_core::report::findings::describe_leaks(&mut report);
+    to_py(py, &report)
 }
 
 /// One `LEAK:` line per finding, then the "Leaks" table, of a list of findings (`leaks::Leak` dicts), as

@@ -170,8 +170,8 @@ fn line_snapshot(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(d)
 }
 
-/// Line-profile payloads (one dict, or a list of them) as the renderers read them.
-fn read_payloads(obj: &Bound<'_, PyAny>) -> Result<Vec<serde_json::Value>> {
+/// Line-profile payloads (one dict, or a list of them) as typed line profiles (`lines::LineProfile`); a dict that is not one is skipped.
+fn read_payloads(obj: &Bound<'_, PyAny>) -> Result<Vec<torchmem_core::lines::LineProfile>> {
     const FORM: &str = "a line-profile payload (a dict) or a list of them";
     let list = match from_py(obj, FORM)? {
         serde_json::Value::Array(a) => a,
@@ -179,7 +179,7 @@ fn read_payloads(obj: &Bound<'_, PyAny>) -> Result<Vec<serde_json::Value>> {
     };
     match list.iter().find(|p| !p.is_object()) {
         Some(bad) => Err(Error::Input(format!("not {FORM}: {bad}"))),
-        None => Ok(list),
+        None => Ok(torchmem_core::lines::parse(&list)),
     }
 }
 

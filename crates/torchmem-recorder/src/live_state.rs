@@ -15,8 +15,8 @@ use std::path::Path;
 use std::sync::{Arc, RwLock};
 
 use serde::{Deserialize, Serialize};
-use torchmem_core::analysis::ranks::IDENTITY_BLOB;
 use torchmem_core::model::{Edge, MarkerKind, Origin, Profile};
+use torchmem_core::record::Blob;
 use torchmem_core::store::Record;
 
 use crate::sinks::{RecordBatch, RunContext};
@@ -292,9 +292,9 @@ impl LiveState {
                 );
             }
             // A process's hello: its rank from its first series on, not from its first marker.
-            Record::Blob { name, data, .. } if name == IDENTITY_BLOB => {
-                if let Some(o) = serde_json::from_value::<Origin>(data.clone()).ok().filter(|o| o.pid.is_some()) {
-                    self.identity.insert(o.pid.unwrap_or_default(), o);
+            Record::Blob { blob: Blob::Identity(i), .. } => {
+                if let Some(pid) = i.origin.pid {
+                    self.identity.insert(pid, i.origin);
                 }
             }
             Record::Torch(t) => {

@@ -15,9 +15,9 @@ use std::sync::mpsc::{Receiver, Sender, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use torchmem_core::analysis::ranks::{GpuIdentity, GpuProcesses, GPU_PROCESSES_BLOB, IDENTITY_BLOB};
 use torchmem_core::fold::{SpanFolder, DEFAULT_KEEP_SPANS};
 use torchmem_core::model::*;
+use torchmem_core::record::{Blob, GpuIdentity, GpuProcesses, Identity, Outlived, Vmhwm};
 use torchmem_core::sources::gpu::{tree_bytes, GpuReading, GpuSource};
 use torchmem_core::sources::procfs;
 use torchmem_core::store::Record;
@@ -222,8 +222,8 @@ pub struct Recorder {
 }
 
 /// The blob that lists the processes of the tree that were still running when the program ended
-/// (`{"t_ns": end, "pids": [PID, …]}`): the report marks them as having outlived it.
-pub const OUTLIVED_BLOB: &str = "outlived_program";
+/// (`record::Outlived`): the report marks them as having outlived it.
+pub const OUTLIVED_BLOB: &str = Blob::OUTLIVED;
 
 /// How one process ended, from `wait4`.
 #[derive(Debug, Clone, Copy)]
@@ -555,16 +555,9 @@ impl Recorder {
             // Who each process is, even one that sends nothing else (the rank view's identity).
             ChildMessage::Hello { origin: o, launch } => {
                 let t_ns = self.rel(torchmem_core::clock::monotonic_ns());
-                let mut data = serde_json::to_value(o).unwrap_or_default();
-                data["t_ns"] = t_ns.into();
                 // Its node and attempt (torchrun's GROUP_RANK, TORCHELASTIC_RESTART_COUNT), when launched so.
-                if let Some(g) = launch.group_rank {
-                    data["group_rank"] = g.into();
-                }
-                if let Some(r) = launch.restart_count {
-                    data["restart_count"] = r.into();
-                }
-                Record::Blob { t_ns, name: IDENTITY_BLOB.into(), data }
+                let blob = Blob::Identity(Identity { origin: o, launch, t_ns });
+                Record::Blob { t_ns, origin: Origin::default(), blob }
             }
             ChildMessage::Torch { t_ns, device, counters: c } => {
                 let sample = c.torch_sample(self.rel(t_ns), device, origin);
@@ -598,8 +591,12 @@ impl Recorder {
                     None => return,
                 }
             }
-            ChildMessage::LineProfile { t_ns, data } => Record::LineProfile { t_ns: self.rel(t_ns), origin, data },
-            ChildMessage::Blob { t_ns, name, data } => Record::Blob { t_ns: self.rel(t_ns), name, data },
+            ChildMessage::LineProfile { t_ns, data } => {
+                Record::LineProfile { t_ns: self.rel(t_ns), origin, profile: data }
+            }
+            ChildMessage::Blob { t_ns, name, data } => {
+                Record::Blob { t_ns: self.rel(t_ns), origin, blob: Blob::from_parts(name, data) }
+            }
         };
         self.writer.push(record);
     }
@@ -625,14 +622,13 @@ impl Recorder {
         Some(r)
     }
 
-    /// Stores the high-water marks as the `vmhwm` blob (`{"pids": {"PID": bytes}}`) when they rose.
+    /// Stores the high-water marks as the `vmhwm` blob (`record::Vmhwm`) when they rose.
     fn store_hwm(&mut self, t_ns: u64) {
         if self.hwm_bytes == self.hwm_stored || self.hwm_bytes.is_empty() {
             return;
         }
-        let pids: serde_json::Map<String, serde_json::Value> =
-            self.hwm_bytes.iter().map(|(p, b)| (p.to_string(), serde_json::Value::from(*b))).collect();
-        self.writer.push(Record::Blob { t_ns, name: "vmhwm".into(), data: serde_json::json!({ "pids": pids }) });
+        let blob = Blob::Vmhwm(Vmhwm { pids: self.hwm_bytes.clone() });
+        self.writer.push(Record::Blob { t_ns, origin: Origin::default(), blob });
         self.hwm_stored = self.hwm_bytes.clone();
     }
 
@@ -662,8 +658,8 @@ impl Recorder {
         if !self.gpu_processes_dirty {
             return;
         }
-        let data = serde_json::to_value(&self.gpu_processes).unwrap_or_default();
-        self.writer.push(Record::Blob { t_ns, name: GPU_PROCESSES_BLOB.into(), data });
+        let blob = Blob::GpuProcesses(self.gpu_processes.clone());
+        self.writer.push(Record::Blob { t_ns, origin: Origin::default(), blob });
         self.gpu_processes_dirty = false;
     }
 
@@ -679,11 +675,8 @@ impl Recorder {
         self.store_gpu_processes(t_end);
         if !self.outlived.is_empty() {
             let pids: Vec<u32> = self.outlived.iter().copied().collect();
-            self.writer.push(Record::Blob {
-                t_ns: t_end,
-                name: OUTLIVED_BLOB.into(),
-                data: serde_json::json!({ "t_ns": t_end, "pids": pids }),
-            });
+            let blob = Blob::Outlived(Outlived { t_ns: t_end, pids });
+            self.writer.push(Record::Blob { t_ns: t_end, origin: Origin::default(), blob });
         }
         self.drain_messages();
         self.folder.finish();

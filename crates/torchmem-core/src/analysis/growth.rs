@@ -1,6 +1,6 @@
 //! Growth ("leak") warnings: memory that rises at the end of every epoch (or step) of one process.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::tables::EpochRow;
 
@@ -22,7 +22,7 @@ impl GrowthUnit {
 }
 
 /// The series that grew.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum GrowthSeries {
     /// PyTorch's allocated bytes.
     #[serde(rename = "GPU allocated")]

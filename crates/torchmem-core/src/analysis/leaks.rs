@@ -21,21 +21,25 @@
 //!    that live tensors hold) and hands the per-line facts here. A line is a finding when its tensors from
 //!    most probe steps are still alive, when a tensor from it holds an autograd graph that grows step after
 //!    step (the `total_loss += loss` case), or when its Python allocations grow at nearly every probe step.
+//!
+//! The findings are typed (`Leak`, `LeakKind`); their sentences (`Leak::message`, `LeakReport::unexplained`)
+//! are `report::findings`' (`describe_leaks`), filled in by the front end that shows them.
 
 use std::collections::VecDeque;
 
 use serde::{Deserialize, Serialize};
 
-use crate::units::{format_bytes, format_delta};
+use super::growth::GrowthSeries;
+use crate::record::{Blob, LeakBlob};
 
 /// Blob name under `torchmem run`: one per probe that found something, `LeakReport` plus `pid` and `rank`.
-pub const LEAKS_BLOB: &str = "leaks";
+pub const LEAKS_BLOB: &str = Blob::LEAKS;
 
 /// Growth seen over the last steps of one series.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepGrowth {
-    /// "GPU allocated" or "CPU RSS".
-    pub what: String,
+    /// The series that grew ("GPU allocated" or "CPU RSS" in JSON).
+    pub what: GrowthSeries,
     /// Net rise over the window, per step (bytes).
     pub per_step_bytes: i64,
     /// Steps in the window (differences between step ends).
@@ -197,8 +201,8 @@ impl StepGrowthDetector {
         push_window(&mut self.allocated, end.allocated_bytes, keep);
         push_window(&mut self.rss, held_rss, rss_keep);
         let steps_seen = self.steps_seen;
-        let growth = |what: &str, (per_step_bytes, rising_steps), window_steps| StepGrowth {
-            what: what.into(),
+        let growth = |what: GrowthSeries, (per_step_bytes, rising_steps), window_steps| StepGrowth {
+            what,
             per_step_bytes,
             window_steps,
             rising_steps,
@@ -208,7 +212,7 @@ impl StepGrowthDetector {
             // The window as one slice, in place (no copy per step).
             let values = self.allocated.make_contiguous();
             if let Some(found) = step_growth(values, self.min_allocated_per_step_bytes) {
-                return Some(growth("GPU allocated", found, self.window_steps));
+                return Some(growth(GrowthSeries::GpuAllocated, found, self.window_steps));
             }
         }
         if self.rss.len() < rss_keep {
@@ -219,7 +223,7 @@ impl StepGrowthDetector {
         // The stalling-leak rule asks 4x the rise per step: a healthy loop's RSS was measured climbing 1 MiB per
         // step over 16 steps with 7 of them rising (`tests/leak_cases.py`'s healthy cache, 1 run in 10).
         let found = step_growth(values, min).or_else(|| chunk_growth(values, 4, 4 * min))?;
-        Some(growth("CPU RSS", found, self.rss_window_steps))
+        Some(growth(GrowthSeries::CpuRss, found, self.rss_window_steps))
     }
 }
 
@@ -280,22 +284,6 @@ pub struct KeptIn {
     pub source: String,
 }
 
-impl KeptIn {
-    /// "list `kept` (put there at train.py:18 `kept.append(out)`)".
-    fn describe(&self) -> String {
-        let mut out = match &self.name {
-            Some(n) if self.container == "variable" => format!("the variable `{n}`"),
-            Some(n) => format!("{} `{n}`", self.container),
-            None => format!("a {}", self.container),
-        };
-        if let (Some(f), Some(l)) = (&self.file, self.line) {
-            let code = if self.source.is_empty() { String::new() } else { format!(" `{}`", self.source) };
-            out.push_str(&format!(" (put there at {}{code})", site_name(f, l)));
-        }
-        out
-    }
-}
-
 /// One line's Python allocations (`tracemalloc`) at each probe step end.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct PythonLine {
@@ -329,8 +317,7 @@ pub struct Leak {
     pub line: u32,
     pub function: String,
     pub source: String,
-    /// "CUDA tensor", "CPU tensor" or "Python object".
-    pub kind: String,
+    pub kind: LeakKind,
     /// "cuda:0", "cpu"; None for Python objects.
     pub device: Option<String>,
     /// Bytes this line keeps per step (the graph's growth when it holds one and that is larger).
@@ -352,7 +339,38 @@ pub struct Leak {
     /// What keeps them (the container and the line that put them there), where the probe saw it.
     #[serde(default)]
     pub kept_in: Option<KeptIn>,
+    /// Its sentence (`report::findings::leak_message`, filled in by `report::findings::describe_leaks`).
     pub message: String,
+    /// The graph walk stopped at its node budget (for the sentence; not stored).
+    #[serde(skip)]
+    pub graph_truncated: bool,
+    /// The graph's saves could not be read (a saved-tensor hook recomputes them), not freed (not stored).
+    #[serde(skip)]
+    pub graph_saves_unread: bool,
+    /// The line's own tensors from earlier steps are kept, beside any graph (not stored).
+    #[serde(skip)]
+    pub kept_tensors: bool,
+}
+
+/// What a leaking line keeps alive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LeakKind {
+    #[serde(rename = "CUDA tensor")]
+    CudaTensor,
+    #[serde(rename = "CPU tensor")]
+    CpuTensor,
+    #[serde(rename = "Python object")]
+    PythonObject,
+}
+
+impl LeakKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LeakKind::CudaTensor => "CUDA tensor",
+            LeakKind::CpuTensor => "CPU tensor",
+            LeakKind::PythonObject => "Python object",
+        }
+    }
 }
 
 /// The result of one probe: the growth that started it, and the lines found.
@@ -362,7 +380,8 @@ pub struct LeakReport {
     pub probe_steps: usize,
     pub first_step: Option<i64>,
     pub findings: Vec<Leak>,
-    /// Said when growth was seen but no line holds it (memory outside tensors and Python objects).
+    /// Said when growth was seen but no line holds it (memory outside tensors and Python objects): the
+    /// sentence is `report::findings::describe_leaks`'.
     pub unexplained: Option<String>,
 }
 
@@ -385,7 +404,7 @@ fn rises_on_most(series: &[u64]) -> Option<(i64, usize)> {
     (rising >= need && per > 0).then_some((per, rising))
 }
 
-fn site_name(file: &str, line: u32) -> String {
+pub(crate) fn site_name(file: &str, line: u32) -> String {
     let short = file.rsplit('/').next().unwrap_or(file);
     format!("{short}:{line}")
 }
@@ -417,66 +436,19 @@ pub fn leak_findings(probe: &ProbeData) -> LeakReport {
         }
         let graph_per = bytes_rise.map(|g| g.0);
         let per = tensor_per_step.max(graph_per.unwrap_or(0));
-        let kind = if s.device.starts_with("cuda") { "CUDA tensor" } else { "CPU tensor" };
+        let kind = if s.device.starts_with("cuda") { LeakKind::CudaTensor } else { LeakKind::CpuTensor };
         let holds_of: Vec<String> = probe
             .tensors
             .iter()
             .filter(|o| o.held_by.as_deref() == Some(&format!("{}:{}", s.file, s.line)))
             .map(|o| site_name(&o.file, o.line))
             .collect();
-        let name = site_name(&s.file, s.line);
-        let code = if s.source.is_empty() { String::new() } else { format!(" `{}`", s.source) };
-        let mut message = format!(
-            "{name}{code} keeps {kind}s alive: {} per step, {live_count} live from {steps_alive} of {judged} earlier probe steps",
-            format_delta(per),
-        );
-        let kept_tensors = kept && tensor_per_step >= TENSOR_MIN_PER_STEP_BYTES;
-        let nodes = s.graph_nodes_by_step.last().copied().unwrap_or(0);
-        if let Some(k) = &s.kept_in {
-            // "makes CPU tensors kept in list `kept` (put there at train.py:18 `kept.append(out)`)".
-            message = format!(
-                "{name}{code} makes {kind}s kept in {}: {} per step, {live_count} live from {steps_alive} of {judged} earlier probe steps",
-                k.describe(),
-                format_delta(per),
-            );
-        }
-        if graph.is_some() && (graph_per.is_some() || !kept_tensors) {
-            let saved = s.graph_bytes_by_step.last().copied().unwrap_or(0);
-            let grows = match graph_per {
-                Some(gp) => format!("{} per step", format_delta(gp)),
-                None if s.graph_saves_unread => {
-                    "its saved tensors could not be read (a saved-tensor hook recomputes them), its nodes grow every step".into()
-                }
-                None => "its saved tensors were freed by backward, its nodes grow every step".into(),
-            };
-            let nodes = s.graph_nodes_by_step.last().copied().unwrap_or(0);
-            message = format!(
-                "{name}{code} keeps each step's autograd graph alive: a {kind} from this line has a grad_fn whose graph holds {} of saved tensors ({nodes} nodes{}), {grows}; keep `.item()` or `.detach()` of it instead",
-                format_bytes(saved),
-                if s.graph_truncated { ", walk stopped at its budget" } else { "" },
-            );
-            if !holds_of.is_empty() {
-                message.push_str(&format!(" (the graph holds the tensors of {})", holds_of.join(", ")));
-            }
-            if let Some(k) = &s.kept_in {
-                message.push_str(&format!("; kept in {}", k.describe()));
-            }
-        } else if s.kept_in.is_some() {
-            if graph.is_some() {
-                message.push_str(&format!(
-                    ", each with its autograd graph ({nodes} nodes; its saved tensors were freed by backward)"
-                ));
-            }
-            message.push_str("; drop old entries or keep `.item()`/`.detach().cpu()` of what you need");
-        } else {
-            message.push_str("; something (a list, dict or cache) keeps them: drop old entries or keep `.item()`/`.detach().cpu()` of what you need");
-        }
         findings.push(Leak {
             file: s.file.clone(),
             line: s.line,
             function: s.function.clone(),
             source: s.source.clone(),
-            kind: kind.into(),
+            kind,
             device: Some(s.device.clone()),
             per_step_bytes: per,
             live_count,
@@ -489,7 +461,10 @@ pub fn leak_findings(probe: &ProbeData) -> LeakReport {
             graph_nodes: graph.map(|_| s.graph_nodes_by_step.last().copied().unwrap_or(0)),
             holds_tensors_of: holds_of,
             kept_in: s.kept_in.clone(),
-            message,
+            message: String::new(),
+            graph_truncated: s.graph_truncated,
+            graph_saves_unread: s.graph_saves_unread,
+            kept_tensors: kept && tensor_per_step >= TENSOR_MIN_PER_STEP_BYTES,
         });
     }
     for p in &probe.python {
@@ -497,8 +472,6 @@ pub fn leak_findings(probe: &ProbeData) -> LeakReport {
         if per < PYTHON_MIN_PER_STEP_BYTES {
             continue;
         }
-        let name = site_name(&p.file, p.line);
-        let code = if p.source.is_empty() { String::new() } else { format!(" `{}`", p.source) };
         let live_bytes = p.size_bytes_by_step.last().copied().unwrap_or(0);
         let live_count = p.count_by_step.last().copied().unwrap_or(0);
         findings.push(Leak {
@@ -506,7 +479,7 @@ pub fn leak_findings(probe: &ProbeData) -> LeakReport {
             line: p.line,
             function: String::new(),
             source: p.source.clone(),
-            kind: "Python object".into(),
+            kind: LeakKind::PythonObject,
             device: None,
             per_step_bytes: per,
             live_count,
@@ -519,50 +492,47 @@ pub fn leak_findings(probe: &ProbeData) -> LeakReport {
             graph_nodes: None,
             holds_tensors_of: Vec::new(),
             kept_in: None,
-            message: format!(
-                "{name}{code} keeps Python objects alive: {} per step ({} in {live_count} blocks allocated there since the probe began); a container grows every step",
-                format_delta(per),
-                format_bytes(live_bytes),
-            ),
+            message: String::new(),
+            graph_truncated: false,
+            graph_saves_unread: false,
+            kept_tensors: false,
         });
     }
     findings
         .sort_by(|a, b| b.per_step_bytes.cmp(&a.per_step_bytes).then(a.file.cmp(&b.file)).then(a.line.cmp(&b.line)));
     findings.truncate(MAX_FINDINGS);
-    let unexplained = match (&probe.growth, findings.is_empty()) {
-        (Some(g), true) => Some(format!(
-            "{} grew by {} per step over {} steps, but no line kept tensors or Python objects alive during the {steps} probe steps (a cache that filled up, or memory outside tensors and Python objects)",
-            g.what,
-            format_delta(g.per_step_bytes),
-            g.window_steps
-        )),
-        _ => None,
-    };
-    LeakReport { growth: probe.growth.clone(), probe_steps: steps, first_step: probe.first_step, findings, unexplained }
+    LeakReport {
+        growth: probe.growth.clone(),
+        probe_steps: steps,
+        first_step: probe.first_step,
+        findings,
+        unexplained: None,
+    }
 }
 
 /// The findings stored in a profile: each process's latest `leaks` blob.
-pub fn leaks_of_blobs(blobs: &[(String, serde_json::Value)]) -> Vec<Leak> {
-    let mut latest: Vec<(Option<u64>, &serde_json::Value)> = Vec::new();
-    for (name, v) in blobs {
-        if name != LEAKS_BLOB {
-            continue;
-        }
-        let pid = v["pid"].as_u64();
-        match latest.iter_mut().find(|(p, _)| *p == pid) {
+pub fn leaks_of_blobs(blobs: &[Blob]) -> Vec<Leak> {
+    let mut latest: Vec<(Option<u32>, &LeakBlob)> = Vec::new();
+    for b in blobs {
+        let Blob::Leaks(v) = b else { continue };
+        match latest.iter_mut().find(|(p, _)| *p == v.pid) {
             Some(slot) => slot.1 = v,
-            None => latest.push((pid, v)),
+            None => latest.push((v.pid, v)),
         }
     }
-    latest
-        .into_iter()
-        .flat_map(|(_, v)| serde_json::from_value::<Vec<Leak>>(v["findings"].clone()).unwrap_or_default())
-        .collect()
+    latest.into_iter().flat_map(|(_, v)| v.report.findings.iter().cloned()).collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The findings with their sentences, as every front end shows them.
+    fn leak_findings(probe: &ProbeData) -> LeakReport {
+        let mut r = super::leak_findings(probe);
+        crate::report::findings::describe_leaks(&mut r);
+        r
+    }
 
     const MIB: u64 = 1 << 20;
 
@@ -594,7 +564,7 @@ mod tests {
             })
         };
         let g = run(true).expect("growth across the trims");
-        assert_eq!(g.what, "CPU RSS");
+        assert_eq!(g.what, GrowthSeries::CpuRss);
         assert!(g.per_step_bytes >= (3 * MIB / 2) as i64 * 15 / 16, "{g:?}");
         // The same falls without a trim of ours are the program's: they count (no window rises enough).
         assert_eq!(run(false), None);
@@ -727,7 +697,7 @@ mod tests {
         }
         let (i, g) = at.expect("growth seen");
         assert_eq!(i, 16, "seen as soon as the RSS window is full");
-        assert_eq!(g.what, "CPU RSS");
+        assert_eq!(g.what, GrowthSeries::CpuRss);
         assert!(g.per_step_bytes > 2 * MIB as i64, "{g:?}");
         // One 4-step stretch that did not rise: not this rule.
         let flat: Vec<u64> =
@@ -834,7 +804,7 @@ mod tests {
                 line(5, vec![100, 200, 300, 400, 500]),
             ],
             growth: Some(StepGrowth {
-                what: "CPU RSS".into(),
+                what: GrowthSeries::CpuRss,
                 per_step_bytes: MIB as i64,
                 window_steps: 8,
                 rising_steps: 8,
@@ -844,7 +814,7 @@ mod tests {
         };
         let r = leak_findings(&probe);
         assert_eq!(r.findings.iter().map(|f| f.line).collect::<Vec<_>>(), [3]);
-        assert_eq!(r.findings[0].kind, "Python object");
+        assert_eq!(r.findings[0].kind, LeakKind::PythonObject);
         assert!(r.unexplained.is_none());
         let none = leak_findings(&ProbeData { python: vec![], tensors: vec![], ..probe });
         assert!(none.unexplained.unwrap().contains("no line kept"));
@@ -860,10 +830,11 @@ mod tests {
         let blob = |pid: u64, r: &LeakReport| {
             let mut v = serde_json::to_value(r).unwrap();
             v["pid"] = pid.into();
-            (LEAKS_BLOB.to_string(), v)
+            Blob::from_parts(LEAKS_BLOB.to_string(), v)
         };
         let empty = LeakReport::default();
-        let blobs = vec![blob(1, &empty), blob(2, &r), blob(1, &r), ("other".into(), serde_json::json!({}))];
+        let blobs =
+            vec![blob(1, &empty), blob(2, &r), blob(1, &r), Blob::from_parts("other".into(), serde_json::json!({}))];
         let leaks = leaks_of_blobs(&blobs);
         assert_eq!(leaks.len(), 2);
         assert!(leaks.iter().all(|l| l.line == 12));

@@ -14,73 +14,17 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 use super::spans::{spans, Span};
 use crate::model::*;
+use crate::record::{Blob, Identity, OomPostMortem};
 
-/// Blob name: one per process hello, `{"pid", "rank", "local_rank", "world_size", "t_ns"}` and, when
-/// launched so, `"group_rank"`, `"restart_count"`.
-pub const IDENTITY_BLOB: &str = "identity";
-/// Blob name: the recorder's per (pid, GPU) NVML readings so far (the latest blob holds them all).
-pub const GPU_PROCESSES_BLOB: &str = "gpu_processes";
-/// Blob name: the post-mortem `torchmem.on_oom` writes, sent to the recorder too.
-pub const OOM_BLOB: &str = "oom";
-
-/// One GPU as the recorder's NVML listed it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct GpuIdentity {
-    pub index: u32,
-    #[serde(default)]
-    pub uuid: String,
-    #[serde(default)]
-    pub name: String,
-}
-
-/// The highest NVML reading of one process on one GPU, and when it was first and last seen there.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct GpuProcessPeak {
-    pub pid: u32,
-    pub device: u32,
-    pub peak_bytes: u64,
-    pub first_t_ns: u64,
-    pub last_t_ns: u64,
-}
-
-/// The `gpu_processes` blob.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct GpuProcesses {
-    #[serde(default)]
-    pub devices: Vec<GpuIdentity>,
-    #[serde(default)]
-    pub processes: Vec<GpuProcessPeak>,
-}
-
-impl GpuProcesses {
-    /// Folds one NVML reading of `pid` on `device` (bytes) taken at `t_ns`. True when it is worth storing
-    /// again: the process is new on that GPU, or its peak there rose.
-    pub fn observe(&mut self, pid: u32, device: u32, bytes: u64, t_ns: u64) -> bool {
-        match self.processes.iter_mut().find(|p| p.pid == pid && p.device == device) {
-            Some(p) => {
-                p.last_t_ns = t_ns;
-                let rose = bytes > p.peak_bytes;
-                p.peak_bytes = p.peak_bytes.max(bytes);
-                rose
-            }
-            None => {
-                let first = GpuProcessPeak { pid, device, peak_bytes: bytes, first_t_ns: t_ns, last_t_ns: t_ns };
-                self.processes.push(first);
-                true
-            }
-        }
-    }
-
-    /// The latest `gpu_processes` blob of a profile.
-    pub fn of(profile: &Profile) -> Option<GpuProcesses> {
-        let (_, v) = profile.blobs.iter().rev().find(|(n, _)| n == GPU_PROCESSES_BLOB)?;
-        serde_json::from_value(v.clone()).ok()
-    }
-}
+/// Blob names, kept for callers of the v2 names (the kinds are `record::Blob`).
+pub const IDENTITY_BLOB: &str = Blob::IDENTITY;
+pub const GPU_PROCESSES_BLOB: &str = Blob::GPU_PROCESSES;
+pub const OOM_BLOB: &str = Blob::OOM;
+pub use crate::record::{GpuIdentity, GpuProcessPeak, GpuProcesses};
 
 /// Where a rank's own GPU was read from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -135,7 +79,7 @@ pub struct RankRow {
     /// When it was last seen, seconds since the Unix epoch (the recorder's clock on its host).
     pub last_seen_unix_s: Option<f64>,
     /// The `on_oom` post-mortem this process sent, if any.
-    pub oom: Option<serde_json::Value>,
+    pub oom: Option<Box<OomPostMortem>>,
 }
 
 /// A metric's spread over the ranks.
@@ -180,8 +124,47 @@ pub struct ForeignContext {
     pub device: u32,
     pub own_device: Option<u32>,
     pub bytes: u64,
-    /// The likely cause and the fix, in one sentence.
-    pub cause: String,
+    /// The likely cause (its sentence, with the fix: `report::ranks::foreign_cause_text`, JSON's `cause`).
+    #[serde(skip)]
+    pub cause: ForeignCause,
+}
+
+/// Why a rank holds memory on a GPU that is not its own, from when the context appeared.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ForeignCause {
+    /// More than half a second after the rank's own context: something put memory there later.
+    Later { after_s: f64, after: Option<MarkerAt> },
+    /// With or before the rank's own context: CUDA was used before `torch.cuda.set_device`.
+    Early { after: Option<MarkerAt> },
+}
+
+/// The marker a rank had reached when something happened.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MarkerAt {
+    pub kind: MarkerKind,
+    pub name: String,
+    pub edge: Edge,
+}
+
+/// Why the first rank to fail is said to have failed (its words: `report::ranks::failure_text`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Failure {
+    /// It sent an `on_oom` post-mortem.
+    Oom,
+    /// It stopped inside these spans ("step 7", "phase backward"), the other ranks of its attempt running
+    /// this many seconds longer where they did.
+    StoppedInside { spans: Vec<String>, others_longer_s: Option<f64> },
+}
+
+/// What the merge warns about (its sentence: `report::ranks::warning_text`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum RankWarning {
+    /// The same rank of the same attempt in two profiles: (profile, pid, host) of each.
+    SameRankTwice { rank: u32, first: (String, u32, String), second: (String, u32, String) },
+    /// The ranks say different WORLD_SIZEs.
+    WorldSizesDisagree { sizes: Vec<u32> },
+    /// WORLD_SIZE says ranks that no profile holds.
+    MissingRanks { world_size: u32, ranks: Vec<u32> },
 }
 
 /// One rank's peaks inside one step, for step-aligned timelines.
@@ -203,9 +186,11 @@ pub struct FirstFailure {
     pub host: String,
     /// The attempt it failed in (a restarted job's first attempt, typically).
     pub restart_count: Option<u32>,
-    /// "CUDA out of memory" (an `on_oom` post-mortem), or "stopped inside step 7".
-    pub what: String,
-    pub oom: Option<serde_json::Value>,
+    /// An `on_oom` post-mortem, or the spans it stopped inside (JSON's `what`: "CUDA out of memory", "stopped
+    /// inside step 7").
+    #[serde(skip)]
+    pub what: Failure,
+    pub oom: Option<Box<OomPostMortem>>,
 }
 
 /// One attempt of the job (a torchrun restart starts a new one): its ranks and the profiles holding them.
@@ -236,7 +221,8 @@ pub struct RankReport {
     pub steps: Vec<Vec<StepPeak>>,
     pub first_failure: Option<FirstFailure>,
     /// Problems with the inputs (the same rank in two profiles, …), one sentence each.
-    pub warnings: Vec<String>,
+    #[serde(skip)]
+    pub warnings: Vec<RankWarning>,
 }
 
 /// Every process's identity a profile knows, by pid (the most complete one seen).
@@ -250,11 +236,9 @@ fn identities(p: &Profile) -> BTreeMap<u32, Origin> {
             }
         }
     };
-    for (name, v) in &p.blobs {
-        if name == IDENTITY_BLOB {
-            if let Ok(o) = serde_json::from_value::<Origin>(v.clone()) {
-                note(&o);
-            }
+    for b in &p.blobs {
+        if let Blob::Identity(i) = b {
+            note(&i.origin);
         }
     }
     p.markers.iter().for_each(|m| note(&m.origin));
@@ -268,13 +252,11 @@ fn identities(p: &Profile) -> BTreeMap<u32, Origin> {
 /// recorder ran as one rank: its program inherited the same variables).
 fn launches(p: &Profile) -> BTreeMap<u32, Launch> {
     let mut out: BTreeMap<u32, Launch> = BTreeMap::new();
-    for (name, v) in &p.blobs {
-        if name == IDENTITY_BLOB {
-            if let (Some(pid), Ok(l)) = (v["pid"].as_u64(), serde_json::from_value::<Launch>(v.clone())) {
-                let e = out.entry(pid as u32).or_default();
-                e.group_rank = l.group_rank.or(e.group_rank);
-                e.restart_count = l.restart_count.or(e.restart_count);
-            }
+    for b in &p.blobs {
+        if let Blob::Identity(Identity { origin: Origin { pid: Some(pid), .. }, launch: l, .. }) = b {
+            let e = out.entry(*pid).or_default();
+            e.group_rank = l.group_rank.or(e.group_rank);
+            e.restart_count = l.restart_count.or(e.restart_count);
         }
     }
     out
@@ -339,20 +321,14 @@ struct RankProc<'a> {
 
 /// The likely cause of a foreign context, from when it appeared against the rank's own GPU and the marker
 /// the rank had reached by then.
-fn foreign_cause(first_foreign_ns: u64, first_own_ns: Option<u64>, markers: &[&Marker]) -> String {
+fn foreign_cause(first_foreign_ns: u64, first_own_ns: Option<u64>, markers: &[&Marker]) -> ForeignCause {
     let before = markers.iter().rev().find(|m| m.t_ns <= first_foreign_ns);
-    let during =
-        before.map(|m| format!(" (it appeared after its {} `{}` {})", m.kind.as_str(), m.name, m.edge.as_str()));
+    let after = before.map(|m| MarkerAt { kind: m.kind, name: m.name.clone(), edge: m.edge });
     match first_own_ns {
-        Some(own) if first_foreign_ns > own + 500_000_000 => format!(
-            "it appeared {:.1} s after the rank's own context{}: something put memory on that GPU later — most often `torch.load` without `map_location` (use `map_location=f\"cuda:{{local_rank}}\"` or \"cpu\"), or `.cuda()`/`.to(\"cuda\")` meaning cuda:0",
-            (first_foreign_ns - own) as f64 / 1e9,
-            during.unwrap_or_default()
-        ),
-        _ => format!(
-            "it appeared with or before the rank's own context{}: CUDA was first used before `torch.cuda.set_device(local_rank)` (a `torch.cuda.*` call, a tensor on \"cuda\", or a NCCL `barrier()`/`init_process_group` before `set_device`): call `torch.cuda.set_device(local_rank)` first, or pass `device_id=` to `init_process_group`",
-            during.unwrap_or_default()
-        ),
+        Some(own) if first_foreign_ns > own + 500_000_000 => {
+            ForeignCause::Later { after_s: (first_foreign_ns - own) as f64 / 1e9, after }
+        }
+        _ => ForeignCause::Early { after },
     }
 }
 
@@ -432,10 +408,11 @@ impl RankReport {
         for w in procs.windows(2) {
             let same = w[0].row.rank == w[1].row.rank && w[0].row.restart_count == w[1].row.restart_count;
             if same && w[0].row.profile != w[1].row.profile {
-                warnings.push(format!(
-                    "rank {} is in {} (pid {}, host {}) and in {} (pid {}, host {}): profiles of different jobs, or a restarted rank? Both are shown",
-                    w[0].row.rank, w[0].row.profile, w[0].pid, w[0].row.host, w[1].row.profile, w[1].pid, w[1].row.host
-                ));
+                warnings.push(RankWarning::SameRankTwice {
+                    rank: w[0].row.rank,
+                    first: (w[0].row.profile.clone(), w[0].pid, w[0].row.host.clone()),
+                    second: (w[1].row.profile.clone(), w[1].pid, w[1].row.host.clone()),
+                });
             }
         }
         // The matrix and foreign contexts.
@@ -548,10 +525,7 @@ impl RankReport {
         let world_size = most_common(procs.iter().filter_map(|r| r.origin.world_size));
         let sizes: BTreeSet<u32> = procs.iter().filter_map(|r| r.origin.world_size).collect();
         if sizes.len() > 1 {
-            warnings.push(format!(
-                "the ranks disagree on WORLD_SIZE ({}): these profiles are of different jobs; report each job's profiles together",
-                sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(", ")
-            ));
+            warnings.push(RankWarning::WorldSizesDisagree { sizes: sizes.iter().copied().collect() });
         }
         let missing_ranks = match world_size {
             Some(n) => {
@@ -561,11 +535,8 @@ impl RankReport {
             None => Vec::new(),
         };
         if !missing_ranks.is_empty() {
-            warnings.push(format!(
-                "WORLD_SIZE is {} but no profile holds rank(s) {}: give every node's profile (`torchmem report a.sqlite b.sqlite` or the directory), or those ranks never reached torchmem",
-                world_size.unwrap_or(0),
-                missing_ranks.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", ")
-            ));
+            warnings
+                .push(RankWarning::MissingRanks { world_size: world_size.unwrap_or(0), ranks: missing_ranks.clone() });
         }
         let mut hosts: Vec<String> = profiles.iter().map(|p| p.meta.hostname.clone()).collect();
         hosts.sort();
@@ -651,8 +622,11 @@ impl RankReport {
                     None
                 }
             });
-        let hwm =
-            p.blobs.iter().rev().find(|(n, _)| n == "vmhwm").and_then(|(_, v)| v["pids"][pid.to_string()].as_u64());
+        let hwm = p.blobs.iter().rev().find_map(|b| match b {
+            Blob::Vmhwm(v) => Some(v.pids.get(&pid).copied()),
+            _ => None,
+        });
+        let hwm = hwm.flatten();
         let rss = opt_max(
             hwm,
             opt_max(
@@ -671,11 +645,10 @@ impl RankReport {
             .chain(markers.last().map(|m| m.t_ns))
             .chain(torch.last().map(|s| s.t_ns))
             .max();
-        let oom = p
-            .blobs
-            .iter()
-            .find(|(n, v)| n == OOM_BLOB && v["pid"].as_u64() == Some(pid as u64))
-            .map(|(_, v)| v.clone());
+        let oom = p.blobs.iter().find_map(|b| match b {
+            Blob::Oom(o) if o.pid == pid => Some(o.clone()),
+            _ => None,
+        });
         let gpu = |d: u32| gp.devices.iter().find(|g| g.index == d);
         RankRow {
             rank,
@@ -769,9 +742,7 @@ impl RankReport {
     }
 
     fn first_failure(procs: &[RankProc]) -> Option<FirstFailure> {
-        let at = |r: &RankRow| {
-            r.oom.as_ref().and_then(|o| o["unix_s"].as_f64()).or(r.last_seen_unix_s).unwrap_or(f64::INFINITY)
-        };
+        let at = |r: &RankRow| r.oom.as_ref().and_then(|o| o.unix_s).or(r.last_seen_unix_s).unwrap_or(f64::INFINITY);
         let oom = procs.iter().filter(|r| r.row.oom.is_some()).min_by(|a, b| at(&a.row).total_cmp(&at(&b.row)));
         if let Some(r) = oom {
             return Some(FirstFailure {
@@ -779,7 +750,7 @@ impl RankReport {
                 pid: r.pid,
                 host: r.row.host.clone(),
                 restart_count: r.row.restart_count,
-                what: "CUDA out of memory".into(),
+                what: Failure::Oom,
                 oom: r.row.oom.clone(),
             });
         }
@@ -792,16 +763,16 @@ impl RankReport {
             .filter(|r| r.pid != stopped.pid && r.row.restart_count == stopped.row.restart_count)
             .filter_map(|r| r.row.last_seen_unix_s)
             .fold(None::<f64>, |m, t| Some(m.map_or(t, |m| m.max(t))));
-        let longer = match (others_later, stopped.row.last_seen_unix_s) {
-            (Some(o), Some(s)) if o > s => format!("; the other ranks ran {:.1} s longer", o - s),
-            _ => String::new(),
+        let others_longer_s = match (others_later, stopped.row.last_seen_unix_s) {
+            (Some(o), Some(s)) if o > s => Some(o - s),
+            _ => None,
         };
         Some(FirstFailure {
             rank: stopped.row.rank,
             pid: stopped.pid,
             host: stopped.row.host.clone(),
             restart_count: stopped.row.restart_count,
-            what: format!("stopped inside {}{longer}", stopped.row.stopped_inside.join(", ")),
+            what: Failure::StoppedInside { spans: stopped.row.stopped_inside.clone(), others_longer_s },
             oom: None,
         })
     }
@@ -834,6 +805,11 @@ fn step_peak(ordinal: usize, s: &Span, torch: &[&TorchSample]) -> StepPeak {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The warnings as the report says them.
+    fn warnings(r: &RankReport) -> Vec<String> {
+        r.warnings.iter().map(crate::report::ranks::warning_text).collect()
+    }
 
     const MIB: u64 = 1 << 20;
 
@@ -920,8 +896,11 @@ mod tests {
             torch: vec![torch(10, 0, 0, 300, 1000 * MIB, 2000 * MIB), torch(11, 1, 1, 300, 800 * MIB, 1500 * MIB)],
             markers,
             blobs: vec![
-                (IDENTITY_BLOB.into(), serde_json::to_value(Origin { pid: Some(9), ..Default::default() }).unwrap()),
-                (GPU_PROCESSES_BLOB.into(), serde_json::to_value(&gp).unwrap()),
+                Blob::Identity(Identity {
+                    origin: Origin { pid: Some(9), ..Default::default() },
+                    ..Default::default()
+                }),
+                Blob::GpuProcesses(gp),
             ],
             ..Default::default()
         }
@@ -945,7 +924,8 @@ mod tests {
         assert_eq!(r.foreign_contexts.len(), 1);
         let f = &r.foreign_contexts[0];
         assert_eq!((f.rank, f.device, f.own_device, f.bytes), (1, 0, Some(1), 612 * MIB));
-        assert!(f.cause.contains("before `torch.cuda.set_device"), "{}", f.cause);
+        let cause = crate::report::ranks::foreign_cause_text(&f.cause);
+        assert!(cause.contains("before `torch.cuda.set_device"), "{cause}");
         let cell = r.matrix.iter().find(|c| c.pid == 11 && c.device == 0).unwrap();
         assert!(!cell.own && cell.context_only);
         assert!(r.matrix.iter().find(|c| c.pid == 10).unwrap().own);
@@ -965,9 +945,10 @@ mod tests {
         let mut p = node();
         let mut gp = GpuProcesses::of(&p).unwrap();
         gp.processes[1].first_t_ns = 2_000_000_000;
-        p.blobs[1].1 = serde_json::to_value(&gp).unwrap();
+        p.blobs[1] = Blob::GpuProcesses(gp);
         let r = RankReport::build(&[p]);
-        assert!(r.foreign_contexts[0].cause.contains("map_location"), "{}", r.foreign_contexts[0].cause);
+        let cause = crate::report::ranks::foreign_cause_text(&r.foreign_contexts[0].cause);
+        assert!(cause.contains("map_location"), "{cause}");
     }
 
     #[test]
@@ -980,21 +961,23 @@ mod tests {
             m.origin.world_size = Some(3);
         }
         let r = RankReport::build(&[p]);
-        let f = r.first_failure.expect("rank 1 stopped");
+        let f = r.first_failure.clone().expect("rank 1 stopped");
         assert_eq!(f.rank, 1);
-        assert!(f.what.contains("step 3") && f.what.contains("phase backward"), "{}", f.what);
+        let what = crate::report::ranks::failure_text(&f.what);
+        assert!(what.contains("step 3") && what.contains("phase backward"), "{what}");
         assert_eq!(r.missing_ranks, [2]);
-        assert!(r.warnings[0].contains("rank(s) 2"), "{:?}", r.warnings);
+        assert!(warnings(&r)[0].contains("rank(s) 2"), "{:?}", r.warnings);
     }
 
     #[test]
     fn an_oom_post_mortem_makes_its_rank_the_first_failure() {
         let mut p = node();
-        p.blobs.push((OOM_BLOB.into(), serde_json::json!({"pid": 10, "device": 0, "requested_bytes": 1u64 << 30})));
+        let oom = serde_json::json!({"pid": 10, "device": 0, "requested_bytes": 1u64 << 30});
+        p.blobs.push(Blob::from_parts(OOM_BLOB.into(), oom));
         let r = RankReport::build(&[p]);
         let f = r.first_failure.unwrap();
-        assert_eq!((f.rank, f.what.as_str()), (0, "CUDA out of memory"));
-        assert_eq!(f.oom.unwrap()["requested_bytes"], 1u64 << 30);
+        assert_eq!((f.rank, crate::report::ranks::failure_text(&f.what).as_str()), (0, "CUDA out of memory"));
+        assert_eq!(f.oom.unwrap().requested_bytes, Some(1u64 << 30));
     }
 
     #[test]
@@ -1006,11 +989,11 @@ mod tests {
         let r = RankReport::build(&[a, b]);
         assert_eq!(r.ranks.len(), 4);
         assert_eq!(r.hosts, ["node-a", "node-b"]);
-        assert!(r.warnings.iter().any(|w| w.contains("rank 0 is in node-a.sqlite")), "{:?}", r.warnings);
+        assert!(warnings(&r).iter().any(|w| w.contains("rank 0 is in node-a.sqlite")), "{:?}", r.warnings);
         let mut c = node();
         c.markers.iter_mut().for_each(|m| m.origin.world_size = Some(4));
         let r = RankReport::build(&[node(), c]);
-        assert!(r.warnings.iter().any(|w| w.contains("disagree on WORLD_SIZE (2, 4)")), "{:?}", r.warnings);
+        assert!(warnings(&r).iter().any(|w| w.contains("disagree on WORLD_SIZE (2, 4)")), "{:?}", r.warnings);
     }
 
     #[test]
@@ -1021,7 +1004,7 @@ mod tests {
         first.path = "a0.sqlite".into();
         for pid in [10u32, 11] {
             let hello = serde_json::json!({"pid": pid, "rank": pid - 10, "group_rank": 0, "restart_count": 0});
-            first.blobs.push((IDENTITY_BLOB.into(), hello));
+            first.blobs.push(Blob::from_parts(IDENTITY_BLOB.into(), hello));
         }
         let mut second = node();
         second.path = "a1.sqlite".into();
@@ -1044,7 +1027,7 @@ mod tests {
             [(Some(0), vec![0, 1], vec!["a0.sqlite".to_string()]), (Some(1), vec![0, 1], vec!["a1.sqlite".into()])]
         );
         assert!(
-            !r.warnings.iter().any(|w| w.contains("rank 0 is in")),
+            !warnings(&r).iter().any(|w| w.contains("rank 0 is in")),
             "attempts are not duplicates: {:?}",
             r.warnings
         );
@@ -1055,7 +1038,7 @@ mod tests {
         let mut twin = node();
         twin.path = "b.sqlite".into();
         let r = RankReport::build(&[node(), twin]);
-        assert!(r.warnings.iter().any(|w| w.contains("rank 0 is in node-a.sqlite")), "{:?}", r.warnings);
+        assert!(warnings(&r).iter().any(|w| w.contains("rank 0 is in node-a.sqlite")), "{:?}", r.warnings);
         assert_eq!(r.attempts.len(), 1);
     }
 

@@ -330,13 +330,11 @@ pub fn journey_table(stages: &[JourneyStage]) -> Table {
 /// Each process's kernel RSS high-water mark (`VmHWM`), from the recorder's `vmhwm` blobs (the highest).
 pub fn kernel_peaks(profile: &Profile) -> std::collections::BTreeMap<u32, u64> {
     let mut out = std::collections::BTreeMap::new();
-    for (name, data) in &profile.blobs {
-        let Some(pids) = data.get("pids").and_then(|p| p.as_object()).filter(|_| name == "vmhwm") else { continue };
-        for (pid, bytes) in pids {
-            if let (Ok(pid), Some(b)) = (pid.parse::<u32>(), bytes.as_u64()) {
-                let e = out.entry(pid).or_insert(0);
-                *e = b.max(*e);
-            }
+    for b in &profile.blobs {
+        let crate::record::Blob::Vmhwm(v) = b else { continue };
+        for (&pid, &bytes) in &v.pids {
+            let e = out.entry(pid).or_insert(0);
+            *e = bytes.max(*e);
         }
     }
     out
@@ -348,10 +346,11 @@ pub fn outlived_program(profile: &Profile) -> std::collections::BTreeSet<u32> {
     profile
         .blobs
         .iter()
-        .filter(|(name, _)| name == "outlived_program")
-        .filter_map(|(_, data)| data.get("pids")?.as_array().cloned())
+        .filter_map(|b| match b {
+            crate::record::Blob::Outlived(o) => Some(o.pids.iter().copied()),
+            _ => None,
+        })
         .flatten()
-        .filter_map(|p| p.as_u64().map(|p| p as u32))
         .collect()
 }
 
@@ -448,8 +447,8 @@ pub fn leaks_table(leaks: &[Leak]) -> Table {
     let mut c: Columns<Leak> = Columns::new();
     c.text("line", |l| format!("{}:{}", l.file.rsplit('/').next().unwrap_or(&l.file), l.line));
     c.text("kind", |l| match &l.device {
-        Some(d) if d.starts_with("cuda") => format!("{} ({d})", l.kind),
-        _ => l.kind.clone(),
+        Some(d) if d.starts_with("cuda") => format!("{} ({d})", l.kind.as_str()),
+        _ => l.kind.as_str().to_string(),
     });
     c.num("per step", |l| format_delta(l.per_step_bytes));
     c.num("live", |l| format!("{} ({})", l.live_count, format_bytes(l.live_bytes)));
@@ -529,7 +528,7 @@ mod tests {
             uss_bytes: Some(30 << 10),
             gpu_bytes: None,
         });
-        p.blobs.push(("vmhwm".into(), serde_json::json!({"pids": {"7": 91u64 << 20}})));
+        p.blobs.push(crate::record::Blob::from_parts("vmhwm".into(), serde_json::json!({"pids": {"7": 91u64 << 20}})));
         let s = Summary::from_profile(&p);
         let tables = all_tables_of(&p, &s);
         let peaks = tables.iter().find(|t| t.title == "Peaks").unwrap();

@@ -1,11 +1,13 @@
 //! The report's distributed sections, from `analysis::ranks::RankReport`: the job header, the per-rank
 //! table, imbalance, the rank × GPU matrix with foreign contexts, step-aligned peaks and the first rank to
 //! fail. Built as `cells::Table`s, so text, Markdown and HTML draw them like every other table; JSON gets
-//! the `ranks` list and the job-wide `distributed` object; HTML also one step-aligned chart per rank.
+//! the `ranks` list and the job-wide `distributed` object; HTML also one step-aligned chart per rank. The
+//! analysis's typed findings (a foreign context's cause, the first failure, the merge's warnings) get their
+//! English here (`foreign_cause_text`, `failure_text`, `warning_text`).
 
 use serde_json::{json, Value};
 
-use crate::analysis::ranks::{RankReport, StepPeak};
+use crate::analysis::ranks::{Failure, ForeignCause, RankReport, RankWarning, StepPeak};
 use crate::report::cells::Table;
 use crate::units::{escape_html, format_bytes, format_opt_bytes};
 
@@ -77,7 +79,10 @@ pub fn header_lines(r: &RankReport) -> Vec<(String, String)> {
     }
     if let Some(f) = &r.first_failure {
         let attempt = f.restart_count.filter(|_| restarted(r)).map(|n| format!(", restart {n}")).unwrap_or_default();
-        out.push(("first to fail".into(), format!("rank {} (pid {}, {}{attempt}): {}", f.rank, f.pid, f.host, f.what)));
+        out.push((
+            "first to fail".into(),
+            format!("rank {} (pid {}, {}{attempt}): {}", f.rank, f.pid, f.host, failure_text(&f.what)),
+        ));
     }
     out
 }
@@ -225,7 +230,7 @@ pub fn tables(r: &RankReport) -> Vec<Table> {
                 format_bytes(f.bytes),
                 f.device,
                 opt(f.own_device.map(|d| format!("GPU {d}"))),
-                f.cause
+                foreign_cause_text(&f.cause)
             ));
         }
         out.push(t);
@@ -241,25 +246,26 @@ pub fn tables(r: &RankReport) -> Vec<Table> {
 
     if let Some(f) = &r.first_failure {
         let mut t = table("First rank to fail", "", &["rank", "pid", "host", "what"], &[true, true, false, false]);
-        t.rows.push(vec![f.rank.to_string(), f.pid.to_string(), f.host.clone(), f.what.clone()]);
+        t.rows.push(vec![f.rank.to_string(), f.pid.to_string(), f.host.clone(), failure_text(&f.what)]);
         if let Some(o) = &f.oom {
-            let b = |k: &str| o[k].as_u64().map(format_bytes).unwrap_or_else(|| "-".into());
+            let b = |v: Option<u64>| v.map(format_bytes).unwrap_or_else(|| "-".into());
             t.notes.push(format!(
                 "OOM post-mortem: requested {}, allocated {}, reserved {}, device free {} of {}",
-                b("requested_bytes"),
-                b("allocated_bytes"),
-                b("reserved_bytes"),
-                b("device_free_bytes"),
-                b("device_total_bytes")
+                b(o.requested_bytes),
+                b(o.allocated_bytes),
+                b(o.reserved_bytes),
+                b(o.device_free_bytes),
+                b(o.device_total_bytes)
             ));
-            if let Some(s) = o["snapshot"].as_str() {
+            if let Some(s) = &o.snapshot {
                 t.notes.push(format!("its allocator snapshot: {s} (`torchmem snapshot {s} --top 20`)"));
             }
         }
         out.push(t);
     }
     for w in &r.warnings {
-        let mut t = table("Warning", w, &[], &[]);
+        let w = warning_text(w);
+        let mut t = table("Warning", &w, &[], &[]);
         t.empty = w.clone();
         out.push(t);
     }
@@ -300,8 +306,73 @@ fn step_table(r: &RankReport, gpu: bool) -> Table {
     t
 }
 
-/// The JSON sections: `ranks` (one entry per rank) and `distributed` (the job-wide facts).
+/// The sentence of a foreign context's likely cause, with the fix.
+pub fn foreign_cause_text(c: &ForeignCause) -> String {
+    let during = |after: &Option<crate::analysis::ranks::MarkerAt>| {
+        after
+            .as_ref()
+            .map(|m| format!(" (it appeared after its {} `{}` {})", m.kind.as_str(), m.name, m.edge.as_str()))
+            .unwrap_or_default()
+    };
+    match c {
+        ForeignCause::Later { after_s, after } => format!(
+            "it appeared {after_s:.1} s after the rank's own context{}: something put memory on that GPU later — most often `torch.load` without `map_location` (use `map_location=f\"cuda:{{local_rank}}\"` or \"cpu\"), or `.cuda()`/`.to(\"cuda\")` meaning cuda:0",
+            during(after)
+        ),
+        ForeignCause::Early { after } => format!(
+            "it appeared with or before the rank's own context{}: CUDA was first used before `torch.cuda.set_device(local_rank)` (a `torch.cuda.*` call, a tensor on \"cuda\", or a NCCL `barrier()`/`init_process_group` before `set_device`): call `torch.cuda.set_device(local_rank)` first, or pass `device_id=` to `init_process_group`",
+            during(after)
+        ),
+    }
+}
+
+/// What the first rank to fail did: "CUDA out of memory", or "stopped inside step 7, phase backward; the other
+/// ranks ran 3.0 s longer".
+pub fn failure_text(f: &Failure) -> String {
+    match f {
+        Failure::Oom => "CUDA out of memory".into(),
+        Failure::StoppedInside { spans, others_longer_s } => {
+            let longer = others_longer_s.map(|s| format!("; the other ranks ran {s:.1} s longer")).unwrap_or_default();
+            format!("stopped inside {}{longer}", spans.join(", "))
+        }
+    }
+}
+
+/// A merge warning's sentence, with what to do.
+pub fn warning_text(w: &RankWarning) -> String {
+    let list = |v: &[u32]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(", ");
+    match w {
+        RankWarning::SameRankTwice { rank, first: (p1, pid1, h1), second: (p2, pid2, h2) } => format!(
+            "rank {rank} is in {p1} (pid {pid1}, host {h1}) and in {p2} (pid {pid2}, host {h2}): profiles of different jobs, or a restarted rank? Both are shown"
+        ),
+        RankWarning::WorldSizesDisagree { sizes } => format!(
+            "the ranks disagree on WORLD_SIZE ({}): these profiles are of different jobs; report each job's profiles together",
+            list(sizes)
+        ),
+        RankWarning::MissingRanks { world_size, ranks } => format!(
+            "WORLD_SIZE is {world_size} but no profile holds rank(s) {}: give every node's profile (`torchmem report a.sqlite b.sqlite` or the directory), or those ranks never reached torchmem",
+            list(ranks)
+        ),
+    }
+}
+
+/// The JSON sections: `ranks` (one entry per rank) and `distributed` (the job-wide facts). The typed findings
+/// get their sentences here (`cause`, `what`, `warnings`).
 pub fn json_sections(r: &RankReport) -> (Value, Value) {
+    let foreign_contexts: Vec<Value> = r
+        .foreign_contexts
+        .iter()
+        .map(|f| {
+            let mut v = serde_json::to_value(f).unwrap_or(Value::Null);
+            v["cause"] = foreign_cause_text(&f.cause).into();
+            v
+        })
+        .collect();
+    let first_failure = r.first_failure.as_ref().map(|f| {
+        let mut v = serde_json::to_value(f).unwrap_or(Value::Null);
+        v["what"] = failure_text(&f.what).into();
+        v
+    });
     let ranks = serde_json::to_value(&r.ranks).unwrap_or(Value::Null);
     let steps: Vec<Value> = r
         .ranks
@@ -317,10 +388,10 @@ pub fn json_sections(r: &RankReport) -> (Value, Value) {
         "missing_ranks": r.missing_ranks,
         "imbalance": r.imbalance,
         "matrix": r.matrix,
-        "foreign_contexts": r.foreign_contexts,
+        "foreign_contexts": foreign_contexts,
         "steps": steps,
-        "first_failure": r.first_failure,
-        "warnings": r.warnings,
+        "first_failure": first_failure,
+        "warnings": r.warnings.iter().map(warning_text).collect::<Vec<_>>(),
     });
     (ranks, dist)
 }

@@ -491,7 +491,11 @@ mod tests {
                     uss_bytes: None,
                     process_count: 1,
                 }),
-                Record::Blob { t_ns: 1, name: torchmem_core::analysis::ranks::IDENTITY_BLOB.into(), data: hello },
+                Record::Blob {
+                    t_ns: 1,
+                    origin: Default::default(),
+                    blob: torchmem_core::record::Blob::from_parts("identity".into(), hello),
+                },
                 Record::Process(ProcessSample {
                     t_ns: 1,
                     pid: 42,
