@@ -1146,10 +1146,22 @@ class RankClass(TypedDict):
 
     ranks: list[int]
     traced_rank: int
+    what: str
+    traced: bool
     peak_allocated_bytes: int
     peak_reserved_bytes: int
+    peak_requested_bytes: int
     nvml_bytes: int
+    nccl_bytes: int
     fits: bool
+    fits_point: bool
+    margin_bytes: int
+    peak_allocated_upper_bytes: int
+    peak_reserved_upper_bytes: int
+    nvml_upper_bytes: int
+    margin_upper_bytes: int
+    num_alloc_retries: int
+    oom: EstimateOomAt | None
 
 
 class TracerSummary(TypedDict, total=False):

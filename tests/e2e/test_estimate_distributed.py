@@ -518,3 +518,92 @@ def test_estimate_function_takes_the_world_size(tmp_path):
     assert [c["ranks"] for c in eight["ranks"]] == [list(range(8))]
     assert 7 * 4 * params // 8 - MIB <= one["optimizer"] - eight["optimizer"] <= 7 * 5 * params // 8 + MIB
     assert eight["nvml_bytes"] == eight["reserved"] + eight["context"] + eight["nccl_bytes"]
+
+
+# FSDP2 with a dim that does not divide: 10 rows over 8 ranks (torch.chunk: 2 rows on ranks 0-4, none on 5-7).
+UNEVEN_SCRIPT = """
+import torch, torch.nn as nn
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+dist.init_process_group("nccl")
+model = nn.Sequential(*[nn.Linear(4096, 10) if i == 0 else nn.Linear(10, 10) for i in range(3)]).cuda()
+for layer in model:
+    fully_shard(layer)
+fully_shard(model)
+opt = torch.optim.AdamW(model.parameters())
+for _ in range(2):
+    model(torch.randn(4, 4096, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_uneven_shards_make_rank_classes_each_traced(tmp_path):
+    """A parameter dim of 10 over 8 ranks: ranks 0-4 hold 2 rows, ranks 5-7 none (FSDP2 pads the parameter, but
+    the optimizer's state is the unpadded shard's). The estimate finds the two classes, traces rank 5 too, lists
+    both worst first with the same keys as the top level (the worst class's), and the empty shards' class holds
+    less: AdamW's two states of the first layer's 2 x 4096 rows (64 KiB)."""
+    script = tmp_path / "uneven.py"
+    script.write_text(UNEVEN_SCRIPT)
+    r = _ok(_estimate(script, cli=("--nproc-per-node", "8"), timeout=120))
+    classes = {tuple(c["ranks"]): c for c in r["ranks"]}
+    assert set(classes) == {(0, 1, 2, 3, 4), (5, 6, 7)}, list(classes)
+    full, empty = classes[(0, 1, 2, 3, 4)], classes[(5, 6, 7)]
+    assert full["traced"] and empty["traced"] and (full["traced_rank"], empty["traced_rank"]) == (0, 5)
+    assert empty["what"] == "1 of 1 uneven split(s) smaller, 1 empty" and full["what"] == "full shards"
+    assert r["rank"] == r["ranks"][0]["traced_rank"] == 0  # worst first: the full shards
+    assert r["peak_allocated_bytes"] == full["peak_allocated_bytes"]
+    # AdamW's exp_avg + exp_avg_sq of 2 x 4096 fp32 rows, in 512-byte blocks: the empty class holds that much less
+    assert full["peak_allocated_bytes"] - empty["peak_allocated_bytes"] >= 2 * 2 * 4096 * 4
+    for key in ("peak_reserved_bytes", "nvml_bytes", "fits", "margin_bytes", "nvml_upper_bytes", "oom"):
+        assert key in empty, key
+    assert any(n.startswith("2 classes of ranks (2 traced") for n in r["notes"]), r["notes"][:2]
+
+
+PP_SCRIPT = """
+import sys, torch, torch.nn as nn
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+dist.init_process_group("nccl")
+rank, n = dist.get_rank(), dist.get_world_size()
+H, LAYERS, BATCH, SEQ, MICRO = 1024, 4, 16, 64, 8
+stage_mod = nn.Sequential(*[nn.Linear(H, H) for _ in range(LAYERS // n)]).cuda()
+meta = torch.empty(BATCH // MICRO, SEQ, H, device="meta")
+stage = PipelineStage(stage_mod, rank, n, torch.device("cuda"), input_args=(meta,),
+                      output_args=(meta.clone().requires_grad_(),))
+cls = ScheduleGPipe if sys.argv[1] == "gpipe" else Schedule1F1B
+schedule = cls(stage, n_microbatches=MICRO, loss_fn=lambda y, t: y.pow(2).mean())
+opt = torch.optim.AdamW(stage_mod.parameters())
+for _ in range(2):
+    if rank == 0:
+        schedule.step(torch.randn(BATCH, SEQ, H, device="cuda"))
+    elif rank == n - 1:
+        schedule.step(target=torch.empty(BATCH, device="cuda"), losses=[])
+    else:
+        schedule.step()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_pipeline_stages_are_classes_and_gpipe_holds_more_microbatches_than_1f1b(tmp_path):
+    """torch.distributed.pipelining, 2 stages (one per rank), 8 microbatches: each stage's rank is its own class,
+    traced apart (the fake group answers the point-to-point sends and receives at once; the receive buffers are the
+    stage's own). GPipe runs every microbatch's forward before any backward, so each stage holds 8 microbatches'
+    activations (4 x 256 KiB per layer input); 1F1B holds at most 2 on stage 0 and 1 on stage 1: GPipe's peaks are
+    higher by at least 6 microbatches' saved inputs on every stage."""
+    script = tmp_path / "pp.py"
+    script.write_text(PP_SCRIPT)
+    out = {s: _ok(_estimate(script, s, cli=("--nproc-per-node", "2"), timeout=120)) for s in ("gpipe", "1f1b")}
+    per_stage = {}
+    for s, r in out.items():
+        assert sorted(c["ranks"] for c in r["ranks"]) == [[0], [1]], r["ranks"]
+        assert all(c["traced"] for c in r["ranks"])
+        assert {c["what"] for c in r["ranks"]} == {"pipeline stage 0 of 2", "pipeline stage 1 of 2"}
+        assert r["peak_allocated_bytes"] == max(c["peak_allocated_bytes"] for c in r["ranks"])
+        per_stage[s] = {c["traced_rank"]: c["peak_allocated_bytes"] for c in r["ranks"]}
+    saved_input = (16 // 8) * 64 * 1024 * 4  # one microbatch's input to one Linear
+    for stage in (0, 1):
+        assert per_stage["gpipe"][stage] - per_stage["1f1b"][stage] >= 6 * saved_input, per_stage

@@ -17,7 +17,9 @@ use std::path::PathBuf;
 
 use anyhow::{anyhow, bail};
 use serde_json::json;
-use torchmem_estimator::{estimate_trace, gpus, EstimateReport, FitSpec, StopReason, Summary, Target};
+use torchmem_estimator::{
+    estimate_trace, gpus, merge_rank_classes, EstimateReport, FitSpec, StopReason, Summary, Target,
+};
 use torchmem_sim::AllocConf;
 use torchmem_units::format_bytes;
 
@@ -73,7 +75,8 @@ pub struct EstimateArgs {
     /// Processes (GPUs) per node (torchrun's flag); with --nnodes the world's size.
     #[arg(long = "nproc-per-node", value_name = "P")]
     pub nproc_per_node: Option<u32>,
-    /// The rank to trace (default 0). Ranks of symmetric FSDP2 / DDP / TP jobs behave alike: rank 0 stands for all.
+    /// The rank to trace first (default 0). Ranks of symmetric FSDP2 / DDP / TP jobs behave alike: it stands for
+    /// all; where ranks differ (pipeline stages, uneven shards), one rank of each other class is traced too.
     #[arg(long, value_name = "R")]
     pub rank: Option<u32>,
     /// Run a Python module, as `python -m MODULE [ARGS…]`.
@@ -141,7 +144,7 @@ pub fn run(args: EstimateArgs) -> anyhow::Result<i32> {
     if let Some(fit) = &args.fit {
         return fit_search(&args, &target, &FitSpec::parse(fit)?);
     }
-    let report = estimate_command(&args, &target, &args.command)?;
+    let report = estimate_world(&args, &target, &args.command)?;
     print_report(&report, args.json)
 }
 
@@ -178,14 +181,44 @@ fn world(args: &EstimateArgs) -> anyhow::Result<Option<serde_json::Value>> {
     Ok(Some(json!({"world_size": world_size, "rank": rank, "nproc_per_node": per_node})))
 }
 
-/// Runs the program under the tracer and reports; an error names what stopped the estimate.
-fn estimate_command(args: &EstimateArgs, target: &Target, command: &[String]) -> anyhow::Result<EstimateReport> {
+/// Every rank of the world (issue 24): the asked rank is traced; when its trace finds ranks that behave
+/// differently (pipeline stages, uneven shards), one rank of each other class is traced and simulated too, and
+/// the report lists every class, worst first, the worst one's numbers at the top level.
+fn estimate_world(args: &EstimateArgs, target: &Target, command: &[String]) -> anyhow::Result<EstimateReport> {
+    let first = estimate_command(args, target, command, None)?;
+    let others: Vec<(u64, String)> =
+        first.ranks.iter().filter(|c| c.traced_rank != first.rank).map(|c| (c.traced_rank, c.what.clone())).collect();
+    if others.is_empty() {
+        return Ok(first);
+    }
+    let mut reports = Vec::with_capacity(others.len());
+    for (rank, what) in others {
+        if !args.json {
+            eprintln!("torchmem estimate: ranks differ ({} classes): tracing rank {rank} ({what})", first.ranks.len());
+        }
+        reports.push(estimate_command(args, target, command, Some(rank))?);
+    }
+    Ok(merge_rank_classes(first, reports))
+}
+
+/// Runs the program under the tracer (as `rank` when given, else the asked rank) and reports; an error names
+/// what stopped the estimate.
+fn estimate_command(
+    args: &EstimateArgs,
+    target: &Target,
+    command: &[String],
+    rank: Option<u64>,
+) -> anyhow::Result<EstimateReport> {
     let program = Program::resolve(args.module.as_deref(), command)?;
     let dir = PrivateDir::create(&launch::temp_base(), "estimate", &launch::sitecustomize(TRACER_SITECUSTOMIZE))?;
-    let trace = match &args.keep_trace {
-        Some(p) => p.clone(),
-        None => dir.path().join("trace.pickle"),
+    let trace = match (&args.keep_trace, rank) {
+        (Some(p), None) => p.clone(),
+        _ => dir.path().join("trace.pickle"),
     };
+    let mut distributed = world(args)?;
+    if let (Some(d), Some(r)) = (distributed.as_mut(), rank) {
+        d["rank"] = json!(r);
+    }
     let summary_path = dir.path().join("summary.json");
     let startup_error_path = dir.path().join("startup-error.txt");
     let g = &target.gpu;
@@ -198,13 +231,17 @@ fn estimate_command(args: &EstimateArgs, target: &Target, command: &[String]) ->
         "alloc_conf": args.alloc_conf.clone().unwrap_or_default(),
         "gpu": {"name": g.name, "cuda_total_bytes": target.cuda_total_bytes, "major": g.major, "minor": g.minor,
                 "sms": g.multi_processor_count},
-        "distributed": world(args)?,
+        "distributed": distributed,
     });
     let mut cmd = program.command();
     dir.inject_into(&mut cmd);
     if args.json {
         // stdout is the report's: the program's own output goes to stderr.
         cmd.stdout(std::process::Stdio::from(std::io::stderr()));
+    }
+    if let (None, Some(r)) = (&distributed, rank) {
+        // The world came from the environment (WORLD_SIZE): this class's rank as RANK.
+        cmd.env("RANK", r.to_string());
     }
     let status = cmd
         .env("TORCHMEM_ESTIMATE", cfg.to_string())
@@ -256,7 +293,8 @@ fn print_report(r: &EstimateReport, json_out: bool) -> anyhow::Result<i32> {
 fn fit_search(args: &EstimateArgs, target: &Target, spec: &FitSpec) -> anyhow::Result<i32> {
     spec.check_command(&args.command)?;
     let out = spec.search(target, &args.command, |v| -> anyhow::Result<EstimateReport> {
-        let r = estimate_command(args, target, &spec.substitute(&args.command, v))?;
+        // Every class of ranks must fit: the merged report's `fits` is every class's.
+        let r = estimate_world(args, target, &spec.substitute(&args.command, v))?;
         if !args.json {
             let yes = |b: bool| if b { "yes" } else { "no" };
             eprintln!(

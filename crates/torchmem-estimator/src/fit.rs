@@ -218,7 +218,8 @@ fn largest_in<E>(
     mut probe: impl FnMut(u64) -> Result<(bool, i64), E>,
 ) -> Result<(Option<u64>, Option<u64>), E> {
     // The two largest values that fit, with their headroom.
-    let (mut good, mut prev): (Option<(u64, i64)>, Option<(u64, i64)>) = (None, None);
+    let mut good: Option<(u64, i64)> = None;
+    let mut prev: Option<(u64, i64)> = None;
     let mut bad: Option<u64> = None;
     let mut u = lo;
     loop {
@@ -461,7 +462,8 @@ mod tests {
     /// exact edge of the search's own tries: the largest value that fits with the next one failing.
     #[test]
     fn the_guided_search_is_exact_on_awkward_shapes() {
-        let shapes: [(&str, fn(u64) -> u64); 4] = [
+        type Shape = (&'static str, fn(u64) -> u64);
+        let shapes: [Shape; 4] = [
             ("rounded to 2 MiB steps", |v| (100 + 3 * v).div_ceil(64) * 64),
             ("flat then steep", |v| if v < 300 { 500 } else { 500 + 40 * (v - 300) }),
             ("a drop (another algorithm) at 700", |v| if v == 700 { 200 } else { 100 + v }),

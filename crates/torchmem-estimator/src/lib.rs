@@ -23,7 +23,7 @@ use std::path::PathBuf;
 
 pub use fit::{FitPeaks, FitReport, FitResult, FitSpec, FitTry};
 pub use gpus::Gpu;
-pub use report::{estimate_trace, EstimateReport, OomAt, RankClass};
+pub use report::{estimate_trace, merge_rank_classes, EstimateReport, OomAt, RankClass};
 pub use summary::{Distributed, EstimateKind, LargestTensor, NcclModel, StopReason, Summary};
 
 /// Why an estimate could not be made. The messages name the problem and the fix.

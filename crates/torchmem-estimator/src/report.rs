@@ -21,17 +21,34 @@ pub struct OomAt {
 }
 
 /// A class of ranks that behave alike (issue 24): one trace stands for all of `ranks`; the numbers are its
-/// prediction. `torchmem estimate --json`'s `ranks` lists them worst first.
+/// prediction, the same keys as the report's top level. `torchmem estimate --json`'s `ranks` lists them worst
+/// first (`merge_rank_classes`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct RankClass {
     pub ranks: Vec<u64>,
     /// The rank whose program was traced for this class.
     pub traced_rank: u64,
+    /// What sets the class apart ("pipeline stage 1 of 4", "2 of 2 uneven split(s) smaller, 1 empty"); empty
+    /// when every rank is alike.
+    pub what: String,
+    /// Whether `traced_rank` was traced (false: a report of one trace lists the other classes it found with the
+    /// traced rank's numbers; `torchmem estimate` traces each class and merges them).
+    pub traced: bool,
     pub peak_allocated_bytes: u64,
     pub peak_reserved_bytes: u64,
+    pub peak_requested_bytes: u64,
     pub nvml_bytes: u64,
+    pub nccl_bytes: u64,
     pub fits: bool,
+    pub fits_point: bool,
+    pub margin_bytes: i64,
+    pub peak_allocated_upper_bytes: u64,
+    pub peak_reserved_upper_bytes: u64,
+    pub nvml_upper_bytes: u64,
+    pub margin_upper_bytes: i64,
+    pub num_alloc_retries: u64,
+    pub oom: Option<OomAt>,
 }
 
 /// The prediction for one traced program on one target. Bytes throughout.
@@ -238,8 +255,7 @@ pub fn estimate_trace(
             format_bytes(world.nccl.high_bytes)
         ));
     }
-    let ranks = rank_classes(&world, d.peak_allocated_bytes, d.peak_reserved_bytes, nvml_bytes, fits);
-    Ok(EstimateReport {
+    let mut report = EstimateReport {
         gpu: target.gpu.name.to_string(),
         gpu_key: target.gpu.key.to_string(),
         device_memory_bytes: target.cuda_total_bytes,
@@ -277,8 +293,50 @@ pub fn estimate_trace(
         rank: world.rank,
         nccl_bytes,
         nccl: summary.distributed.as_ref().map(|w| w.nccl.clone()),
-        ranks,
-    })
+        ranks: vec![],
+    };
+    report.ranks = rank_classes(&world, &report);
+    Ok(report)
+}
+
+/// The report of a world whose rank classes were each traced (issue 24): `first` (the trace that found the
+/// classes) and `others`, one report per other class, traced as that class's rank. Each class takes the numbers
+/// of the report that traced its rank; the classes are ordered worst first (not fitting, then not fitting at the
+/// point estimate, then the largest NVML upper bound, then the largest NVML point); the top-level keys are the
+/// worst class's report's, with `fits` / `fits_point` true only when every class fits.
+pub fn merge_rank_classes(first: EstimateReport, others: Vec<EstimateReport>) -> EstimateReport {
+    let mut all = vec![first];
+    all.extend(others);
+    let mut classes: Vec<RankClass> = all[0]
+        .ranks
+        .iter()
+        .map(|c| match all.iter().find(|r| r.rank == c.traced_rank) {
+            Some(r) => r.class(c.ranks.clone(), c.traced_rank, c.what.clone(), true),
+            None => c.clone(),
+        })
+        .collect();
+    classes.sort_by_key(|c| {
+        (c.fits, c.fits_point, std::cmp::Reverse(c.nvml_upper_bytes), std::cmp::Reverse(c.nvml_bytes), c.traced_rank)
+    });
+    let worst = classes.first().map(|c| c.traced_rank).unwrap_or(all[0].rank);
+    let i = all.iter().position(|r| r.rank == worst).unwrap_or(0);
+    let mut top = all.swap_remove(i);
+    if classes.len() > 1 {
+        let traced = classes.iter().filter(|c| c.traced).count();
+        top.notes.insert(
+            0,
+            format!(
+                "{} classes of ranks ({traced} traced, one rank each, and simulated apart): the numbers above are                  the worst class's, rank {} ({}); `ranks` lists every class",
+                classes.len(),
+                worst,
+                classes[0].what
+            ),
+        );
+        top.fits = classes.iter().all(|c| c.fits);
+        top.fits_point = classes.iter().all(|c| c.fits_point);
+    }
+    top.ranks = classes;
+    top
 }
 
 /// The device memory of the upper bound's replay when it runs out at the target's: 1 PiB, no limit.
@@ -327,21 +385,21 @@ pub fn widen_trace(entries: &[TraceEntry], requests: &[[u64; 3]]) -> Vec<TraceEn
     out
 }
 
-/// The rank classes of one trace: each class the tracer named (today one: symmetric FSDP2 / DDP / TP, the
-/// traced rank standing for every rank) gets the trace's numbers; without a world, rank 0 alone.
-fn rank_classes(world: &Distributed, allocated: u64, reserved: u64, nvml: u64, fits: bool) -> Vec<RankClass> {
-    let class = |ranks: Vec<u64>, traced_rank: u64| RankClass {
-        ranks,
-        traced_rank,
-        peak_allocated_bytes: allocated,
-        peak_reserved_bytes: reserved,
-        nvml_bytes: nvml,
-        fits,
-    };
+/// The rank classes of one trace: each class the tracer named (one for symmetric FSDP2 / DDP / TP; one per
+/// pipeline stage or uneven shard pattern) with the trace's numbers, `traced` only for the traced rank's class;
+/// without a world, rank 0 alone.
+fn rank_classes(world: &Distributed, report: &EstimateReport) -> Vec<RankClass> {
     if world.rank_classes.is_empty() {
-        return vec![class((0..world.world_size.max(1)).collect(), world.rank)];
+        return vec![report.class((0..world.world_size.max(1)).collect(), world.rank, String::new(), true)];
     }
-    world.rank_classes.iter().map(|c| class(c.ranks.clone(), c.traced_rank)).collect()
+    world
+        .rank_classes
+        .iter()
+        .map(|c| {
+            let what = if world.rank_classes.len() > 1 { c.what.clone() } else { String::new() };
+            report.class(c.ranks.clone(), c.traced_rank, what, c.ranks.contains(&world.rank))
+        })
+        .collect()
 }
 
 /// "0-1023" for a contiguous list of ranks, else the ranks joined by commas (the first 16, then "…").
@@ -359,6 +417,30 @@ fn rank_list(ranks: &[u64]) -> String {
 }
 
 impl EstimateReport {
+    /// This report's numbers as the class of `ranks`.
+    pub fn class(&self, ranks: Vec<u64>, traced_rank: u64, what: String, traced: bool) -> RankClass {
+        RankClass {
+            ranks,
+            traced_rank,
+            what,
+            traced,
+            peak_allocated_bytes: self.peak_allocated_bytes,
+            peak_reserved_bytes: self.peak_reserved_bytes,
+            peak_requested_bytes: self.peak_requested_bytes,
+            nvml_bytes: self.nvml_bytes,
+            nccl_bytes: self.nccl_bytes,
+            fits: self.fits,
+            fits_point: self.fits_point,
+            margin_bytes: self.margin_bytes,
+            peak_allocated_upper_bytes: self.peak_allocated_upper_bytes,
+            peak_reserved_upper_bytes: self.peak_reserved_upper_bytes,
+            nvml_upper_bytes: self.nvml_upper_bytes,
+            margin_upper_bytes: self.margin_upper_bytes,
+            num_alloc_retries: self.num_alloc_retries,
+            oom: self.oom.clone(),
+        }
+    }
+
     /// The exit status of `torchmem estimate`: 0 when it fits, 1 when it does not.
     pub fn exit_code(&self) -> i32 {
         if self.fits {
@@ -404,7 +486,14 @@ impl EstimateReport {
             self.simulator_rules
         );
         let nccl = if self.nccl_bytes > 0 {
-            format!(" + {} NCCL buffers, modelled", format_bytes(self.nccl_bytes))
+            // Its own named part, with its range (the model is unverified until measured: issue 24).
+            let range = match &self.nccl {
+                Some(m) if m.high_bytes > m.low_bytes => {
+                    format!(" ({} to {})", format_bytes(m.low_bytes), format_bytes(m.high_bytes))
+                }
+                _ => String::new(),
+            };
+            format!(" + {} NCCL buffers, modelled{range}", format_bytes(self.nccl_bytes))
         } else {
             String::new()
         };
@@ -416,12 +505,24 @@ impl EstimateReport {
             if self.context_measured { ", measured" } else { ", assumed" }
         );
         if self.world_size > 1 {
-            s += &format!("  ranks: a world of {}, rank {} traced\n", self.world_size, self.rank);
-            for c in &self.ranks {
+            if self.ranks.len() > 1 {
                 s += &format!(
-                    "    ranks {:<12} (as rank {}): peak reserved {}, NVML {}, fits: {}\n",
+                    "  ranks: a world of {}, {} classes, worst first (the numbers above: rank {})\n",
+                    self.world_size,
+                    self.ranks.len(),
+                    self.rank
+                );
+            } else {
+                s += &format!("  ranks: a world of {}, rank {} traced\n", self.world_size, self.rank);
+            }
+            for c in &self.ranks {
+                let what = if c.what.is_empty() { String::new() } else { format!(" [{}]", c.what) };
+                let untraced = if c.traced { "" } else { " (not traced: the traced rank's numbers)" };
+                s += &format!(
+                    "    ranks {:<12} (as rank {}): peak allocated {}, reserved {}, NVML {}, fits: {}{what}{untraced}\n",
                     rank_list(&c.ranks),
                     c.traced_rank,
+                    format_bytes(c.peak_allocated_bytes),
                     format_bytes(c.peak_reserved_bytes),
                     format_bytes(c.nvml_bytes),
                     if c.fits { "yes" } else { "NO" }
@@ -705,23 +806,67 @@ pub(crate) mod tests {
         let mut r = fake_report();
         r.world_size = 1024;
         r.nccl_bytes = 640 << 20;
-        r.ranks = rank_classes(
-            &Distributed { world_size: 1024, ..Distributed::default() },
-            r.peak_allocated_bytes,
-            r.peak_reserved_bytes,
-            r.nvml_bytes,
-            true,
-        );
+        r.ranks = rank_classes(&Distributed { world_size: 1024, ..Distributed::default() }, &r);
         assert_eq!(r.ranks.len(), 1);
         assert_eq!(r.ranks[0].ranks.len(), 1024);
         let text = r.text();
         assert!(text.contains("+ 640.0 MiB NCCL buffers, modelled"), "{text}");
+        r.nccl =
+            Some(NcclModel { bytes: 640 << 20, low_bytes: 320 << 20, high_bytes: 1280 << 20, ..NcclModel::default() });
+        assert!(r.text().contains("+ 640.0 MiB NCCL buffers, modelled (320.0 MiB to 1.25 GiB))"), "{}", r.text());
         assert!(text.contains("ranks: a world of 1024, rank 0 traced"), "{text}");
         assert!(text.contains("ranks 0-1023"), "{text}");
         assert_eq!(rank_list(&[0, 4, 8]), "0,4,8");
         let json = serde_json::to_value(&r).unwrap();
         assert_eq!(json["ranks"][0]["ranks"].as_array().unwrap().len(), 1024);
         assert_eq!(json["nccl_bytes"], 640 << 20);
+    }
+
+    #[test]
+    fn classes_traced_apart_merge_worst_first_and_every_class_must_fit() {
+        use crate::summary::RankClassSummary;
+        let stage = |r: u64, reserved: u64, fits: bool| {
+            let mut rep = fake_report();
+            rep.world_size = 4;
+            rep.rank = r;
+            rep.peak_reserved_bytes = reserved;
+            rep.nvml_bytes = reserved + 100;
+            rep.nvml_upper_bytes = reserved + 200;
+            rep.fits = fits;
+            rep.fits_point = fits;
+            let world = Distributed {
+                world_size: 4,
+                rank: r,
+                rank_classes: (0..4)
+                    .map(|s| RankClassSummary {
+                        ranks: vec![s],
+                        traced_rank: s,
+                        what: format!("stage {s}"),
+                        ..Default::default()
+                    })
+                    .collect(),
+                ..Distributed::default()
+            };
+            rep.ranks = rank_classes(&world, &rep);
+            rep
+        };
+        let first = stage(0, 5 << 30, true);
+        assert_eq!(first.ranks.iter().filter(|c| c.traced).count(), 1, "one trace: only its own class is traced");
+        assert!(first.text().contains("(not traced: the traced rank's numbers)"), "{}", first.text());
+        let merged =
+            merge_rank_classes(first, vec![stage(1, 7 << 30, true), stage(2, 9 << 30, false), stage(3, 1 << 30, true)]);
+        let order: Vec<u64> = merged.ranks.iter().map(|c| c.traced_rank).collect();
+        assert_eq!(order, vec![2, 1, 0, 3], "not fitting first, then the largest NVML");
+        assert_eq!((merged.rank, merged.peak_reserved_bytes, merged.fits), (2, 9 << 30, false));
+        assert!(merged.ranks.iter().all(|c| c.traced));
+        assert_eq!(merged.ranks[1].peak_reserved_bytes, 7 << 30);
+        let text = merged.text();
+        assert!(text.contains("4 classes, worst first (the numbers above: rank 2)"), "{text}");
+        assert!(text.contains("[stage 1]") && merged.notes[0].starts_with("4 classes of ranks (4 traced"), "{text}");
+        let json = serde_json::to_value(&merged).unwrap();
+        for key in ["peak_allocated_bytes", "peak_reserved_bytes", "nvml_bytes", "fits", "margin_bytes", "oom"] {
+            assert!(json["ranks"][3].get(key).is_some(), "{key}");
+        }
     }
 
     #[test]

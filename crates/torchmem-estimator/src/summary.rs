@@ -168,6 +168,8 @@ pub struct RankClassSummary {
     pub ranks: Vec<u64>,
     pub traced_rank: u64,
     pub symmetric: bool,
+    /// What sets the class apart ("pipeline stage 1 of 4", "2 of 2 uneven split(s) smaller, 1 empty").
+    pub what: String,
 }
 
 impl Summary {

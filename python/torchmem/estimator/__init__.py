@@ -131,29 +131,45 @@ def estimate(
     from ._distributed import world_from_env
 
     world = world_from_env(world_size, rank, nproc_per_node)
-    session = Session(spec, steps_limit=None, world=world)
-    try:
-        with session:
-            for _ in range(steps):
-                step()
-    except StopTrace:
-        pass
-    except Exception as e:  # noqa: BLE001 - fake-tensor errors get the estimate's message
-        translated = translate_error(e)
-        if translated is not None:
-            raise translated from e
-        raise
-    seconds = time.perf_counter() - t0
-    summary = _runner.summary(session, reason="steps", seconds=seconds)
-    with tempfile.TemporaryDirectory(prefix="torchmem-estimate-") as d:
-        trace = Path(trace_path) if trace_path is not None else Path(d) / "trace.pickle"
-        _snapshot.write(_snapshot.build(session.tracer, alloc_conf=alloc_conf), trace)
+
+    def trace_rank(w, path: Path | None) -> tuple[dict, dict]:
+        session = Session(spec, steps_limit=None, world=w)
+        t = time.perf_counter()
         try:
-            report = _native.estimate_report(
-                str(trace), summary, gpu=gpu, device_memory_bytes=memory_bytes, alloc_conf=alloc_conf or None
-            )
-        except ValueError as e:
-            raise EstimateUnsupported(f"the estimate's report failed: {e}") from e
+            with session:
+                for _ in range(steps):
+                    step()
+        except StopTrace:
+            pass
+        except Exception as e:  # noqa: BLE001 - fake-tensor errors get the estimate's message
+            translated = translate_error(e)
+            if translated is not None:
+                raise translated from e
+            raise
+        summary = _runner.summary(session, reason="steps", seconds=time.perf_counter() - t)
+        with tempfile.TemporaryDirectory(prefix="torchmem-estimate-") as d:
+            trace = path if path is not None else Path(d) / "trace.pickle"
+            _snapshot.write(_snapshot.build(session.tracer, alloc_conf=alloc_conf), trace)
+            try:
+                report = _native.estimate_report(
+                    str(trace), summary, gpu=gpu, device_memory_bytes=memory_bytes, alloc_conf=alloc_conf or None
+                )
+            except ValueError as e:
+                raise EstimateUnsupported(f"the estimate's report failed: {e}") from e
+        return summary, report
+
+    summary, report = trace_rank(world, Path(trace_path) if trace_path is not None else None)
+    # Ranks that differ (pipeline stages, uneven shards): one rank of each other class is traced too, as the CLI
+    # does (`step` runs again as that rank), and the report lists every class, worst first.
+    others = [c["traced_rank"] for c in report.get("ranks", []) if c["traced_rank"] != report.get("rank", 0)]
+    if others:
+        from dataclasses import replace
+
+        from ._distributed import merge_reports
+
+        more = [trace_rank(replace(world, rank=r, explicit=True), None)[1] for r in others]
+        report = merge_reports(dict(report), [dict(r) for r in more])  # type: ignore[assignment]
+    seconds = time.perf_counter() - t0
     return Estimate(
         gpu=report["gpu"],
         device_memory_bytes=report["device_memory_bytes"],

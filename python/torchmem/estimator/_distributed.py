@@ -187,6 +187,10 @@ class Emulation:
         self.initialized = False
         self.group_sizes: list[int] = []  # every communicator this rank is a member of (NCCL model)
         self.ddp_modules = 0
+        # What makes ranks differ (rank classes): uneven shards (the shard group's ranks, the size of the sharded
+        # dim: FSDP2 parameters, DTensor Shard placements) and pipeline stages (the pipeline group's ranks).
+        self.uneven: dict[tuple[tuple[int, ...], int], str] = {}
+        self.stage_groups: dict[tuple[int, ...], int] = {}
 
     def _patch(self, obj, name: str, value) -> None:
         self._patches.append((obj, name, obj.__dict__.get(name) if isinstance(obj, type) else getattr(obj, name)))
@@ -211,6 +215,7 @@ class Emulation:
         self._patch_funcol()
         self._patch_ddp()
         self._patch_cuda()
+        self._patch_classes()
         return True
 
     # -- init_process_group
@@ -463,6 +468,185 @@ class Emulation:
                 if hasattr(acc, name):
                     self._patch(acc, name, value)
 
+    # -- rank classes: what differs between ranks
+    def _shard(self, group_ranks: list[int] | None, size: int, what: str) -> None:
+        """A dim of `size` split over the group `group_ranks` (torch.chunk): ranks differ when it does not divide."""
+        if not group_ranks or len(group_ranks) <= 1 or size % len(group_ranks) == 0:
+            return
+        self.uneven.setdefault((tuple(group_ranks), int(size)), what)
+
+    def _patch_classes(self) -> None:
+        emu = self
+
+        def ranks_of(group) -> list[int] | None:
+            import torch.distributed as dist
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            try:
+                with _disable_current_modes():
+                    return [int(r) for r in dist.get_process_group_ranks(group)]
+            except Exception:  # noqa: BLE001 - a group we cannot read: treated as symmetric
+                return None
+
+        try:  # FSDP2: each parameter's dim `fsdp_placement.dim`, chunked over the shard group
+            from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+        except ImportError:
+            FSDPParam = None
+        if FSDPParam is not None and "_init_sharded_param" in vars(FSDPParam):
+            original = vars(FSDPParam)["_init_sharded_param"]
+
+            @functools.wraps(original)
+            def init_sharded_param(fp, *args, **kwargs):
+                out = original(fp, *args, **kwargs)
+                try:
+                    mi = fp.mesh_info
+                    group = getattr(mi, "shard_process_group", None)
+                    if group is None and getattr(mi, "shard_mesh_dim", None) is not None:
+                        group = mi.mesh.get_group(mi.shard_mesh_dim)
+                    if group is not None:
+                        emu._shard(ranks_of(group), fp._orig_size[fp.fsdp_placement.dim], "FSDP2 shard")
+                except Exception:  # noqa: BLE001 - bookkeeping never fails the program
+                    pass
+                return out
+
+            self._patch(FSDPParam, "_init_sharded_param", init_sharded_param)
+
+        try:  # DTensor Shard placements (tensor parallel's colwise/rowwise parameters, distribute_tensor)
+            from torch.distributed.tensor.placement_types import Shard
+        except ImportError:
+            Shard = None
+        if Shard is not None and "_shard_tensor" in vars(Shard):
+            original_shard = vars(Shard)["_shard_tensor"]
+
+            @functools.wraps(original_shard)
+            def shard_tensor(pl, tensor, mesh, mesh_dim, *args, **kwargs):
+                try:
+                    emu._shard(ranks_of(mesh.get_group(mesh_dim)), tensor.size(pl.dim), "DTensor shard")
+                except Exception:  # noqa: BLE001
+                    pass
+                return original_shard(pl, tensor, mesh, mesh_dim, *args, **kwargs)
+
+            self._patch(Shard, "_shard_tensor", shard_tensor)
+
+        try:  # pipeline stages: each rank of the pipeline group runs its own stage
+            from torch.distributed.pipelining.stage import _PipelineStageBase
+        except ImportError:
+            _PipelineStageBase = None
+        if _PipelineStageBase is not None:
+            original_stage = vars(_PipelineStageBase)["__init__"]
+            sig = inspect.signature(original_stage)
+
+            @functools.wraps(original_stage)
+            def stage_init(st, *args, **kwargs):
+                original_stage(st, *args, **kwargs)
+                try:
+                    import torch.distributed as dist
+
+                    a = sig.bind_partial(st, *args, **kwargs).arguments
+                    group = a.get("group") or dist.group.WORLD
+                    ranks = ranks_of(group)
+                    if ranks and len(ranks) > 1:
+                        emu.stage_groups.setdefault(tuple(ranks), int(a.get("num_stages") or len(ranks)))
+                except Exception:  # noqa: BLE001
+                    pass
+
+            self._patch(_PipelineStageBase, "__init__", stage_init)
+        self._patch_p2p()
+
+    def _patch_p2p(self) -> None:
+        """Point-to-point ops (pipeline stages' activations and gradients) on the emulated world: torch's fake
+        process group answers send/recv at once in recent torch; where it does not, `irecv` returns its buffer
+        (the stage's own, allocated before the receive: what the real job holds) and `isend`/`wait` complete."""
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        class Done:
+            def wait(self, *args, **kwargs):
+                return True
+
+            def is_completed(self):
+                return True
+
+            def is_success(self):
+                return True
+
+        def wrap(name, fallback):
+            original = getattr(c10d, name, None)
+            if original is None:
+                return
+
+            @functools.wraps(original)
+            def call(*args, **kwargs):
+                try:
+                    return original(*args, **kwargs)
+                except (RuntimeError, NotImplementedError):
+                    return fallback(*args, **kwargs)
+
+            for mod in (c10d, dist):
+                if getattr(mod, name, None) is original:
+                    self._patch(mod, name, call)
+
+        wrap("isend", lambda *a, **k: Done())
+        wrap("irecv", lambda *a, **k: Done())
+        wrap("batch_isend_irecv", lambda ops, *a, **k: [Done() for _ in ops])
+
+    def rank_classes(self) -> list[dict[str, Any]]:
+        """The ranks that behave alike, each class with the rank that stands for it (the traced rank for its own
+        class, else the class's first rank). A rank's signature is its local size of every uneven split (the
+        torch.chunk share of its coordinate in the shard group) and its coordinate in every pipeline group;
+        groups are rows of a row-major mesh over the ranks (init_device_mesh's), so a rank's coordinate in the
+        group like the traced rank's is (rank // stride) % size. Ranks with one signature are one class."""
+        w = self.world
+        every = list(range(w.world_size))
+        if not self.uneven and not self.stage_groups:
+            return [{"ranks": every, "traced_rank": w.rank, "symmetric": True, "what": "all ranks alike"}]
+
+        def coordinate(group: tuple[int, ...], r: int) -> int:
+            n = len(group)
+            step = group[1] - group[0]
+            if step > 0 and all(group[i] == group[0] + i * step for i in range(n)):
+                return (r // step) % n
+            return group.index(r) if r in group else group.index(w.rank) if w.rank in group else 0
+
+        def share(size: int, n: int, c: int) -> int:
+            chunk = -(-size // n)
+            return max(0, min(chunk, size - c * chunk))
+
+        splits = list(self.uneven)
+        stages = list(self.stage_groups)
+        by_sig: dict[tuple, list[int]] = {}
+        for r in every:
+            sig = tuple(share(size, len(g), coordinate(g, r)) for g, size in splits)
+            sig += tuple(-1 - coordinate(g, r) for g in stages)
+            by_sig.setdefault(sig, []).append(r)
+        full = tuple(share(size, len(g), 0) for g, size in splits)
+        classes = []
+        for sig, ranks in by_sig.items():
+            parts = []
+            if stages:
+                parts.append(
+                    "pipeline stage " + "/".join(str(-1 - v) for v in sig[len(splits) :])
+                    + f" of {self.stage_groups[stages[0]]}"
+                )  # fmt: skip
+            if splits:
+                smaller = sum(1 for a, b in zip(sig, full, strict=False) if a < b)
+                empty = sum(1 for a in sig[: len(splits)] if a == 0)
+                if smaller:
+                    parts.append(
+                        f"{smaller} of {len(splits)} uneven split(s) smaller" + (f", {empty} empty" if empty else "")
+                    )
+                else:
+                    parts.append("full shards")
+            classes.append(
+                {
+                    "ranks": ranks,
+                    "traced_rank": w.rank if w.rank in ranks else ranks[0],
+                    "symmetric": len(by_sig) == 1,
+                    "what": "; ".join(parts),
+                }
+            )
+        return classes
+
     def uninstall(self) -> None:
         if self.initialized:
             try:
@@ -489,6 +673,7 @@ class Emulation:
         d["communicators"] = list(self.group_sizes)
         d["ddp_modules"] = self.ddp_modules
         d["nccl"] = nccl_model(self.group_sizes, world_size=self.world.world_size)
+        d["rank_classes"] = self.rank_classes()
         return d
 
 
@@ -610,3 +795,68 @@ class _DdpBuckets:
             # reducer then copies the bucket back into each .grad, in place too.
             dist.all_reduce(flat)
             self.pending[i] = self.buckets[i][1]
+
+
+# ----------------------------------------------------------------------------------------------- report merge
+_CLASS_KEYS = (
+    "peak_allocated_bytes", "peak_reserved_bytes", "peak_requested_bytes", "nvml_bytes", "nccl_bytes", "fits",
+    "fits_point", "margin_bytes", "peak_allocated_upper_bytes", "peak_reserved_upper_bytes", "nvml_upper_bytes",
+    "margin_upper_bytes", "num_alloc_retries", "oom",
+)  # fmt: skip
+
+
+def _rank_list(ranks: list[int]) -> str:
+    if len(ranks) > 2 and ranks[-1] - ranks[0] + 1 == len(ranks):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks[:16])) + (",…" if len(ranks) > 16 else "")
+
+
+def merge_reports(first: dict, others: list[dict]) -> dict:
+    """`torchmem.estimate()`'s report of a world whose rank classes were traced apart: the same merge as the CLI's
+    (`torchmem_estimator::merge_rank_classes`): each class takes the numbers of the report that traced its rank,
+    worst first (not fitting, then not fitting at the point, then the largest NVML upper bound, then point); the
+    top level is the worst class's report, `fits` / `fits_point` every class's; the text's class lines follow."""
+    from .._native import format_bytes
+
+    reports = [first, *others]
+    classes = []
+    for c in first.get("ranks", []):
+        r = next((x for x in reports if x.get("rank") == c["traced_rank"]), None)
+        if r is None:
+            classes.append(dict(c))
+            continue
+        classes.append({"ranks": c["ranks"], "traced_rank": c["traced_rank"], "what": c.get("what", ""),
+                        "traced": True, **{k: r.get(k) for k in _CLASS_KEYS}})  # fmt: skip
+    classes.sort(key=lambda c: (c["fits"], c["fits_point"], -c["nvml_upper_bytes"], -c["nvml_bytes"], c["traced_rank"]))
+    worst = classes[0]["traced_rank"] if classes else first.get("rank", 0)
+    top = dict(next((x for x in reports if x.get("rank") == worst), first))
+    if len(classes) > 1:
+        traced = sum(1 for c in classes if c.get("traced"))
+        top["notes"] = [
+            f"{len(classes)} classes of ranks ({traced} traced, one rank each, and simulated apart): the numbers "
+            f"above are the worst class's, rank {worst} ({classes[0].get('what', '')}); `ranks` lists every class",
+            *top.get("notes", []),
+        ]
+        top["fits"] = all(c["fits"] for c in classes)
+        top["fits_point"] = all(c["fits_point"] for c in classes)
+        lines = [
+            f"  ranks: a world of {top.get('world_size', 1)}, {len(classes)} classes, worst first (the numbers "
+            f"above: rank {worst})"
+        ]
+        for c in classes:
+            what = f" [{c['what']}]" if c.get("what") else ""
+            lines.append(
+                f"    ranks {_rank_list(c['ranks']):<12} (as rank {c['traced_rank']}): peak allocated "
+                f"{format_bytes(c['peak_allocated_bytes'])}, reserved {format_bytes(c['peak_reserved_bytes'])}, "
+                f"NVML {format_bytes(c['nvml_bytes'])}, fits: {'yes' if c['fits'] else 'NO'}{what}"
+            )
+        text = top.get("text", "").splitlines()
+        start = next((i for i, line in enumerate(text) if line.startswith("  ranks: a world of")), None)
+        if start is not None:
+            end = start + 1
+            while end < len(text) and text[end].startswith("    ranks "):
+                end += 1
+            text[start:end] = lines
+            top["text"] = "\n".join(text) + "\n"
+    top["ranks"] = classes
+    return top

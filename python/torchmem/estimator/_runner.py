@@ -116,9 +116,9 @@ def distributed_summary(session) -> dict:
         w = session.world or World()
         d = {**w.as_dict(), "process_group": None, "communicators": [], "ddp_modules": 0}
         d["nccl"] = nccl_model([], world_size=w.world_size)
-    # Symmetric parallelisms (FSDP2, DDP, TP over whole meshes: every rank holds equal, padded shards and makes
-    # the same requests): the traced rank's numbers stand for every rank. One class; see docs/estimator.md.
-    d["rank_classes"] = [{"ranks": list(range(d["world_size"])), "traced_rank": d["rank"], "symmetric": True}]
+    # The emulation's classes (uneven shards, pipeline stages; `_distributed.Emulation.rank_classes`), else one:
+    # symmetric parallelisms (FSDP2, DDP, TP over whole meshes, even shards) make the same requests on every rank.
+    d.setdefault("rank_classes", [{"ranks": list(range(d["world_size"])), "traced_rank": d["rank"], "symmetric": True}])
     return d
 
 
