@@ -152,3 +152,33 @@ def test_an_estimate_of_a_compiled_program_never_hangs(tmp_path):
     notes = [n for n in r["notes"] if n.startswith("torch.compile")]
     assert notes and "took more than 0.5 s" in notes[0] and "upper bound" in notes[0], r["notes"]
     assert any(u["kind"] == "torch.compile" for u in r["uncertainty"])
+
+
+def test_a_compiled_training_step_function_with_the_optimizer_runs_to_its_steps():
+    """`@torch.compile` on the whole step (forward, backward, optimizer.step): dynamo splits it at backward, the
+    optimizer's step compiles too (its stacked step counters are a host graph: its C++ kernel must not run on fake
+    tensors: it crashed the process), and the trace stops after the requested steps."""
+    import torchmem
+
+    state: dict = {}
+
+    def step():
+        if not state:
+            m = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).cuda()
+            opt = torch.optim.AdamW(m.parameters())
+
+            @torch.compile
+            def train(x):
+                loss = m(x).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                return loss
+
+            state["train"] = train
+        state["train"](torch.randn(512, 256, device="cuda"))
+
+    est = torchmem.estimate(step, gpu="H200", steps=3)
+    assert est.steps == 3
+    notes = [n for n in est.notes if n.startswith("torch.compile")]
+    assert notes and "Inductor's plan was executed" in notes[0], est.notes

@@ -171,9 +171,11 @@ class CompileEmulation:
         self.bounded: list[str] = []  # why graphs fell back to (b)
         self.compile_seconds = 0.0
         self._real_compile = None
-        self._patches: list[tuple[Any, str, Any]] = []
         self._message = ""
         self._library = None
+        self._warning_filter = None
+        self._dynamo_config = None
+        self.eager_frames: list[str] = []  # frames dynamo failed on here (run eagerly)
 
     # ------------------------------------------------------------------ install
     def install(self, patch) -> None:
@@ -184,6 +186,10 @@ class CompileEmulation:
         # eagerly): the tracer asks it not to look at compile internals, which run with the modes taken off
         # (`_compiling`), while the compiled code runs under them.
         self.tracer.ignore_compile_internals = lambda: True
+        # The estimate's global module hooks make torch warn about compiled modules in the program's output; they are
+        # ours, not the program's.
+        warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks")
+        self._warning_filter = warnings.filters[0]
         self._install_sdpa(patch)
         _reset_dynamo()
 
@@ -227,6 +233,15 @@ class CompileEmulation:
         if self._library is not None:
             self._library._destroy()
             self._library = None
+        if self._dynamo_config is not None:
+            import torch._dynamo.config as dconfig
+
+            dconfig.suppress_errors, logger, handler, logger.propagate = self._dynamo_config
+            logger.removeHandler(handler)
+            self._dynamo_config = None
+        if self._warning_filter in warnings.filters:
+            warnings.filters.remove(self._warning_filter)
+            getattr(warnings, "_filters_mutated", lambda: None)()
         self.tracer.__dict__.pop("ignore_compile_internals", None)
 
     # ------------------------------------------------------------------ torch.compile
@@ -258,7 +273,35 @@ class CompileEmulation:
                 f"torch.compile(mode={mode!r}) autotunes GEMM templates on the GPU: the estimate uses the default "
                 "choices (cuBLAS)"
             )
+        self._suppress_dynamo_errors()
         return self._real_compile(model, backend=self._backend(options or {}), fullgraph=fullgraph, dynamic=dynamic)
+
+    def _suppress_dynamo_errors(self) -> None:
+        """A frame dynamo cannot trace on the emulated device (a compiled optimizer step: dynamo runs `_init_group`
+        with the estimate's modes off, and `torch.zeros(device="cuda")` then needs a driver) runs eagerly instead of
+        ending the estimate, and the report says so (dynamo's `suppress_errors`, its warning caught)."""
+        if self._dynamo_config is not None:
+            return
+        import logging
+
+        import torch._dynamo.config as dconfig
+
+        emulation = self
+
+        class _Caught(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                if record.levelno < logging.WARNING:
+                    return
+                first = next((ln for ln in record.getMessage().splitlines() if ln.strip()), "")[:200]
+                emulation.eager_frames.append(first)
+                emulation._describe()
+
+        logger = logging.getLogger("torch._dynamo.convert_frame")
+        handler = _Caught()
+        self._dynamo_config = (dconfig.suppress_errors, logger, handler, logger.propagate)
+        dconfig.suppress_errors = True
+        logger.addHandler(handler)
+        logger.propagate = False
 
     def _backend(self, options: dict):
         emulation = self
@@ -346,6 +389,11 @@ class CompileEmulation:
                 "aot_autograd's min-cut partition (the saved activations are the compiled program's; every "
                 "intermediate that Inductor would fuse away is counted): that part is an upper bound"
             )
+        if self.eager_frames:
+            parts.append(
+                f"torch.compile: dynamo could not trace {len(self.eager_frames)} frame(s) on the emulated device "
+                f"({self.eager_frames[-1]}); they ran eagerly: that part of the estimate is the eager program's"
+            )
         message = "; ".join(parts)
         if not message:
             return
@@ -359,7 +407,15 @@ class CompileEmulation:
             (_KIND, "", "", ""), {"kind": _KIND, "what": "", "op": "", "shapes": "", "site": "", "calls": 0, "bytes": 0}
         )
         reason["what"] = message
-        reason["calls"] = self.graphs + len(self.bounded)
+        reason["calls"] = self.graphs + len(self.bounded) + len(self.eager_frames)
+        ways = []
+        if self.graphs:
+            ways.append(f"Inductor's plan executed ({self.graphs} graph(s))")
+        if self.bounded:
+            ways.append(f"graphs op by op after the min-cut partition, an upper bound ({len(self.bounded)} graph(s))")
+        if self.eager_frames:
+            ways.append(f"frames run eagerly ({len(self.eager_frames)})")
+        reason["op"] = "; ".join(ways)
 
     # ------------------------------------------------------------------ runtime hooks
     def gemm(self, lt: bool, args) -> None:
@@ -431,6 +487,16 @@ class CompileEmulation:
             return _NoKernel(emulation, kernel_name, configs, mutated, arg_names)
 
         setattr_saved(async_compile.AsyncCompile, "triton", triton)
+
+        def host_kernel(*_a, **_k):
+            # A kernel of a host (CPU) graph, e.g. the optimizer's stacked step counters: its tensors are fake
+            # (a real C++ kernel on them would write through fake data pointers); no host memory is estimated.
+            emulation.kernels += 1
+            return lambda *_args, **_kwargs: None
+
+        for name in ("cpp", "cpp_pybinding", "cuda", "cutlass", "halide"):
+            if hasattr(async_compile.AsyncCompile, name):
+                setattr_saved(async_compile.AsyncCompile, name, lambda _self, *a, **k: host_kernel(*a, **k))
         from torch._inductor.constant_folding import ConstantFolder
 
         run_node = ConstantFolder.run_node
@@ -488,7 +554,11 @@ class CompileEmulation:
         def reinterpret_tensor(t, size, stride, offset=0):
             return torch.as_strided(t, size, stride, offset)
 
+        def empty_strided_cpu(size, stride, dtype, *_a, **_k):
+            return torch.empty_strided(size, stride, dtype=dtype, device="cpu")
+
         mod.empty_strided_cuda = empty_strided_cuda
+        mod.empty_strided_cpu = empty_strided_cpu
         mod.reinterpret_tensor = reinterpret_tensor
         mod.get_raw_stream = lambda *_a: 0
         if hasattr(mod, "copy_if_misaligned"):
