@@ -12,7 +12,9 @@ Each config is estimated as a user would, with the venv's CLI, from a temporary 
     torchmem estimate --gpu H200 --nnodes NN --nproc-per-node P --rank R --json \\
         -- python scripts/gpu_distributed_truth.py --child NAME
 
-(P = min(N, 8), NN = N / P). The table gives, per config, the world size, the rank and its class (the ranks the
+(P = min(N, 8), NN = N / P). Configs that are ranks of one job (the same kind, world and options: the classes of
+uneven shards, a pipeline's stages) are one estimate, which traces one rank of each class itself; each config is
+compared with its rank's class. The table gives, per config, the world size, the rank and its class (the ranks the
 estimate groups with it), the measured and predicted peak allocated and reserved bytes and the error in percent
 ((predicted - measured) / measured); then the median and the maximum of the absolute errors, over all configs and
 over the configs named `--held-out` (those not looked at while fixing the estimator). Exit status 0.
@@ -154,14 +156,22 @@ def main() -> int:
         wanted = set(a.only.split(","))
         cfgs = [c for c in cfgs if c["name"] in wanted]
 
-    def one(cfg: dict) -> dict:
+    # Configs of one program and world (the ranks of one job: fsdp2-uneven-w24 and fsdp2-uneven-w24-rank23, a
+    # pipeline's stages) are one estimate: it traces one rank of each class and lists every class.
+    jobs: dict[str, list[dict]] = {}
+    for c in cfgs:
+        key = json.dumps([c["kind"], c["world_size"], c.get("options", {})], sort_keys=True)
+        jobs.setdefault(key, []).append(c)
+
+    def one(group: list[dict]) -> list[dict]:
         t0 = time.time()
-        rep = estimate(cfg)
+        rep = estimate(group[0])
         rep["_seconds"] = round(time.time() - t0, 1)
-        return compare(cfg, rep)
+        return [compare(cfg, rep) for cfg in group]
 
     with ThreadPoolExecutor(max(1, a.jobs)) as ex:
-        rows = list(ex.map(one, cfgs))
+        by_name = {r["name"]: r for rows_ in ex.map(one, jobs.values()) for r in rows_}
+    rows = [by_name[c["name"]] for c in cfgs]
     held = [p for p in a.held_out.split(",") if p]
     held_rows = [r for r in rows if any(r["name"].startswith(p) for p in held)]
     doc = {"truth": str(a.truth), "rows": rows, "summary": summary(rows)}

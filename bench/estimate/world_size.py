@@ -12,6 +12,7 @@ Usage: `python bench/estimate/world_size.py [--repeat 3] [--layers 4] [--hidden 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -41,6 +42,9 @@ WORLDS = {
     "8 ranks": ("--nproc-per-node", "8"),
     "1024 ranks": ("--nnodes", "128", "--nproc-per-node", "8"),
 }
+# The same 1,024 ranks with a hidden size that does not divide (1000: ranks 0-999 hold a row of each weight,
+# 1000-1023 none): two rank classes, each traced and simulated (issue 24's classes).
+UNEVEN = "1024, uneven"
 
 
 def main() -> int:
@@ -52,24 +56,30 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         script = Path(d) / "fsdp.py"
         script.write_text(PROGRAM.format(hidden=a.hidden, layers=a.layers))
-        times: dict[str, list[float]] = {k: [] for k in WORLDS}
+        uneven = Path(d) / "fsdp_uneven.py"
+        uneven.write_text(PROGRAM.format(hidden=1000, layers=a.layers))
+        worlds = {**WORLDS, UNEVEN: WORLDS["1024 ranks"]}
+        times: dict[str, list[float]] = {k: [] for k in worlds}
+        classes: dict[str, int] = {}
         for _ in range(a.repeat):
-            for name, flags in WORLDS.items():  # interleaved: the machine's load falls on every world alike
+            for name, flags in worlds.items():  # interleaved: the machine's load falls on every world alike
                 t0 = time.perf_counter()
                 p = subprocess.run(
                     [sys.executable, "-m", "torchmem", "estimate", "--json", *flags, "--", sys.executable,
-                     str(script)],
+                     str(uneven if name == UNEVEN else script)],
                     capture_output=True, text=True,
                 )  # fmt: skip
+                if p.returncode == 0:
+                    classes[name] = len(json.loads(p.stdout).get("ranks") or [1])
                 times[name].append(time.perf_counter() - t0)
                 if p.returncode != 0:
                     print(f"{name}: failed\n{p.stderr[-2000:]}", file=sys.stderr)
                     return 1
     base = statistics.median(times["1 rank"])
-    print(f"{'world':<12} {'median s':>9} {'vs 1 rank':>10}   (torchmem estimate, {a.repeat} runs each)")
+    print(f"{'world':<14} {'classes':>7} {'median s':>9} {'vs 1 rank':>10}   (torchmem estimate, {a.repeat} runs each)")
     for name, ts in times.items():
         m = statistics.median(ts)
-        print(f"{name:<12} {m:>9.2f} {m / base:>9.2f}x")
+        print(f"{name:<14} {classes.get(name, 0):>7} {m:>9.2f} {m / base:>9.2f}x")
     return 0
 
 
