@@ -76,3 +76,37 @@ def test_rank_peaks_match_the_h200_within_one_percent(name, tmp_path):
         pred, meas = cls[key], measured[stat]
         err = 100.0 * (pred - meas) / meas
         assert abs(err) <= TOLERANCE_PCT, (name, key, pred, meas, f"{err:+.2f} %")
+
+
+def _job(truth: dict[str, dict], name: str) -> list[dict]:
+    """The truth configs that are ranks of `name`'s job (same kind, world and options): its classes' records."""
+    c = truth[name]
+    return [t for t in truth.values() if (t["kind"], t["world_size"], t["options"]) == (c["kind"], c["world_size"],
+            c["options"]) and t.get("steps")]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "classes"),
+    [
+        ("fsdp2-uneven-w24", [list(range(23)), [23]]),  # 1000 / 4000 rows over 24 ranks: rank 23's are smaller
+        ("pp2-1f1b", [[0], [1]]),  # a pipeline of 2 stages, 1F1B: one class per stage
+        ("ddp", [[0]]),  # DDP on a real 1-rank NCCL group (its buckets do not depend on the world)
+    ],
+)
+def test_every_class_of_a_job_matches_the_h200_within_one_percent(name, classes, tmp_path):
+    """One estimate of the job traces one rank of each class (uneven FSDP2 shards, pipeline stages) and lists every
+    class; each recorded rank's class predicts its peak allocated and reserved within 1 % of the H200's."""
+    truth = _truth()
+    if name not in truth or not truth[name].get("steps"):
+        pytest.skip(f"{name} has no H200 truth in {TRUTH.name}")
+    report = _estimate(truth[name], tmp_path)
+    assert sorted(c["ranks"] for c in report["ranks"]) == sorted(classes), [c["ranks"] for c in report["ranks"]]
+    assert all(c["traced"] for c in report["ranks"])
+    for cfg in _job(truth, name):
+        measured = cfg["steps"][STEPS - 1]
+        cls = _class_of(report, cfg["rank"])
+        for key, stat in (("peak_allocated_bytes", "allocated_bytes.all.peak"),
+                          ("peak_reserved_bytes", "reserved_bytes.all.peak")):  # fmt: skip
+            pred, meas = cls[key], measured[stat]
+            err = 100.0 * (pred - meas) / meas
+            assert abs(err) <= TOLERANCE_PCT, (cfg["name"], key, pred, meas, f"{err:+.2f} %")
