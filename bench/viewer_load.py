@@ -21,6 +21,7 @@ import argparse
 import functools
 import gzip
 import http.server
+import os
 import pickle
 import re
 import subprocess
@@ -320,7 +321,8 @@ def main() -> None:
                 ratio = f"{mv_total / tm_total:.1f}x" if mv_total and tm_total else "-"
                 row += [fmt(prep), fmt(mv_render), fmt(mv_total), fmt(mv_heap, "MiB"), ratio]
             rows.append(row)
-            print(" | ".join(row), flush=True)
+            # The machine is shared: say how loaded it was while this file was timed.
+            print(" | ".join(row), f"(load average {os.getloadavg()[0]:.1f})", flush=True)
     head = [
         "file",
         "size",

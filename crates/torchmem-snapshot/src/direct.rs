@@ -66,8 +66,10 @@ struct Node {
     items: Vec<V>,
     /// Frame ids of a list read as a frame list (`frame_list`): its items, when `items` is empty.
     frames: Vec<u32>,
-    /// Trace entries appended to this list (a device trace).
+    /// Trace entries appended to this list (a device trace); empty when they went to an [`EntrySink`].
     entries: Vec<TraceEntry>,
+    /// How many trace entries were appended to this list (kept or streamed) and not yet taken.
+    n_entries: u64,
     /// The entries were moved into the snapshot.
     taken: bool,
 }
@@ -446,10 +448,33 @@ struct Reader<Rd: Read> {
     shapes: Vec<Shape>,
     /// Frame ids of the frame list `trace_entry` read (`V::EntryFrames`).
     entry_frames: Vec<u32>,
+    /// Where trace entries go instead of their list's `entries` ([`read_streaming`]).
+    sink: Option<Box<dyn EntrySink>>,
+    /// The list behind each device trace (`build`), for the sink's user.
+    device_lists: Vec<Option<u32>>,
+}
+
+/// Receives the trace entries as the decoder appends them to a list, in order, in batches (a pickle's
+/// APPENDS: about 1000 entries). `list` identifies the list; [`read_streaming`] says which device trace
+/// each list is. Entries streamed here are not kept in the [`Snapshot`].
+pub trait EntrySink {
+    fn append(&mut self, list: u32, entries: &[TraceEntry]);
 }
 
 /// Decodes a snapshot pickle, or gives up ([`Bail`]) for the generic decoder to take over.
 pub fn read<Rd: Read>(reader: Rd) -> Result<Snapshot, Bail> {
+    reader_of(reader, None).map(|(s, _)| s)
+}
+
+/// Decodes a snapshot pickle, handing every trace entry to `sink` as it is read instead of keeping it
+/// (the snapshot's `device_traces` are left empty, one per device): a consumer builds its own compact
+/// model while the file streams in. Returns the snapshot and, per device trace, the sink's list id (None
+/// for a `None` trace). On [`Bail`] the sink has seen part of the entries: discard what it built.
+pub fn read_streaming<Rd: Read>(reader: Rd, sink: Box<dyn EntrySink>) -> Result<(Snapshot, Vec<Option<u32>>), Bail> {
+    reader_of(reader, Some(sink))
+}
+
+fn reader_of<Rd: Read>(reader: Rd, sink: Option<Box<dyn EntrySink>>) -> Result<(Snapshot, Vec<Option<u32>>), Bail> {
     let mut r = Reader {
         input: Input::new(reader),
         stack: Vec::with_capacity(256),
@@ -467,9 +492,13 @@ pub fn read<Rd: Read>(reader: Rd) -> Result<Snapshot, Bail> {
         scratch_ids: Vec::new(),
         shapes: Vec::new(),
         entry_frames: Vec::new(),
+        sink,
+        device_lists: Vec::new(),
     };
     let root = r.run()?;
-    r.build(root)
+    r.sink = None;
+    let snap = r.build(root)?;
+    Ok((snap, r.device_lists))
 }
 
 impl<Rd: Read> Reader<Rd> {
@@ -488,6 +517,7 @@ impl<Rd: Read> Reader<Rd> {
             items: Vec::new(),
             frames: Vec::new(),
             entries: Vec::new(),
+            n_entries: 0,
             taken: false,
         });
         V::Node(id, 0)
@@ -955,13 +985,20 @@ impl<Rd: Read> Reader<Rd> {
             if !node.items.is_empty() || !node.frames.is_empty() {
                 return Err(Bail);
             }
-            node.entries.extend(self.pending.drain(..n_items));
+            match &mut self.sink {
+                Some(sink) => {
+                    sink.append(id, &self.pending[..n_items]);
+                    self.pending.drain(..n_items);
+                }
+                None => node.entries.extend(self.pending.drain(..n_items)),
+            }
+            node.n_entries += n_items as u64;
             self.pending_base += n_items as u64;
             self.stack.truncate(from);
             return Ok(());
         }
         let node = &mut self.nodes[id as usize];
-        if !node.entries.is_empty() {
+        if node.n_entries != 0 {
             return Err(Bail);
         }
         if !node.frames.is_empty() {
@@ -1214,7 +1251,7 @@ impl<Rd: Read> Reader<Rd> {
             Some(V::EntryFrames) => Ok(self.interner.stack_slice(&self.entry_frames)),
             Some(l @ V::Node(id, _)) => {
                 let n = self.node(l)?;
-                if n.kind != Kind::List || !n.entries.is_empty() {
+                if n.kind != Kind::List || n.n_entries != 0 {
                     return Err(Bail);
                 }
                 if !n.frames.is_empty() {
@@ -1317,7 +1354,7 @@ impl<Rd: Read> Reader<Rd> {
 
     fn seq_items(&self, v: V) -> R<Vec<V>> {
         let n = self.node(v)?;
-        if n.kind == Kind::Dict || !n.entries.is_empty() || !n.frames.is_empty() {
+        if n.kind == Kind::Dict || n.n_entries != 0 || !n.frames.is_empty() {
             return Err(Bail);
         }
         Ok(n.items.clone())
@@ -1362,7 +1399,7 @@ impl<Rd: Read> Reader<Rd> {
         let pool_id = match self.dict_get(v, "segment_pool_id")? {
             Some(p @ V::Node(..)) => {
                 let n = self.node(p)?;
-                if n.kind != Kind::Dict && n.entries.is_empty() && n.frames.is_empty() && n.items.len() == 2 {
+                if n.kind != Kind::Dict && n.n_entries == 0 && n.frames.is_empty() && n.items.len() == 2 {
                     (self.loose_i64(n.items[0]), self.loose_i64(n.items[1]))
                 } else {
                     (0, 0)
@@ -1408,7 +1445,7 @@ impl<Rd: Read> Reader<Rd> {
             V::Trace(_) | V::EntryFrames => return Err(Bail),
             V::Node(..) => {
                 let n = self.node(v)?;
-                if !n.entries.is_empty() || !n.frames.is_empty() {
+                if n.n_entries != 0 || !n.frames.is_empty() {
                     return Err(Bail);
                 }
                 match n.kind {
@@ -1445,7 +1482,7 @@ impl<Rd: Read> Reader<Rd> {
         })
     }
 
-    fn build(mut self, root: V) -> R<Snapshot> {
+    fn build(&mut self, root: V) -> R<Snapshot> {
         if !self.pending.is_empty() || !self.is_dict(root) {
             return Err(Bail);
         }
@@ -1463,7 +1500,10 @@ impl<Rd: Read> Reader<Rd> {
             let mut seen = HashSet::new();
             for dev in self.seq_items(tv)? {
                 match dev {
-                    V::None => snap.device_traces.push(Vec::new()),
+                    V::None => {
+                        snap.device_traces.push(Vec::new());
+                        self.device_lists.push(None);
+                    }
                     V::Node(id, _) => {
                         let n = self.node(dev)?;
                         if n.kind != Kind::List
@@ -1476,7 +1516,9 @@ impl<Rd: Read> Reader<Rd> {
                         }
                         let n = &mut self.nodes[id as usize];
                         n.taken = true;
+                        n.n_entries = 0;
                         snap.device_traces.push(std::mem::take(&mut n.entries));
+                        self.device_lists.push(Some(id));
                     }
                     _ => return Err(Bail),
                 }
@@ -1504,7 +1546,7 @@ impl<Rd: Read> Reader<Rd> {
             }
         }
         // Trace entries must all sit in device traces (the generic decoder counts the others too).
-        let stray = self.nodes.iter().any(|n| !n.entries.is_empty());
+        let stray = self.nodes.iter().any(|n| n.n_entries != 0);
         if stray {
             return Err(Bail);
         }

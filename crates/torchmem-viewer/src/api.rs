@@ -49,7 +49,7 @@ pub fn meta(docs: &[Doc]) -> Value {
                 "categories": CATEGORIES,
                 "ooms": t.ooms,
                 "annotations": &t.annotations[..t.annotations.len().min(20_000)],
-                "time_us": [t.time_us.first().copied().unwrap_or(0), t.time_us.last().copied().unwrap_or(0)],
+                "time_us": [t.time_us.first().unwrap_or(0), t.time_us.last().unwrap_or(0)],
             }),
             Doc::Profile { name, view } => json!({
                 "type": "profile",
@@ -91,27 +91,28 @@ pub fn lod(docs: &[Doc], q: &HashMap<String, String>) -> Result<Value, ApiError>
     };
     let y0: f64 = num(q, "y0").unwrap_or(0.0);
     let y1: f64 = num(q, "y1").unwrap_or(t.layout_bytes as f64);
-    let r = index.query(&t.allocs, t.events, crate::lod::Window { t0, t1, y0, y1, cols, rows }, &keep);
+    let r = index.query(t, crate::lod::Window { t0, t1, y0, y1, cols, rows }, &keep);
     serde_json::to_value(r).map_err(|e| (500, e.to_string()))
 }
 
 /// One allocation: size, lifetime, site, category and its whole stack.
 pub fn block_json(t: &Trace, id: u32) -> Option<Value> {
-    let a = t.allocs.get(id as usize)?;
+    let a = *t.allocs.get(id as usize)?;
+    let (addr, size, t0) = (a.addr, a.size_bytes, a.t0);
     let end = if a.t1 == ALIVE { None } else { Some(a.t1) };
-    let time = |e: u32| t.time_us.get(e as usize).copied();
+    let time = |e: u32| t.time_us.get(e as usize);
     Some(json!({
         "id": id,
-        "addr": format!("0x{:x}", a.addr),
-        "size": a.size_bytes,
-        "t0": a.t0,
+        "addr": format!("0x{addr:x}"),
+        "size": size,
+        "t0": t0,
         "t1": end,
-        "time0_us": time(a.t0),
+        "time0_us": time(t0),
         "time1_us": end.and_then(time),
-        "lifetime_us": end.and_then(time).zip(time(a.t0)).map(|(b, a)| b - a),
-        "site": t.sites.get(a.site as usize),
-        "category": CATEGORIES[a.category as usize],
-        "before_history": a.before_history,
+        "lifetime_us": end.and_then(time).zip(time(t0)).map(|(b, a)| b - a),
+        "site": t.sites.get(t.site(id) as usize),
+        "category": CATEGORIES[t.category(id) as usize],
+        "before_history": t.before_history(id),
         "stack": t.stack_text(a.stack),
     }))
 }

@@ -68,7 +68,8 @@ fn memory_data(t: &Trace, index: &crate::lod::LodIndex, budget: usize) -> Value 
             }
         };
         let end = if a.t1 == ALIVE { t.events } else { a.t1 };
-        rows.push(json!([i, a.t0, end, a.y, a.size_bytes, a.site, a.category, s, a.before_history as u8]));
+        let (t0, y, size) = (a.t0, a.y, a.size_bytes);
+        rows.push(json!([i, t0, end, y, size, t.site(i), t.category(i), s, t.before_history(i) as u8]));
     }
     let whole = crate::lod::Window {
         t0: 0.0,
@@ -78,7 +79,7 @@ fn memory_data(t: &Trace, index: &crate::lod::LodIndex, budget: usize) -> Value 
         cols: LEVEL_COLS,
         rows: 1,
     };
-    let full = index.query(&t.allocs, t.events, whole, &|_| false);
+    let full = index.query(t, whole, &|_| false);
     json!({
         "allocs": rows,
         "stacks": stacks,
@@ -88,7 +89,7 @@ fn memory_data(t: &Trace, index: &crate::lod::LodIndex, budget: usize) -> Value 
         "level_min": full.level_min,
         "segments_at_peak": api::segments_json(t, t.peak_event),
         "icicle_at_peak": {"t": t.peak_event, "root": t.icicle_at(t.peak_event, 0.005, 24)},
-        "time_us": [t.time_us.first().copied().unwrap_or(0), t.time_us.last().copied().unwrap_or(0)],
+        "time_us": [t.time_us.first().unwrap_or(0), t.time_us.last().unwrap_or(0)],
     })
 }
 

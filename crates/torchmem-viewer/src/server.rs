@@ -183,7 +183,7 @@ impl Server {
                         let _ = serve_one(stream, &docs, &token, port);
                     });
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(20)),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => wait_readable(&self.listener, 100),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
@@ -195,6 +195,15 @@ impl Server {
         }
         Ok(())
     }
+}
+
+/// Waits until a connection is pending on `listener` or `ms` milliseconds have passed (so a request is
+/// accepted at once, and a signal is noticed within `ms`).
+fn wait_readable(listener: &TcpListener, ms: i32) {
+    use std::os::fd::AsRawFd;
+    let mut fd = libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd for the duration of the call.
+    unsafe { libc::poll(&mut fd, 1, ms) };
 }
 
 fn serve_one(mut s: TcpStream, docs: &[Doc], token: &str, port: u16) -> std::io::Result<()> {

@@ -5,15 +5,17 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use torchmem_snapshot::model::{Action, BlockState, FxBuild, Snapshot, StackId, NO_STACK};
-use torchmem_snapshot::replay::device_trace;
+use torchmem_snapshot::model::{Action, BlockState, FxBuild, Snapshot, StackId, TraceEntry, NO_STACK};
 use torchmem_snapshot::sites;
 
 /// The free time of a block still alive at the end of the trace.
 pub const ALIVE: u32 = u32::MAX;
 
 /// One allocation: alive from event `t0` (its alloc) to event `t1` (its free_completed, or [`ALIVE`]).
+/// 36 bytes (packed to 4): its site and category are per stack (`Trace::site`, `Trace::category`), and
+/// whether it predates the recorded history is its place (the first `Trace::n_before` allocations).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(C, packed(4))]
 pub struct Alloc {
     pub t0: u32,
     pub t1: u32,
@@ -22,12 +24,6 @@ pub struct Alloc {
     pub size_bytes: u64,
     pub addr: u64,
     pub stack: StackId,
-    /// Index into `Trace::sites`.
-    pub site: u32,
-    /// Index into [`CATEGORIES`].
-    pub category: u8,
-    /// Allocated before the recorded history (its alloc is not in the trace).
-    pub before_history: bool,
 }
 
 /// What an allocation is, from its stack.
@@ -43,26 +39,118 @@ pub struct OomEvent {
     pub device_free_bytes: Option<u64>,
 }
 
+/// `time_us` of every event: 4 bytes an event (offsets from the first) while they fit, else 8.
+#[derive(Debug, Clone)]
+pub enum Times {
+    Offsets { base: i64, offsets: Vec<u32> },
+    Wide(Vec<i64>),
+}
+
+impl Default for Times {
+    fn default() -> Self {
+        Times::Offsets { base: 0, offsets: Vec::new() }
+    }
+}
+
+impl Times {
+    #[inline]
+    pub fn push(&mut self, t: i64) {
+        match self {
+            Times::Offsets { base, offsets } => {
+                if offsets.is_empty() {
+                    *base = t;
+                }
+                match u32::try_from(t.wrapping_sub(*base)) {
+                    Ok(d) if t >= *base => offsets.push(d),
+                    _ => {
+                        let b = *base;
+                        let mut wide: Vec<i64> = offsets.iter().map(|&d| b + d as i64).collect();
+                        wide.push(t);
+                        *self = Times::Wide(wide);
+                    }
+                }
+            }
+            Times::Wide(v) => v.push(t),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Times::Offsets { offsets, .. } => offsets.len(),
+            Times::Wide(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn get(&self, e: usize) -> Option<i64> {
+        match self {
+            Times::Offsets { base, offsets } => offsets.get(e).map(|&d| base + d as i64),
+            Times::Wide(v) => v.get(e).copied(),
+        }
+    }
+
+    pub fn first(&self) -> Option<i64> {
+        self.get(0)
+    }
+
+    pub fn last(&self) -> Option<i64> {
+        self.get(self.len().wrapping_sub(1))
+    }
+
+    /// The first event whose time is not before `t` (the last event when none): times are in order.
+    pub fn event_at(&self, t: i64) -> u32 {
+        let n = self.len();
+        let k = match self {
+            Times::Offsets { base, offsets } => {
+                if t <= *base {
+                    0
+                } else {
+                    let d = u32::try_from(t - base).unwrap_or(u32::MAX);
+                    offsets.partition_point(|&x| x < d)
+                }
+            }
+            Times::Wide(v) => v.partition_point(|&x| x < t),
+        };
+        k.min(n.saturating_sub(1)) as u32
+    }
+
+    fn shrink(&mut self) {
+        match self {
+            Times::Offsets { offsets, .. } => offsets.shrink_to_fit(),
+            Times::Wide(v) => v.shrink_to_fit(),
+        }
+    }
+}
+
 /// The viewer's model of one device's trace.
 pub struct Trace {
+    /// The snapshot without its trace entries (strings, frames, stacks, segments, annotations).
     pub snap: Snapshot,
     pub device: usize,
-    /// Allocations sorted by `t0` (their index is the allocation id).
+    /// Allocations sorted by `t0` (their index is the allocation id); the first `n_before` predate the
+    /// recorded history.
     pub allocs: Vec<Alloc>,
+    pub n_before: u32,
     /// Number of events (x axis: 0..events).
     pub events: u32,
     /// Requested bytes alive after each event (exact, pre-history blocks included); the LOD index takes it.
     pub active_bytes: Vec<u64>,
-    /// The segment events (event, action, address, bytes): the trace itself is dropped once read.
+    /// The segment events (event, action, address, bytes): the trace itself is never kept.
     pub segment_events: Vec<(u32, Action, u64, u64)>,
     /// Height of the packed layout (≥ the peak of `active_bytes`).
     pub layout_bytes: u64,
     pub peak_bytes: u64,
     pub peak_event: u32,
     pub sites: Vec<String>,
+    /// Site (index into `sites`) and category of each stack id; the last entry is for `NO_STACK`.
+    stack_site: Vec<u32>,
+    stack_cat: Vec<u8>,
     pub ooms: Vec<OomEvent>,
     /// `time_us` of every event (for the read-out).
-    pub time_us: Vec<i64>,
+    pub time_us: Times,
     /// `record_function` / `_set_memory_metadata` spans of this device, as event intervals.
     pub annotations: Vec<AnnotationSpan>,
 }
@@ -78,8 +166,8 @@ pub struct AnnotationSpan {
 }
 
 /// Pairs START/END annotations by name (innermost first) and maps their times to events.
-fn annotation_spans(snap: &Snapshot, device: usize, time_us: &[i64]) -> Vec<AnnotationSpan> {
-    let event_at = |t: i64| time_us.partition_point(|&x| x < t).min(time_us.len().saturating_sub(1)) as u32;
+fn annotation_spans(snap: &Snapshot, device: usize, time_us: &Times) -> Vec<AnnotationSpan> {
+    let event_at = |t: i64| time_us.event_at(t);
     let mut open: HashMap<&str, Vec<i64>> = HashMap::new();
     let mut out = Vec::new();
     for a in snap.annotations.iter().filter(|a| a.device == device as i64 || a.device < 0) {
@@ -113,6 +201,8 @@ struct Packer {
     by_start: BTreeMap<u64, u64>,
     by_size: BTreeSet<(u64, u64)>,
     top: u64,
+    /// The highest `top` ever (the layout's height).
+    high: u64,
 }
 
 impl Packer {
@@ -132,11 +222,13 @@ impl Packer {
                 self.by_start.remove(&start);
                 self.by_size.remove(&(len, start));
                 self.top = start + size;
+                self.high = self.high.max(self.top);
                 return start;
             }
         }
         let y = self.top;
         self.top += size;
+        self.high = self.high.max(self.top);
         y
     }
 
@@ -147,6 +239,18 @@ impl Packer {
 
     fn give(&mut self, start: u64, size: u64) {
         let (mut start, mut len) = (start, size.max(1));
+        // Freed at the top: the top comes down (and takes a gap that touches it).
+        if start + len == self.top {
+            self.top = start;
+            if let Some((&s, &l)) = self.by_start.iter().next_back() {
+                if s + l == self.top {
+                    self.by_start.remove(&s);
+                    self.by_size.remove(&(l, s));
+                    self.top = s;
+                }
+            }
+            return;
+        }
         if let Some((&s, &l)) = self.by_start.range(..start).next_back() {
             if s + l == start {
                 self.by_start.remove(&s);
@@ -191,158 +295,274 @@ fn category_of(snap: &Snapshot, stack: StackId) -> u8 {
     }
 }
 
-impl Trace {
-    /// Builds the viewer's model of `device`'s trace (the device with the most events when `None`).
-    pub fn build(snap: Snapshot, device: Option<usize>) -> Trace {
-        let device = device.unwrap_or_else(|| {
-            (0..snap.device_traces.len()).max_by_key(|&d| (snap.device_traces[d].len(), usize::MAX - d)).unwrap_or(0)
-        });
-        let entries = device_trace(&snap, device);
-        let events = entries.len().max(1) as u32;
-        let mut site_ids: HashMap<String, u32, FxBuild> = HashMap::default();
-        let mut sites_v: Vec<String> = Vec::new();
-        let mut stack_info: HashMap<StackId, (u32, u8), FxBuild> = HashMap::default();
-        let mut info = |stack: StackId, snap: &Snapshot| -> (u32, u8) {
-            if let Some(&v) = stack_info.get(&stack) {
-                return v;
-            }
-            let label =
-                if stack == NO_STACK { "(no frames recorded)".to_string() } else { sites::site_label(snap, stack) };
-            let n = site_ids.len() as u32;
-            let site = *site_ids.entry(label.clone()).or_insert_with(|| {
-                sites_v.push(label);
-                n
-            });
-            let v = (site, category_of(snap, stack));
-            stack_info.insert(stack, v);
-            v
-        };
-        // Pass 1: intervals (pre-history blocks start at event 0).
-        let mut allocs: Vec<Alloc> = Vec::new();
-        let mut open: HashMap<u64, usize, FxBuild> = HashMap::default();
-        let mut ooms = Vec::new();
-        let mut time_us = Vec::with_capacity(entries.len());
-        let mut segment_events = Vec::new();
-        for (i, e) in entries.iter().enumerate() {
-            time_us.push(e.time_us);
-            match e.action() {
-                a @ (Action::SegmentAlloc | Action::SegmentMap | Action::SegmentFree | Action::SegmentUnmap) => {
-                    segment_events.push((i as u32, a, e.addr, e.size_bytes))
-                }
-                Action::Alloc => {
-                    let (site, category) = info(e.stack, &snap);
-                    open.insert(e.addr, allocs.len());
-                    allocs.push(Alloc {
-                        t0: i as u32,
-                        t1: ALIVE,
-                        y: 0,
-                        size_bytes: e.size_bytes,
-                        addr: e.addr,
-                        stack: e.stack,
-                        site,
-                        category,
-                        before_history: false,
-                    });
-                }
-                Action::FreeCompleted => match open.remove(&e.addr) {
-                    Some(k) => allocs[k].t1 = i as u32,
-                    None => {
-                        let (site, _) = info(e.stack, &snap);
-                        allocs.push(Alloc {
-                            t0: 0,
-                            t1: i as u32,
-                            y: 0,
-                            size_bytes: e.size_bytes,
-                            addr: e.addr,
-                            stack: e.stack,
-                            site,
-                            category: 5,
-                            before_history: true,
-                        });
-                    }
-                },
-                Action::Oom => ooms.push(OomEvent {
-                    event: i as u32,
-                    time_us: e.time_us,
-                    requested_bytes: e.size_bytes,
-                    device_free_bytes: snap.info(e).device_free_bytes,
-                }),
-                _ => {}
-            }
+/// Builds one device's bands while its trace entries stream in (one event at a time, in order): the
+/// allocations of the trace are placed in the packed layout as they come (above the blocks from before
+/// the history, whose total is known only at the end), the level is kept per event, and nothing of the
+/// entries themselves is kept.
+#[derive(Default)]
+pub struct TraceBuilder {
+    events: u32,
+    time_us: Times,
+    /// The trace's allocations, in event order, `y` above the pre-history blocks.
+    allocs: Vec<Alloc>,
+    /// Blocks freed by the trace but not allocated in it (t0 = 0), in the order of their frees.
+    before: Vec<Alloc>,
+    open: HashMap<u64, u32, FxBuild>,
+    packer: Packer,
+    /// Bytes alive after each event, pre-history blocks left out.
+    level: Vec<u64>,
+    cur: u64,
+    segment_events: Vec<(u32, Action, u64, u64)>,
+    /// (event, time, requested bytes, entry info id)
+    ooms: Vec<(u32, i64, u64, u32)>,
+}
+
+impl TraceBuilder {
+    /// Number of events read.
+    pub fn events(&self) -> u32 {
+        self.events
+    }
+
+    /// Takes the next entries of the trace.
+    pub fn push(&mut self, entries: &[TraceEntry]) {
+        for e in entries {
+            self.push_one(e);
         }
+    }
+
+    #[inline]
+    fn push_one(&mut self, e: &TraceEntry) {
+        let i = self.events;
+        self.events += 1;
+        self.time_us.push(e.time_us);
+        match e.action() {
+            a @ (Action::SegmentAlloc | Action::SegmentMap | Action::SegmentFree | Action::SegmentUnmap) => {
+                self.segment_events.push((i, a, e.addr, e.size_bytes))
+            }
+            Action::Alloc => {
+                let y = self.packer.take(e.size_bytes);
+                self.cur += e.size_bytes;
+                self.open.insert(e.addr, self.allocs.len() as u32);
+                self.allocs.push(Alloc { t0: i, t1: ALIVE, y, size_bytes: e.size_bytes, addr: e.addr, stack: e.stack });
+            }
+            Action::FreeCompleted => match self.open.remove(&e.addr) {
+                Some(k) => {
+                    let a = &mut self.allocs[k as usize];
+                    a.t1 = i;
+                    let (y, size) = (a.y, a.size_bytes);
+                    self.packer.give(y, size);
+                    self.cur = self.cur.saturating_sub(size);
+                }
+                None => self.before.push(Alloc {
+                    t0: 0,
+                    t1: i,
+                    y: 0,
+                    size_bytes: e.size_bytes,
+                    addr: e.addr,
+                    stack: e.stack,
+                }),
+            },
+            Action::Oom => self.ooms.push((i, e.time_us, e.size_bytes, e.info())),
+            _ => {}
+        }
+        self.level.push(self.cur);
+    }
+
+    /// The viewer's model of `device`'s trace, from the entries read and the snapshot (its end state,
+    /// frames and annotations; its trace entries are not needed and are dropped).
+    pub fn finish(self, mut snap: Snapshot, device: usize) -> Trace {
+        let TraceBuilder {
+            events,
+            mut time_us,
+            allocs: mut trace_allocs,
+            mut before,
+            open,
+            packer,
+            level,
+            segment_events,
+            ooms,
+            ..
+        } = self;
+        snap.device_traces = Vec::new();
+        // Alive at the end but not by the trace: allocated before the recorded history.
+        let freed_before = before.len();
         for seg in snap.segments.iter().filter(|s| s.device == device as i64) {
             for b in seg.blocks.iter().filter(|b| b.state != BlockState::Inactive) {
-                // Alive at the end but not by the trace: allocated before the recorded history.
                 if !open.contains_key(&b.address) {
-                    let (site, _) = info(b.stack, &snap);
-                    allocs.push(Alloc {
+                    before.push(Alloc {
                         t0: 0,
                         t1: ALIVE,
                         y: 0,
                         size_bytes: b.requested_bytes.max(1),
                         addr: b.address,
                         stack: b.stack,
-                        site,
-                        category: 5,
-                        before_history: true,
                     });
                 }
             }
         }
-        allocs.sort_by_key(|a| (a.t0, !a.before_history));
-        // Pass 2: packed offsets and the active level, in event order.
-        let mut packer = Packer::default();
-        // Which allocation each event frees (a free_completed frees one block).
-        let mut freed_at = vec![u32::MAX; events as usize];
-        for (k, a) in allocs.iter().enumerate() {
-            if a.t1 != ALIVE {
-                freed_at[a.t1 as usize] = k as u32;
+        drop(open);
+        // The pre-history blocks are all alive at event 0: stacked from 0 in order; the trace's bands
+        // go above them.
+        let mut h = 0u64;
+        for a in before.iter_mut() {
+            a.y = h;
+            h += a.size_bytes.max(1);
+        }
+        let n_before = before.len() as u32;
+        if h > 0 {
+            for a in trace_allocs.iter_mut() {
+                a.y += h;
             }
         }
-        let mut active = vec![0u64; events as usize];
-        let mut level: u64 = 0;
-        let mut next = 0usize;
+        // The level: the trace's own plus the pre-history blocks still alive (those freed by the trace
+        // leave at their free).
+        let mut active = level;
+        if active.is_empty() {
+            active.push(0);
+        }
+        let mut pre_alive: u64 = before.iter().map(|a| a.size_bytes).sum();
+        let mut frees = before[..freed_before].iter().map(|a| (a.t1, a.size_bytes)).peekable();
         let (mut peak, mut peak_event) = (0u64, 0u32);
-        for t in 0..events {
-            while next < allocs.len() && allocs[next].t0 == t {
-                let a = &mut allocs[next];
-                a.y = packer.take(a.size_bytes);
-                level += a.size_bytes;
-                next += 1;
+        for (t, v) in active.iter_mut().enumerate() {
+            while let Some(&(t1, size)) = frees.peek() {
+                if t1 as usize > t {
+                    break;
+                }
+                pre_alive = pre_alive.saturating_sub(size);
+                frees.next();
             }
-            // Then the event's free (after the placing: a block from before the history may be freed by
-            // event 0, when it is placed).
-            let k = freed_at[t as usize];
-            if k != u32::MAX {
-                let a = &allocs[k as usize];
-                packer.give(a.y, a.size_bytes);
-                level = level.saturating_sub(a.size_bytes);
-            }
-            active[t as usize] = level;
-            if level > peak {
-                peak = level;
-                peak_event = t;
+            *v += pre_alive;
+            if *v > peak {
+                peak = *v;
+                peak_event = t as u32;
             }
         }
+        let allocs = if before.is_empty() {
+            trace_allocs
+        } else {
+            trace_allocs.splice(0..0, before);
+            trace_allocs
+        };
+        let mut allocs = allocs;
+        allocs.shrink_to_fit();
+        time_us.shrink();
+        // Site and category per stack, in the order the allocations first use them.
+        let n_stacks = snap.stacks.len();
+        let mut stack_site = vec![u32::MAX; n_stacks + 1];
+        let mut stack_cat = vec![4u8; n_stacks + 1];
+        let mut site_ids: HashMap<String, u32, FxBuild> = HashMap::default();
+        let mut sites: Vec<String> = Vec::new();
+        for a in &allocs {
+            let stack = a.stack;
+            let k = if stack == NO_STACK { n_stacks } else { (stack as usize).min(n_stacks) };
+            if stack_site[k] != u32::MAX {
+                continue;
+            }
+            let label =
+                if stack == NO_STACK { "(no frames recorded)".to_string() } else { sites::site_label(&snap, stack) };
+            let n = site_ids.len() as u32;
+            stack_site[k] = *site_ids.entry(label.clone()).or_insert_with(|| {
+                sites.push(label);
+                n
+            });
+            stack_cat[k] = category_of(&snap, stack);
+        }
+        let ooms = ooms
+            .into_iter()
+            .map(|(event, time_us, requested_bytes, info)| OomEvent {
+                event,
+                time_us,
+                requested_bytes,
+                device_free_bytes: snap.entry_infos.get(info as usize).and_then(|i| i.device_free_bytes),
+            })
+            .collect();
         let annotations = if time_us.is_empty() { Vec::new() } else { annotation_spans(&snap, device, &time_us) };
-        // The bands, levels and segment events hold what the viewer needs of the trace: free it.
-        let mut snap = snap;
-        snap.device_traces = Vec::new();
         Trace {
-            layout_bytes: packer.top.max(1),
+            layout_bytes: (h + packer.high).max(1),
             segment_events,
             snap,
             device,
             allocs,
-            events,
+            n_before,
+            events: events.max(1),
             active_bytes: active,
             peak_bytes: peak,
             peak_event,
-            sites: sites_v,
+            sites,
+            stack_site,
+            stack_cat,
             ooms,
             time_us,
             annotations,
         }
+    }
+}
+
+impl Trace {
+    /// Builds the viewer's model of `device`'s trace (the device with the most events when `None`) from a
+    /// snapshot that holds its trace entries.
+    pub fn build(mut snap: Snapshot, device: Option<usize>) -> Trace {
+        let device = device.unwrap_or_else(|| {
+            (0..snap.device_traces.len()).max_by_key(|&d| (snap.device_traces[d].len(), usize::MAX - d)).unwrap_or(0)
+        });
+        let mut b = TraceBuilder::default();
+        if device < snap.device_traces.len() {
+            let entries = std::mem::take(&mut snap.device_traces[device]);
+            b.push(&entries);
+        }
+        b.finish(snap, device)
+    }
+
+    /// A trace of the given allocations (no stacks, one site) for the pure logic's unit tests.
+    #[cfg(test)]
+    pub(crate) fn fake(allocs: Vec<Alloc>, events: u32) -> Trace {
+        Trace {
+            snap: Snapshot::default(),
+            device: 0,
+            allocs,
+            n_before: 0,
+            events,
+            active_bytes: Vec::new(),
+            segment_events: Vec::new(),
+            layout_bytes: 1,
+            peak_bytes: 0,
+            peak_event: 0,
+            sites: vec!["site".into()],
+            stack_site: vec![0],
+            stack_cat: vec![3],
+            ooms: Vec::new(),
+            time_us: Times::default(),
+            annotations: Vec::new(),
+        }
+    }
+
+    fn stack_slot(&self, stack: StackId) -> usize {
+        let n = self.stack_site.len() - 1;
+        if stack == NO_STACK {
+            n
+        } else {
+            (stack as usize).min(n)
+        }
+    }
+
+    /// The allocation site (index into `sites`) of allocation `id`.
+    pub fn site(&self, id: u32) -> u32 {
+        let s = self.allocs[id as usize].stack;
+        self.stack_site[self.stack_slot(s)]
+    }
+
+    /// The category (index into [`CATEGORIES`]) of allocation `id`.
+    pub fn category(&self, id: u32) -> u8 {
+        if id < self.n_before {
+            return 5;
+        }
+        let s = self.allocs[id as usize].stack;
+        self.stack_cat[self.stack_slot(s)]
+    }
+
+    /// Allocation `id` was allocated before the recorded history.
+    pub fn before_history(&self, id: u32) -> bool {
+        id < self.n_before
     }
 
     /// The whole stack of an allocation, innermost first (`file:line:function`).
@@ -366,7 +586,7 @@ impl Trace {
         let mut n = 0;
         for (i, a) in self.allocs.iter().enumerate() {
             let hit = (a.stack != NO_STACK && stacks.get(a.stack as usize) == Some(&true))
-                || site_hit.get(a.site as usize) == Some(&true);
+                || site_hit.get(self.site(i as u32) as usize) == Some(&true);
             if hit {
                 n += 1;
                 if out.len() < limit {
@@ -438,9 +658,8 @@ impl Trace {
     /// time plus its offsets) onto this trace's events; spans outside the trace's time are left out.
     /// Returns how many were added.
     pub fn add_profile_lanes(&mut self, view: &crate::profile::ProfileView) -> usize {
-        let (Some(&first), Some(&last)) = (self.time_us.first(), self.time_us.last()) else { return 0 };
-        let n = self.time_us.len();
-        let event_at = |t: i64| self.time_us.partition_point(|&x| x < t).min(n - 1) as u32;
+        let (Some(first), Some(last)) = (self.time_us.first(), self.time_us.last()) else { return 0 };
+        let event_at = |t: i64| self.time_us.event_at(t);
         let mut added = Vec::new();
         for s in &view.spans {
             let (t0, t1) = (view.unix_us(s.t0_ns), view.unix_us(s.t1_ns));
@@ -460,8 +679,8 @@ impl Trace {
     /// Bytes alive after event `t` per allocation site (label, bytes, count).
     pub fn sites_at(&self, t: u32) -> HashMap<String, (u64, u64)> {
         let mut out: HashMap<String, (u64, u64)> = HashMap::new();
-        for a in self.allocs.iter().filter(|a| a.t0 <= t && (a.t1 == ALIVE || a.t1 > t)) {
-            let e = out.entry(self.sites.get(a.site as usize).cloned().unwrap_or_default()).or_default();
+        for (i, a) in self.allocs.iter().enumerate().filter(|(_, a)| a.t0 <= t && (a.t1 == ALIVE || a.t1 > t)) {
+            let e = out.entry(self.sites.get(self.site(i as u32) as usize).cloned().unwrap_or_default()).or_default();
             e.0 += a.size_bytes;
             e.1 += 1;
         }
@@ -489,7 +708,7 @@ impl Trace {
         }
         let mut nodes = vec![N { name: "all".into(), bytes: 0, children: HashMap::new() }];
         let mut paths: HashMap<StackId, Vec<String>, FxBuild> = HashMap::default();
-        for a in self.allocs.iter().filter(|a| a.t0 <= t && (a.t1 == ALIVE || a.t1 > t)) {
+        for (i, a) in self.allocs.iter().enumerate().filter(|(_, a)| a.t0 <= t && (a.t1 == ALIVE || a.t1 > t)) {
             let path = paths.entry(a.stack).or_insert_with(|| {
                 let frames = self.snap.stack(a.stack);
                 let py: Vec<String> = frames
@@ -499,7 +718,7 @@ impl Trace {
                     .map(|&f| self.snap.frame_text(f))
                     .collect();
                 if py.is_empty() {
-                    vec![self.sites.get(a.site as usize).cloned().unwrap_or_default()]
+                    vec![self.sites.get(self.site(i as u32) as usize).cloned().unwrap_or_default()]
                 } else {
                     py
                 }
