@@ -338,9 +338,12 @@ class CompileEmulation:
         except Exception as e:  # noqa: BLE001 - Inductor failed on the emulated device: the bound (b), said so
             if os.environ.get("TORCHMEM_COMPILE_DEBUG"):
                 raise
-            inner_e = getattr(e, "inner_exception", None) or e.__cause__ or e
-            first = (str(inner_e).strip().splitlines() or [""])[0][:200]
-            why = f"Inductor failed on the emulated device ({type(inner_e).__name__}: {first})"
+            if _timed_out(e):  # the alarm fired inside Inductor, which wrapped it (LoweringException)
+                why = f"Inductor took more than {limit:g} s here (TORCHMEM_ESTIMATE_COMPILE_SECONDS)"
+            else:
+                inner_e = getattr(e, "inner_exception", None) or e.__cause__ or e
+                first = (str(inner_e).strip().splitlines() or [""])[0][:200]
+                why = f"Inductor failed on the emulated device ({type(inner_e).__name__}: {first})"
         finally:
             self.compile_seconds += time.perf_counter() - t0
         if compiled is None:
@@ -579,6 +582,16 @@ class _HostForDevice(TorchDispatchMode):
             if not any(isinstance(a, FakeTensor) for a in tree_flatten((args, kwargs))[0]):
                 kwargs = {**kwargs, "device": torch.device("cpu")}
         return func(*args, **kwargs)
+
+
+def _timed_out(e: BaseException) -> bool:
+    seen = 0
+    while e is not None and seen < 16:
+        if isinstance(e, _CompileTimeout) or "_CompileTimeout" in str(e):
+            return True
+        e = getattr(e, "inner_exception", None) or e.__cause__ or e.__context__
+        seen += 1
+    return False
 
 
 def _options(options: dict) -> dict:
