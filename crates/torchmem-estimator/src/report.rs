@@ -505,7 +505,14 @@ impl EstimateReport {
             if self.context_measured { ", measured" } else { ", assumed" }
         );
         if self.world_size > 1 {
-            if self.ranks.len() > 1 {
+            if self.ranks.iter().any(|c| !c.traced) {
+                s += &format!(
+                    "  ranks: a world of {}, {} classes, only rank {} traced\n",
+                    self.world_size,
+                    self.ranks.len(),
+                    self.rank
+                );
+            } else if self.ranks.len() > 1 {
                 s += &format!(
                     "  ranks: a world of {}, {} classes, worst first (the numbers above: rank {})\n",
                     self.world_size,
@@ -853,6 +860,7 @@ pub(crate) mod tests {
         let first = stage(0, 5 << 30, true);
         assert_eq!(first.ranks.iter().filter(|c| c.traced).count(), 1, "one trace: only its own class is traced");
         assert!(first.text().contains("(not traced: the traced rank's numbers)"), "{}", first.text());
+        assert!(first.text().contains("4 classes, only rank 0 traced"), "{}", first.text());
         let merged =
             merge_rank_classes(first, vec![stage(1, 7 << 30, true), stage(2, 9 << 30, false), stage(3, 1 << 30, true)]);
         let order: Vec<u64> = merged.ranks.iter().map(|c| c.traced_rank).collect();

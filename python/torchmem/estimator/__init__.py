@@ -159,16 +159,20 @@ def estimate(
         return summary, report
 
     summary, report = trace_rank(world, Path(trace_path) if trace_path is not None else None)
-    # Ranks that differ (pipeline stages, uneven shards): one rank of each other class is traced too, as the CLI
-    # does (`step` runs again as that rank), and the report lists every class, worst first.
-    others = [c["traced_rank"] for c in report.get("ranks", []) if c["traced_rank"] != report.get("rank", 0)]
-    if others:
-        from dataclasses import replace
-
-        from ._distributed import merge_reports
-
-        more = [trace_rank(replace(world, rank=r, explicit=True), None)[1] for r in others]
-        report = merge_reports(dict(report), [dict(r) for r in more])  # type: ignore[assignment]
+    # Ranks that differ (pipeline stages, uneven shards): `step` keeps its own state between calls (its model, made
+    # on the first call), so it cannot run again as another rank here; the other classes are listed untraced
+    # (`traced: False`, the traced rank's numbers) and a note names the rank to pass for each. The CLI traces them.
+    untraced = [c for c in report.get("ranks", []) if not c.get("traced", True)]
+    if untraced:
+        report = dict(report)  # type: ignore[assignment]
+        report["notes"] = [
+            f"{len(report['ranks'])} classes of ranks: only rank {report.get('rank', 0)}'s was traced here; "
+            + "; ".join(
+                f"estimate(..., rank={c['traced_rank']}) for ranks {c['ranks'][0]}.. ({c['what']})" for c in untraced
+            )  # fmt: skip
+            + " (`torchmem estimate` traces every class)",
+            *report.get("notes", []),
+        ]
     seconds = time.perf_counter() - t0
     return Estimate(
         gpu=report["gpu"],
