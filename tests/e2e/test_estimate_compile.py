@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 if torch.cuda.is_available():  # pragma: no cover - these tests are about machines without a GPU
     pytest.skip("the estimator tests run on a machine without a GPU", allow_module_level=True)
 
+TRUTH = ROOT / "tests" / "fixtures" / "compile-h200" / "compile-truth.json.gz"
 B, H = 4096, 2048  # the MLP's batch and hidden width: one [B, H] fp32 activation is 32 MiB
 
 
@@ -182,3 +183,21 @@ def test_a_compiled_training_step_function_with_the_optimizer_runs_to_its_steps(
     assert est.steps == 3
     notes = [n for n in est.notes if n.startswith("torch.compile")]
     assert notes and "Inductor's plan was executed" in notes[0], est.notes
+
+
+@pytest.mark.skipif(
+    not TRUTH.exists(), reason="no H200 truth of compiled programs yet: run scripts/gpu_compile_truth.py on the H200"
+)
+@pytest.mark.parametrize("name", ["mlp_adamw_fp32_b512_compiled", "cnn_sgd_fp32_b64_compiled"])
+def test_the_h200_truth_of_a_compiled_program_is_under_the_upper_bound(name):
+    """The recorded configs that compile quickly here: the H200's whole-process peaks (compile step included) are at
+    or under the estimate's upper bound, and the point is named as plan or bound."""
+    sys.path.insert(0, str(ROOT / "bench" / "estimate"))
+    import compile_accuracy
+
+    truth = compile_accuracy.load_truth(TRUTH)["configs"][name]
+    measured = compile_accuracy.measured(truth)
+    est = compile_accuracy.estimate_config(name, len(truth["steps"]))
+    assert measured["peak_allocated_bytes"] <= est["peak_allocated_upper_bytes"], (measured, est)
+    assert measured["peak_reserved_bytes"] <= est["peak_reserved_upper_bytes"], (measured, est)
+    assert any(u["kind"] == "torch.compile" for u in est["uncertainty"])
