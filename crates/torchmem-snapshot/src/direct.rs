@@ -1487,7 +1487,7 @@ impl<Rd: Read> Reader<Rd> {
             return Err(Bail);
         }
         let has = |r: &Self, key: &str| -> R<bool> { Ok(r.dict_get(root, key)?.is_some()) };
-        if !has(&self, "segments")? && !has(&self, "device_traces")? {
+        if !has(self, "segments")? && !has(self, "device_traces")? {
             return Err(Bail);
         }
         let mut snap = Snapshot::default();
