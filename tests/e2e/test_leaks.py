@@ -143,12 +143,15 @@ def test_empty_side_tensors_off_the_graph_do_not_hide_the_line_that_holds_it() -
 
 
 def test_bad_settings_say_what_to_use() -> None:
+    # Imported by name: in a worker that ran no Monitor yet, `torchmem._leaks` and `_native` are not attributes.
+    from torchmem import _leaks, _native
+
     with pytest.raises(ValueError, match="probe_steps=2"):
-        torchmem._leaks.LeakDetector(probe_steps=2)
+        _leaks.LeakDetector(probe_steps=2)
     with pytest.raises(ValueError, match="window_steps=1"):
-        torchmem._native.StepGrowthDetector(5, 1)
+        _native.StepGrowthDetector(5, 1)
     with pytest.raises(ValueError, match="leaks::ProbeData"):
-        torchmem._native.leak_findings({"not": "a probe"})
+        _native.leak_findings({"not": "a probe"})
 
 
 def torchmem_cli(*args: str) -> subprocess.CompletedProcess[str]:
