@@ -16,6 +16,9 @@ pub const CELL_PX: usize = 4;
 /// Events per block at the pyramids' base: a column's partial blocks are read from the level itself
 /// (at most 2·BLOCK values), whole blocks from the pyramids (16 bytes per block instead of per event).
 const BLOCK: usize = 64;
+/// A combining function of the level (max or min).
+type Fold = fn(u64, u64) -> u64;
+
 /// From this many allocations on, a query scans them in two threads.
 const PARALLEL_MIN_ALLOCS: usize = 200_000;
 
@@ -129,7 +132,7 @@ impl LodIndex {
 
     /// `f` over the level at events [lo, hi): partial blocks from the level, whole ones from the pyramid.
     fn level_fold(&self, lo: usize, hi: usize, max: bool) -> u64 {
-        let (f, init, base, up): (fn(u64, u64) -> u64, u64, &[u64], &[Vec<u64>]) = if max {
+        let (f, init, base, up): (Fold, u64, &[u64], &[Vec<u64>]) = if max {
             (u64::max, 0, &self.block_max, &self.max_up)
         } else {
             (u64::min, u64::MAX, &self.block_min, &self.min_up)
