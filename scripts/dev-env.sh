@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) with everything torchmem's build, tests and benchmarks need, and builds the
-# extension into it (release). Shared by setup.sh and test.sh; safe to run again.
+# Creates .venv (if missing) with everything torchmem's build, tests and benchmarks need, and builds torchmem into
+# it (release): the `torchmem` binary (the torchmem-cli wheel), then the package with its extension. Shared by
+# setup.sh and test.sh; safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -21,9 +22,21 @@ fi
 # pip (under maturin) prints one "Ignoring ipython: markers 'extra == "jupyter"' don't match your environment"
 # per optional dependency: noise, dropped. Every other line (errors included) is shown; maturin's exit status
 # is the script's.
+# Two wheels (docs/benchmarks.md, "Packaging"): first the `torchmem` command, a native binary
+# (crates/torchmem-cli/pyproject.toml, maturin's `bindings = "bin"`, into .venv/bin), then the package and its
+# extension, which depends on it and does not link the command line.
+# A venv from before the split has `torchmem` as the package's console script: pip would delete the binary at that
+# path when it replaces the package, so that package goes first.
+if grep -qs "bin/torchmem," .venv/lib/python*/site-packages/torchmem-[0-9]*.dist-info/RECORD; then
+  .venv/bin/python -m pip uninstall -q -y torchmem
+fi
 set +e
-.venv/bin/maturin develop -q --release 2>&1 | scripts/quiet-pip-markers.sh
+.venv/bin/maturin develop -q --release -m crates/torchmem-cli/Cargo.toml 2>&1 | scripts/quiet-pip-markers.sh
 status=${PIPESTATUS[0]}
+if [ "$status" -eq 0 ]; then
+  .venv/bin/maturin develop -q --release 2>&1 | scripts/quiet-pip-markers.sh
+  status=${PIPESTATUS[0]}
+fi
 set -e
 if [ "$status" -eq 0 ]; then
   # The editable install runs torchmem's Python from python/: compile its bytecode once, as pip does for a

@@ -102,10 +102,6 @@ def open_profile(path: str | Any) -> ProfileData:
     """Loads a profile written by `torchmem run`. FileNotFoundError for a missing file, IsADirectoryError for
     a directory, ProfileError (with the CLI's message) for a file that is not a readable profile."""
 
-# --- command line (crates/torchmem-py/src/cli.rs) ---
-def cli_main() -> int:
-    """Run the `torchmem` command line with `sys.argv`; returns the exit code."""
-
 # --- memory readers and reports (crates/torchmem-py/src/api.rs) ---
 @final
 class SelfMemory:

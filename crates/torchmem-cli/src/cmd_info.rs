@@ -32,7 +32,8 @@ const TORCH_VERSION_PY: &str = include_str!("../../../python/torchmem/_torch_ver
 /// Asks the current Python for its torch version and CUDA build, read from torch's `version.py` without
 /// importing torch (which takes seconds): a Python start, about 30 ms.
 fn torch_info() -> TorchInfo {
-    let python = std::env::var("TORCHMEM_PYTHON").ok().filter(|s| !s.is_empty()).unwrap_or_else(|| "python3".into());
+    // The Python `run` and `estimate` would start (`launch`'s one rule).
+    let python = torchmem_recorder::launch::python_interpreter();
     let mut info = TorchInfo { python: python.clone(), ..Default::default() };
     let child = Command::new(&python).args(["-c", TORCH_VERSION_PY]).stderr(std::process::Stdio::null()).output();
     #[derive(serde::Deserialize)]

@@ -3,7 +3,6 @@
 
 use pyo3::prelude::*;
 
-mod cli;
 mod convert;
 mod errors;
 mod estimate;
@@ -26,7 +25,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Learn the exec-inherited maxrss bound while the process is young (see sources::self_proc::self_memory).
     let _ = torchmem_core::sources::self_proc::exec_maxrss_bound();
     errors::register(m)?;
-    cli::register(m)?;
     // The names a breakdown entry carries as `<name>_bytes` (core's `breakdown::Category`, one list).
     let categories: Vec<&str> = torchmem_core::breakdown::Category::ALL.iter().map(|c| c.as_str()).collect();
     m.add("BREAKDOWN_CATEGORIES", pyo3::types::PyTuple::new(m.py(), categories)?)?;

@@ -20,15 +20,24 @@ use std::process::{Command, ExitStatus};
 
 use anyhow::{anyhow, bail};
 
-/// The Python interpreter for bare scripts and `-m`: `TORCHMEM_PYTHON` (set by the wheel's entry point to the
-/// interpreter that runs torchmem), else `python3` from PATH.
+/// The Python interpreter for bare scripts and `-m`: `TORCHMEM_PYTHON` (`python -m torchmem` sets it to the
+/// interpreter that runs it), else the `python3` beside this binary (the `torchmem` of a venv's `bin/`, where pip
+/// put it, runs that venv's Python), else `python3` from PATH.
 pub fn python_interpreter() -> String {
-    interpreter_from(std::env::var("TORCHMEM_PYTHON").ok())
+    let beside = std::env::current_exe().ok().and_then(|exe| exe.parent().map(|d| d.join("python3")));
+    interpreter_from(std::env::var("TORCHMEM_PYTHON").ok(), beside.as_deref())
 }
 
-/// [`python_interpreter`]'s rule on a given `TORCHMEM_PYTHON`: unset or empty means `python3`.
-fn interpreter_from(torchmem_python: Option<String>) -> String {
-    torchmem_python.filter(|s| !s.is_empty()).unwrap_or_else(|| "python3".into())
+/// [`python_interpreter`]'s rule on a given `TORCHMEM_PYTHON` and the path of a `python3` beside the binary:
+/// the variable unless unset or empty, then that `python3` when it is an executable file, then `python3`.
+fn interpreter_from(torchmem_python: Option<String>, beside: Option<&Path>) -> String {
+    if let Some(p) = torchmem_python.filter(|s| !s.is_empty()) {
+        return p;
+    }
+    match beside {
+        Some(p) if executable(p) => p.display().to_string(),
+        _ => "python3".into(),
+    }
 }
 
 fn executable(p: &Path) -> bool {
@@ -312,10 +321,19 @@ mod tests {
     }
 
     #[test]
-    fn interpreter_is_torchmem_python_else_python3() {
-        assert_eq!(interpreter_from(Some("/venv/bin/python".into())), "/venv/bin/python");
-        assert_eq!(interpreter_from(Some(String::new())), "python3");
-        assert_eq!(interpreter_from(None), "python3");
+    fn interpreter_is_torchmem_python_else_the_venvs_else_python3() {
+        let d = tempfile::tempdir().unwrap();
+        let beside = d.path().join("python3");
+        assert_eq!(interpreter_from(Some("/venv/bin/python".into()), None), "/venv/bin/python");
+        assert_eq!(interpreter_from(Some(String::new()), None), "python3");
+        assert_eq!(interpreter_from(None, None), "python3");
+        // No python3 beside the binary (cargo's target/release): PATH's.
+        assert_eq!(interpreter_from(None, Some(&beside)), "python3");
+        std::fs::write(&beside, "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(&beside, std::fs::Permissions::from_mode(0o755)).unwrap();
+        // The binary in a venv's bin/: that venv's Python, unless TORCHMEM_PYTHON says otherwise.
+        assert_eq!(interpreter_from(None, Some(&beside)), beside.display().to_string());
+        assert_eq!(interpreter_from(Some("/other/python".into()), Some(&beside)), "/other/python");
     }
 
     #[test]
