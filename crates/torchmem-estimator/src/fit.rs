@@ -416,6 +416,16 @@ mod tests {
         assert_eq!(json["tried"][0]["fits_point"], true);
     }
 
+    /// A fake report (pure function of its inputs) with NVML `nvml_bytes`, nothing uncertain, fitting in `capacity`.
+    fn at_nvml(nvml_bytes: u64, capacity: u64) -> EstimateReport {
+        let mut r = fake_report();
+        r.nvml_bytes = nvml_bytes;
+        r.nvml_upper_bytes = nvml_bytes;
+        r.fits = nvml_bytes <= capacity;
+        r.fits_point = r.fits;
+        r
+    }
+
     /// A fake estimate shaped like GPT-2's on the H200 (NVML at each batch the real `--fit` tried, in GB,
     /// joined by straight lines, steeper as the batch grows): the guided search finds the brute-force edge in
     /// at most 8 tries (doubling and bisection took 16).
@@ -443,14 +453,7 @@ mod tests {
         for capacity in [150_109_880_320u64, 80_000_000_000, 24_000_000_000, 141_000_000_000, 5_000_000_000] {
             let target = Target::new("H200", Some(capacity)).unwrap();
             let brute = (1..=4096u64).take_while(|&v| nvml(v) <= capacity).last();
-            let fake = |v: u64| -> Result<EstimateReport, String> {
-                let mut r = fake_report();
-                r.nvml_bytes = nvml(v);
-                r.nvml_upper_bytes = r.nvml_bytes;
-                r.fits = r.nvml_bytes <= capacity;
-                r.fits_point = r.fits;
-                Ok(r)
-            };
+            let fake = |v: u64| Ok::<_, String>(at_nvml(nvml(v), capacity));
             let out = FitSpec::parse("batch=1..4096").unwrap().search(&target, &["x".into()], fake).unwrap();
             assert_eq!(out.fit.largest_fitting, brute, "capacity {capacity}: {:?}", out.tried);
             assert_eq!(out.fit.first_not_fitting, brute.map(|b| b + 1));
@@ -472,14 +475,7 @@ mod tests {
         for (name, mem) in shapes {
             for capacity in [600u64, 1000, 2500, 9000] {
                 let target = Target::new("L4", Some(capacity)).unwrap();
-                let fake = |v: u64| -> Result<EstimateReport, String> {
-                    let mut r = fake_report();
-                    r.nvml_bytes = mem(v);
-                    r.nvml_upper_bytes = r.nvml_bytes;
-                    r.fits = r.nvml_bytes <= capacity;
-                    r.fits_point = r.fits;
-                    Ok(r)
-                };
+                let fake = |v: u64| Ok::<_, String>(at_nvml(mem(v), capacity));
                 let out = FitSpec::parse("batch=1..2000").unwrap().search(&target, &["x".into()], fake).unwrap();
                 let fits = |v: u64| mem(v) <= capacity;
                 match (out.fit.largest_fitting, out.fit.first_not_fitting) {
