@@ -244,24 +244,11 @@ def build(spec: dict, torch, compile_fn=None):
 
 
 # ----------------------------------------------------------------------------------------------- child
-_PEAK_KEYS = (
-    "allocated_bytes.all.peak",
-    "reserved_bytes.all.peak",
-    "requested_bytes.all.peak",
-    "active_bytes.all.peak",
-    "allocated_bytes.all.current",
-    "reserved_bytes.all.current",
-    "num_alloc_retries",
-    "num_device_alloc",
-    "num_ooms",
-)
-
-
 def child(args) -> None:
     import torch
 
     sys.path.insert(0, str(HERE.parent))
-    from gpu_estimator_truth import _Nvml, _Sampler
+    from gpu_estimator_truth import _PEAK_KEYS, _Nvml, _Sampler
 
     spec = CONFIGS[args.workload]
     nvml = _Nvml(0)
