@@ -35,6 +35,7 @@ CORPUS = ROOT / "bench" / "estimate" / "corpus"
 DEFAULT_TRUTH = [
     ROOT / "tests/fixtures/rnn-h200/rnn-truth.json.gz",
     ROOT / "tests/fixtures/corpus-h200/corpus-truth.json.gz",
+    ROOT / "tests/fixtures/corpus-h100/corpus-truth.json.gz",
 ]
 GIB = 2**30
 
@@ -77,9 +78,14 @@ def family(name: str) -> str:
     return "other"
 
 
-def torchmem_cmd(extra: list[str], script: Path, args: list[str]) -> list[str]:
+def gpu_key(device: str | None) -> str:
+    """The `--gpu` key of the device a truth was recorded on (its torch name): the estimate is made for that GPU."""
+    return "H100-80GB" if device and "H100" in device else "H200"
+
+
+def torchmem_cmd(extra: list[str], script: Path, args: list[str], gpu: str = "H200") -> list[str]:
     exe = Path(sys.executable).with_name("torchmem")
-    return [str(exe), "estimate", "--gpu", "H200", "--json", *extra, "--", sys.executable, str(script), *args]
+    return [str(exe), "estimate", "--gpu", gpu, "--json", *extra, "--", sys.executable, str(script), *args]
 
 
 def run_json(cmd: list[str], timeout: int = 1200, cache: Path | None = None) -> dict:
@@ -262,7 +268,8 @@ def main() -> int:
     fit_truth: dict[str, dict] = {}
     for path in a.truth or [str(p) for p in DEFAULT_TRUTH if p.exists()]:
         doc = json.load(gzip.open(path))
-        truth.update(doc.get("scripts", {}))
+        device = doc.get("versions", {}).get("device")
+        truth.update({n: {**t, "device": device} for n, t in doc.get("scripts", {}).items()})
         fit_truth.update(doc.get("fit", {}))
     names = sorted(p.name for p in CORPUS.glob("*.py"))
     if a.only:
@@ -274,7 +281,8 @@ def main() -> int:
 
     def one(n: str) -> dict:
         cache = Path(a.cache) / (Path(n).stem + ".json") if a.cache else None
-        row = score(n, truth[n], run_json(torchmem_cmd([], CORPUS / n, []), cache=cache))
+        cmd = torchmem_cmd([], CORPUS / n, [], gpu_key(truth[n].get("device")))
+        row = score(n, truth[n], run_json(cmd, cache=cache))
         print(f"  {n}: {'refused' if 'refused' in row else 'estimated'} ({row['estimate'].get('seconds')} s)",
               file=sys.stderr, flush=True)  # fmt: skip
         return row

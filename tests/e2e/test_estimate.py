@@ -59,6 +59,36 @@ def test_backward_fails_on_plain_fake_cuda_and_runs_under_the_estimator():
         assert lin.weight.grad.shape == (32, 64)
 
 
+def test_small_host_tensors_keep_their_values_device_tensors_do_not():
+    """Host values: the bookkeeping a program keeps in small CPU tensors (Whisper's `generate` loops
+    `while (seek < max_frames).any()` over two CPU tensors of the batch's size) runs as on a GPU, so the model
+    runs as often as it would; values of device tensors, of host tensors over `HOST_VALUE_NUMEL` elements, of
+    floating-point and of random ones are not known (a read answers 0, as before). Before host values the loop
+    never ran: a silent estimate of the weights alone."""
+    from torchmem.estimator import gpu_spec
+    from torchmem.estimator._session import HOST_VALUE_NUMEL, Session
+
+    with Session(gpu_spec("H200")) as s:
+        lin = torch.nn.Linear(64, 64).to("cuda")
+        seek = torch.zeros((4,), dtype=torch.long)
+        max_frames = torch.ones((4,), dtype=torch.long) * 3000
+        windows = 0
+        while (seek < max_frames).any() and windows < 10:
+            lin(torch.randn(4, 64, device="cuda"))
+            seek += torch.tensor([1000, 1000, 1500, 3000]).clamp(max=1000)
+            windows += 1
+        assert windows == 3 and seek.tolist() == [3000] * 4
+        assert torch.arange(2, 11, 3).tolist() == [2, 5, 8] and int(torch.full((3,), 7).sum()) == 21
+        assert int(torch.ones(HOST_VALUE_NUMEL, dtype=torch.long).sum()) == HOST_VALUE_NUMEL
+        assert int(torch.ones(HOST_VALUE_NUMEL + 1, dtype=torch.long).sum()) == 0  # too large to carry values
+        assert float(torch.ones(8).sum()) == 0.0  # floating point: a module's parameters are made so
+        bias = torch.nn.Parameter(torch.zeros(8))  # ... and `.to("cuda")` swaps them (no constant may hold one)
+        assert torch.nn.Linear(8, 8).cuda().bias.device.type == "cuda" and bias.to("cuda").device.type == "cuda"
+        assert int(torch.ones(4, device="cuda").sum()) == 0  # device values are never known
+        assert int((torch.randint(1, 5, (4,)) > 0).sum()) == 0  # random: no values
+        assert s.forwards.forward_calls == 3
+
+
 def test_mlp_trace_equals_the_h200_recording_request_by_request():
     _s, snap = _trace_workload("mlp_sgd_fp32")
     real = pickle.load(gzip.open(FIXTURES / "mlp_sgd_fp32__estimator.pickle.gz"))["device_traces"][0]

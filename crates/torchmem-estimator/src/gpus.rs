@@ -30,6 +30,12 @@ pub struct ContextOverhead {
 pub const H200_CONTEXT: ContextOverhead =
     ContextOverhead { base_bytes: 742 * MIB, half_precision_bytes: 758 * MIB, convolution_bytes: 762 * MIB };
 
+/// The same on the H100 80GB HBM3 (torch 2.11, CUDA 13, driver 580): 742 MiB fp32, 758 MiB half precision,
+/// 760 MiB with cuDNN convolutions (tests/fixtures/corpus-h100: the 40 training scripts of the corpus; programs
+/// without a backward pass load fewer kernels, 678-690 MiB, and are over-estimated by up to 80 MiB).
+pub const H100_CONTEXT: ContextOverhead =
+    ContextOverhead { base_bytes: 742 * MIB, half_precision_bytes: 758 * MIB, convolution_bytes: 760 * MIB };
+
 impl ContextOverhead {
     /// The overhead for a run that uses half-precision GEMMs / cuDNN attention and/or cuDNN convolutions.
     pub fn for_run(&self, half_precision: bool, convolution: bool) -> u64 {
@@ -97,7 +103,12 @@ pub fn catalogue() -> Vec<Gpu> {
             multi_processor_count: 132,
             context: Some(H200_CONTEXT),
         },
-        gpu("H100-80GB", "NVIDIA H100 80GB HBM3", 81_559, 9, 0, 132),
+        Gpu {
+            cuda_total_bytes: 85_017_493_504, // torch.cuda.get_device_properties(0).total_memory (corpus-h100)
+            cuda_total_measured: true,
+            context: Some(H100_CONTEXT),
+            ..gpu("H100-80GB", "NVIDIA H100 80GB HBM3", 81_559, 9, 0, 132)
+        },
         gpu("H100-PCIE", "NVIDIA H100 PCIe", 81_559, 9, 0, 114),
         gpu("A100-80GB", "NVIDIA A100-SXM4-80GB", 81_920, 8, 0, 108),
         gpu("A100-40GB", "NVIDIA A100-SXM4-40GB", 40_960, 8, 0, 108),

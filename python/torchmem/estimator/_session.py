@@ -36,6 +36,33 @@ _PIN_MEMORY = torch.ops.aten._pin_memory.default
 _IS_PINNED = torch.ops.aten.is_pinned.default
 _PINNED_ATTR = "_torchmem_pinned"
 _CUDA0 = torch.device("cuda", 0)
+# Host values (see `_EmulatedFakeMode`): CPU tensors of at most this many elements made by these factories carry
+# their real values, and so does what is computed from them alone.
+HOST_VALUE_NUMEL = 4096
+_aten = torch.ops.aten
+_HOST_FACTORIES = frozenset({
+    _aten.ones.default, _aten.zeros.default, _aten.full.default, _aten.scalar_tensor.default,
+    _aten.arange.default, _aten.arange.start, _aten.arange.start_step,
+})  # fmt: skip
+
+
+def _factory_numel(func, args, kwargs) -> int | None:
+    """The element count a host factory call makes, from its arguments alone (None: not a plain count)."""
+    try:
+        if func is _aten.scalar_tensor.default:
+            return 1
+        if func in (_aten.arange.default, _aten.arange.start, _aten.arange.start_step):
+            start, end, step = (0, args[0], 1) if func is _aten.arange.default else (args[0], args[1], 1)
+            if func is _aten.arange.start_step:
+                step = args[2]
+            start, end, step = (kwargs.get("start", start), kwargs.get("end", end), kwargs.get("step", step))
+            return max(0, int(-(-(float(end) - float(start)) // float(step))))
+        n = 1
+        for d in args[0]:
+            n *= int(d)
+        return n
+    except (TypeError, ValueError, IndexError, ZeroDivisionError):
+        return None
 
 
 def _mark_pinned(t: torch.Tensor) -> None:
@@ -54,11 +81,46 @@ def _is_pinned(t: torch.Tensor) -> bool:
 
 class _EmulatedFakeMode(FakeTensorMode):
     """FakeTensorMode that keeps its no-device behaviour (no real CUDA init, CPU-only constant lifting) while
-    `torch.cuda.is_available()` answers True for the program."""
+    `torch.cuda.is_available()` answers True for the program.
+
+    Host values: a program's small CPU tensors carry their real values. The fake mode keeps a real copy (its
+    "constant") of a CPU tensor of one element made from Python numbers, and computes what is made from
+    constants alone for real; a value read of a constant answers the true value instead of 0. Here that holds
+    for integer and boolean CPU tensors of up to `HOST_VALUE_NUMEL` elements, and for the plain factories
+    (`torch.ones`, `zeros`, `full`, `arange` on the CPU) of such tensors too: the bookkeeping a program keeps on
+    the host (Whisper's `generate` loops `while (seek < max_frames).any()` over two long tensors of the batch's
+    size; a loop bound, lengths, indices) then runs as it does on the GPU, while device tensors, large host
+    tensors, random ones and floating-point ones stay without values (a read of them answers 0, as before).
+    Floating point is left out because a module's small parameters are made so (`nn.Parameter(torch.zeros(n))`):
+    the fake mode keeps a weak reference to each constant, and `module.to("cuda")` cannot swap a tensor that has
+    one. The cost: a real CPU computation on a few thousand elements at most."""
 
     @property
     def avoid_device_init(self) -> bool:  # type: ignore[override]
         return True
+
+    def may_turn_const(self, t: torch.Tensor) -> bool:
+        return super().may_turn_const(t) or (
+            t.device.type == "cpu" and t.numel() <= HOST_VALUE_NUMEL and t.layout == torch.strided
+            and not (t.is_floating_point() or t.is_complex()) and not self.is_our_fake(t)
+        )  # fmt: skip
+
+    def _host_factory(self, func, args, kwargs):
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type != "cpu":
+            return None
+        if kwargs.get("pin_memory") or kwargs.get("layout") not in (None, torch.strided):
+            return None
+        numel = _factory_numel(func, args, kwargs)
+        if numel is None or numel > HOST_VALUE_NUMEL:
+            return None
+        from torch.utils._mode_utils import no_dispatch
+
+        with no_dispatch():
+            real = func(*args, **kwargs)
+        if real.is_floating_point() or real.is_complex():
+            return None
+        return self.fake_tensor_converter.from_real_tensor(self, real, make_constant=True)
 
     def dispatch(self, func, types, args=(), kwargs=None):
         # Pinned host memory is host memory: `tensor.pin_memory()` (a DataLoader with `pin_memory=True`) copies
@@ -76,6 +138,10 @@ class _EmulatedFakeMode(FakeTensorMode):
             return out
         if func is _IS_PINNED:
             return _is_pinned(args[0])
+        if func in _HOST_FACTORIES:
+            out = self._host_factory(func, args, kwargs)
+            if out is not None:
+                return out
         out = super().dispatch(func, types, args, kwargs)
         if kwargs.get("pin_memory") and isinstance(out, torch.Tensor):  # torch.empty(..., pin_memory=True)
             _mark_pinned(out)
