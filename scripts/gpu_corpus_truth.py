@@ -55,6 +55,7 @@ FIT = {
     "tv_reference_resnet50.py": (2560, 32),
 }
 CHILD_TIMEOUT_S = 300
+H200_CUDA_TOTAL_BYTES = 150_109_880_320
 
 
 class NvmlSampler(threading.Thread):
@@ -326,10 +327,13 @@ def main() -> int:
     if not a.no_fit:
         t1 = time.time()
         deadline = t1 + a.fit_budget
+        # The guesses are the H200's; on a smaller GPU the search starts at the same share of its memory.
+        scale = min(1.0, (doc["versions"].get("total_memory") or H200_CUDA_TOTAL_BYTES) / H200_CUDA_TOTAL_BYTES)
         for n, (guess, step) in fit.items():
             p = next((s for s in scripts if s.name == n), None)
             if p is None:
                 continue
+            guess = max(step, int(guess * scale) // step * step)
             doc["fit"][n] = fit_search(p, guess, step, deadline, a.plumbing, log)
             f = doc["fit"][n]
             log(f"fit {n}: fits {f['fits']} fails {f['fails']} exact {f['exact']} ({f['stopped'] or 'done'})")

@@ -158,7 +158,7 @@ def fit_row(name: str, f: dict, cache: Path | None) -> dict:
         if not batch:
             continue
         c = cache / "fit" / f"{Path(name).stem}-b{batch}.json" if cache else None
-        e = run_json(torchmem_cmd([], CORPUS / name, ["--batch-size", str(batch)]), cache=c)
+        e = run_json(torchmem_cmd([], CORPUS / name, ["--batch-size", str(batch)], gpu_key(f.get("device"))), cache=c)
         if "error" in e:
             row[label] = {"batch": batch, "error": e["error"]}
             continue
@@ -270,7 +270,7 @@ def main() -> int:
         doc = json.load(gzip.open(path))
         device = doc.get("versions", {}).get("device")
         truth.update({n: {**t, "device": device} for n, t in doc.get("scripts", {}).items()})
-        fit_truth.update(doc.get("fit", {}))
+        fit_truth.update({n: {**f, "device": device} for n, f in doc.get("fit", {}).items()})
     names = sorted(p.name for p in CORPUS.glob("*.py"))
     if a.only:
         keep = set(a.only.split(","))
