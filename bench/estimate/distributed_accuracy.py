@@ -40,8 +40,11 @@ GIB = 1 << 30
 
 
 def load_truth(path: Path) -> list[dict]:
+    """The configs that ran, each with the `--gpu` key of the device it was recorded on (`gpu`)."""
     with gzip.open(path, "rt") as f:
-        return [c for c in json.load(f)["configs"] if c.get("steps")]
+        doc = json.load(f)
+    gpu = "H100-80GB" if "H100" in (doc.get("device") or "") else "H200"
+    return [{**c, "gpu": gpu} for c in doc["configs"] if c.get("steps")]
 
 
 def launch_args(world: int) -> list[str]:
@@ -165,7 +168,7 @@ def main() -> int:
 
     def one(group: list[dict]) -> list[dict]:
         t0 = time.time()
-        rep = estimate(group[0])
+        rep = estimate(group[0], gpu=group[0]["gpu"])
         rep["_seconds"] = round(time.time() - t0, 1)
         return [compare(cfg, rep) for cfg in group]
 
