@@ -110,3 +110,38 @@ def test_every_class_of_a_job_matches_the_h200_within_one_percent(name, classes,
             pred, meas = cls[key], measured[stat]
             err = 100.0 * (pred - meas) / meas
             assert abs(err) <= TOLERANCE_PCT, (cfg["name"], key, pred, meas, f"{err:+.2f} %")
+
+
+TRUTH_H100 = ROOT / "tests/fixtures/distributed-h100/distributed-truth.json.gz"
+
+
+def test_ddp_static_graph_keeps_its_first_buckets_as_the_h100_measured(tmp_path):
+    """DDP with `static_graph=True` (truth recorded on an H100 80GB, torch 2.11: no H200 was free): the reducer
+    rebuilds its buckets at the third forward, not the second, and never frees the construction-time bucket, so
+    the third step's peak is one gradient-sized buffer (4 GiB here) above plain DDP's. Predicted 13.3 % low
+    before (the held-out prediction in bench/estimate/distributed-predictions-held-out.json); the fix was made
+    on this config, so it is no longer held out."""
+    with gzip.open(TRUTH_H100, "rt") as f:
+        doc = json.load(f)
+    assert doc["device"] == "NVIDIA H100 80GB HBM3" and doc["torch"].startswith("2.11"), doc["device"]
+    cfg = next(c for c in doc["configs"] if c["name"] == "ddp-static")
+    steps = len(cfg["steps"])
+    assert steps == 3
+    env = dict(os.environ, TORCHMEM_PYTHON=sys.executable)
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.run(
+        [sys.executable, "-m", "torchmem", "estimate", "--gpu", "H100", "--json", "--",
+         sys.executable, str(SCRIPT), "--child", "ddp-static", "--steps", str(steps)],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads(p.stdout)
+    measured = cfg["steps"][-1]
+    # Exact but for one 512 B block the static-graph reducer allocates from its first step (the truth's
+    # allocated.current after step 1 is 512 B above plain DDP's too); the estimate does not model it.
+    assert 0 <= measured["allocated_bytes.all.peak"] - report["peak_allocated_bytes"] <= 512
+    assert report["peak_reserved_bytes"] == measured["reserved_bytes.all.peak"]
+    # one gradient-sized buffer above plain DDP (same model and batch), as measured
+    plain = next(c for c in doc["configs"] if c["name"] == "ddp")["steps"][-1]["allocated_bytes.all.peak"]
+    assert report["peak_allocated_bytes"] - plain == 4 * cfg["local_parameter_elements"]
