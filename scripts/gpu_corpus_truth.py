@@ -55,6 +55,14 @@ FIT = {
     "tv_reference_resnet50.py": (2560, 32),
 }
 CHILD_TIMEOUT_S = 300
+
+
+def _is_oom(message: str) -> bool:
+    """Out of device memory, as the caching allocator or a CUDA library says it (cuBLAS cannot create its handle
+    when the allocator has taken all but a sliver of the GPU: `CUBLAS_STATUS_ALLOC_FAILED`)."""
+    return "out of memory" in message.lower() or "CUBLAS_STATUS_ALLOC_FAILED" in message
+
+
 H200_CUDA_TOTAL_BYTES = 150_109_880_320
 
 
@@ -121,7 +129,7 @@ def child(script: str, argv: list[str], plumbing: bool) -> dict:
     except BaseException as e:  # noqa: BLE001 - an OOM is an answer, anything else is recorded
         import traceback
 
-        oom = type(e).__name__ == "OutOfMemoryError" or "out of memory" in str(e).lower()
+        oom = type(e).__name__ == "OutOfMemoryError" or _is_oom(str(e))
         r["status"] = "oom" if oom else "error"
         r["error"] = "".join(traceback.format_exception(e))[-3000:]
     r["seconds"] = round(time.time() - t0, 2)
@@ -161,7 +169,7 @@ def run_child(script: Path, argv: list[str], plumbing: bool, timeout: int = CHIL
         r = json.loads(lines[-1][6:])
     else:  # the child died without a word (a crash, a kill): its stderr says why
         err = p.stderr[-3000:]
-        r = {"argv": argv, "status": "oom" if "out of memory" in err.lower() else "error", "error": err}
+        r = {"argv": argv, "status": "oom" if _is_oom(err) else "error", "error": err}
     r["exit_status"] = p.returncode
     r["wall_seconds"] = round(time.time() - t0, 1)
     return r
