@@ -89,6 +89,28 @@ def test_small_host_tensors_keep_their_values_device_tensors_do_not():
         assert s.forwards.forward_calls == 3
 
 
+def test_a_boolean_mask_selects_every_element_without_values():
+    """`x[mask]`, `masked_select` and `nonzero` size their output by a mask's values: on the emulated device a
+    device mask has none, so the estimate takes the largest output (every element selected) and says so, where it
+    used to refuse the program (every HF CTC fine-tune: `labels.masked_select(mask)`); a host mask with values
+    (`HOST_VALUE_NUMEL`) gives the exact size; the backward of `x[mask]` runs."""
+    from torchmem.estimator import gpu_spec
+    from torchmem.estimator._session import Session
+
+    with Session(gpu_spec("H200")) as s:
+        x = torch.randn(1000, 256, device="cuda", requires_grad=True)
+        mask = torch.rand(1000, device="cuda") > 0.5
+        assert x[mask].shape == (1000, 256)
+        assert x.masked_select(x > 0).shape == (256000,)
+        assert torch.nonzero(mask).shape == (1000, 1)
+        assert x[torch.tensor([True, False] * 500)].shape == (500, 256)  # host values: exact
+        x[mask].sum().backward()
+        assert x.grad.shape == (1000, 256)
+        notes = " ".join(s.tracer.notes.messages)
+    for op in ("aten.index.Tensor", "aten.masked_select.default", "aten.nonzero.default"):
+        assert f"{op}: the output size depends on a mask's values" in notes, notes
+
+
 def test_mlp_trace_equals_the_h200_recording_request_by_request():
     _s, snap = _trace_workload("mlp_sgd_fp32")
     real = pickle.load(gzip.open(FIXTURES / "mlp_sgd_fp32__estimator.pickle.gz"))["device_traces"][0]
@@ -215,11 +237,24 @@ def test_gpt2_tiny_script_with_the_python_api():
 
 
 def test_data_dependent_and_device_only_calls_are_named(tmp_path):
-    bad = tmp_path / "nonzero.py"
-    bad.write_text("import torch\nx = torch.randn(64, device='cuda')\nidx = torch.nonzero(x > 0)\nprint(idx.shape)\n")
+    # `torch.unique`'s size depends on values with no largest case worth taking (a boolean selection's is every
+    # element: test_a_boolean_mask_selects_every_element_without_values)
+    bad = tmp_path / "unique.py"
+    bad.write_text("import torch\nx = torch.randn(64, device='cuda')\nu = torch.unique(x)\nprint(u.shape)\n")
     p = _torchmem("estimate", "--", sys.executable, str(bad))
     assert p.returncode != 0
-    assert "nonzero" in p.stderr and "nonzero.py:3" in p.stderr, p.stderr
+    assert "unique" in p.stderr and "unique.py:3" in p.stderr and "depends on tensor values" in p.stderr, p.stderr
+    # an operator without a shape-only kernel is named, not "Found no NVIDIA driver" from its real kernel
+    ctc = tmp_path / "ctc.py"
+    ctc.write_text(
+        "import torch\nlp = torch.randn(50, 4, 20, device='cuda').log_softmax(2)\n"
+        "t = torch.randint(1, 20, (4, 10), device='cuda')\nn = torch.full((4,), 50, device='cuda')\n"
+        "m = torch.full((4,), 10, device='cuda')\nprint(torch.nn.functional.ctc_loss(lp, t, n, m))\n"
+    )
+    p = _torchmem("estimate", "--", sys.executable, str(ctc))
+    assert p.returncode != 0 and "ctc.py:6" in p.stderr, p.stderr
+    assert "ctc_loss" in p.stderr and "has no fake (shape-only) kernel" in p.stderr, p.stderr
+    assert "NVIDIA driver" not in p.stderr.splitlines()[-1], p.stderr
     graphs = tmp_path / "graphs.py"
     graphs.write_text("import torch\ng = torch.cuda.CUDAGraph()\n")
     p = _torchmem("estimate", "--", sys.executable, str(graphs))

@@ -31,7 +31,7 @@ import threading
 
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
-from torch._subclasses.fake_tensor import DataDependentOutputException
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.utils._pytree import tree_flatten
 
 from ._opsig import CONV_OPS, signature
@@ -58,6 +58,18 @@ _OUTPUT_ORDER = {"aten.native_dropout.default": (1, 0)}  # the mask, then the ou
 _LAYER_NORM_OPS = ("aten.native_layer_norm.default", "aten.native_layer_norm_backward.default")
 # torch.nn.attention.SDPBackend values
 _MATH, _FLASH, _EFFICIENT, _CUDNN = 0, 1, 2, 3
+# Operators whose output size depends on values (a boolean mask's count): `masked_select`, `nonzero` and indexing
+# with a boolean mask (`x[mask]`). Without values the estimate gives them their largest output: every element
+# selected.
+_SELECT_OPS = (torch.ops.aten.masked_select.default, torch.ops.aten.nonzero.default, torch.ops.aten.index.Tensor)
+SELECT_NOTE = (
+    "{op}: the output size depends on a mask's values, which an emulated device does not have; the estimate "
+    "took the largest output (every element selected), so the peak may be over, never under, for these calls"
+)
+
+
+def _bool_index(args) -> bool:
+    return any(ix is not None and ix.dtype in (torch.bool, torch.uint8) for ix in args[1])
 
 
 def cublas_workspace_bytes(major: int) -> int:
@@ -95,6 +107,8 @@ class CudaRules:
             except DataDependentOutputException:
                 tracer.note("a tensor value was read (.item() or similar); the estimate used 0 for it")
                 return (0,)
+        if func in _SELECT_OPS:
+            return self._select(tracer, func, args, kwargs)
         name = str(func)
         if name in CONV_OPS:
             return self._convolution(tracer, func, name, args, kwargs)
@@ -124,6 +138,32 @@ class CudaRules:
         elif name == "aten._scaled_dot_product_cudnn_attention.default":
             return (self._cudnn_attention(tracer, func, args, kwargs),)
         return None
+
+    def _select(self, tracer, func, args, kwargs):
+        """A value-dependent selection (see `_SELECT_OPS`): as is when its size is known (host values, no boolean
+        index), else with every element selected."""
+        try:
+            return None if func is torch.ops.aten.index.Tensor and not _bool_index(args) else (func(*args, **kwargs),)
+        except DynamicOutputShapeException:
+            pass
+        x = args[0]
+        if func is torch.ops.aten.masked_select.default:
+            n = torch.broadcast_shapes(x.shape, args[1].shape).numel()
+            out = torch.empty(n, dtype=x.dtype, device=x.device)
+        elif func is torch.ops.aten.nonzero.default:
+            out = torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
+        else:  # x[mask]: a boolean index of k dimensions is k long indices of its element count
+            indices = []
+            for ix in args[1]:
+                if ix is not None and ix.dtype in (torch.bool, torch.uint8):
+                    indices += [torch.zeros(ix.numel(), dtype=torch.long, device=ix.device)] * ix.dim()
+                else:
+                    indices.append(ix)
+            out = func(x, indices)
+        tracer.note(SELECT_NOTE.format(op=func))
+        if tracer.enabled:
+            tracer.track(out, str(func))
+        return (out,)
 
     def after(self, tracer, func, args, kwargs, out) -> None:
         # The output is allocated before the library call that gets the handle (and its workspace).

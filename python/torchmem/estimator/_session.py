@@ -142,7 +142,14 @@ class _EmulatedFakeMode(FakeTensorMode):
             out = self._host_factory(func, args, kwargs)
             if out is not None:
                 return out
-        out = super().dispatch(func, types, args, kwargs)
+        try:
+            out = super().dispatch(func, types, args, kwargs)
+        except RuntimeError as e:
+            # An operator without a shape-only kernel falls back to its real kernel, which needs a real GPU for
+            # device tensors ("Found no NVIDIA driver"): it is the operator that cannot be emulated.
+            if "NVIDIA driver" in str(e) or "not compiled with CUDA" in str(e):
+                raise UnsupportedOperatorException(func) from e
+            raise
         if kwargs.get("pin_memory") and isinstance(out, torch.Tensor):  # torch.empty(..., pin_memory=True)
             _mark_pinned(out)
         return out
@@ -452,7 +459,7 @@ def translate_error(e: BaseException) -> BaseException | None:
         )
     if isinstance(e, UnsupportedOperatorException):
         return _device.EstimateUnsupported(
-            f"the operator {e.func} has no fake (shape-only) kernel, typically a custom CUDA extension; the "
-            "estimate cannot run it without a GPU"
+            f"the operator {e.func} has no fake (shape-only) kernel (a custom CUDA extension, or one of the few "
+            "torch operators without one, such as the CTC loss); the estimate cannot run it without a GPU"
         )
     return None
