@@ -113,6 +113,12 @@ def run_json(cmd: list[str], timeout: int = 1200, cache: Path | None = None) -> 
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(p.stdout)
         cache.with_suffix(".err").write_text(p.stderr)
+    try:  # "does not fit" exits 1 with its report: a report is an answer, whatever the exit status
+        e = json.loads(p.stdout)
+        e["seconds"] = round(time.time() - t0, 1)
+        return e
+    except ValueError:
+        pass
     if p.returncode != 0:
         lines = [ln for ln in (p.stderr or p.stdout).strip().splitlines() if ln.startswith("torchmem")]
         return {"error": (lines or (p.stderr or p.stdout).strip().splitlines() or ["?"])[-1][:400],
@@ -200,7 +206,7 @@ def g(v) -> str:
 
 def print_table(rows: list[dict], fits: list[dict], summ: dict, markdown: bool):
     if markdown:
-        print("| script | family | H200 allocated / reserved / NVML (GiB) | estimate (GiB) | reserved upper | "
+        print("| script | family | measured allocated / reserved / NVML (GiB) | estimate (GiB) | reserved upper | "
               "error alloc / reserved / NVML | true peak inside |")  # fmt: skip
         print("|---|---|---|---|---|---|---|")
     else:
@@ -246,7 +252,7 @@ def print_table(rows: list[dict], fits: list[dict], summ: dict, markdown: bool):
     for f in fits:
         said = {k: ("fits" if f[k].get("fits") else "does not fit") if "fits" in f[k] else f[k].get("error")
                 for k in ("at_fits", "at_fails") if k in f}  # fmt: skip
-        print(f"--fit {f['script']}: H200 runs {f['h200_fits']}, OOM at {f['h200_fails']}"
+        print(f"--fit {f['script']}: the GPU runs {f['h200_fits']}, OOM at {f['h200_fails']}"
               f"{'' if f['exact'] else ' (bracket)'}; estimate there: {said.get('at_fits')} / {said.get('at_fails')}"
               f" -> {f['verdict']}")  # fmt: skip
     if fits:
