@@ -271,6 +271,23 @@ def test_data_dependent_and_device_only_calls_are_named(tmp_path):
     assert p.returncode != 0 and "without putting anything on the GPU" in p.stderr, p.stderr
 
 
+def test_an_error_raised_while_handling_a_refusal_does_not_mask_it(tmp_path):
+    """Lightning's teardown after an error inside `fit` moves the model to the CPU, which fails too ("Couldn't swap
+    BatchNorm2d.weight"), and used to be the only error said; the refusal raised first is the answer, on its own
+    line, the later error after it."""
+    script = tmp_path / "teardown.py"
+    script.write_text(
+        "import torch\nx = torch.randn(64, device='cuda')\ntry:\n    u = torch.unique(x)\nfinally:\n"
+        '    raise RuntimeError("_apply(): Couldn\'t swap BatchNorm2d.weight")\n'
+    )
+    p = _torchmem("estimate", "--", sys.executable, str(script))
+    assert p.returncode != 0
+    last = [ln for ln in p.stderr.splitlines() if ln.startswith("torchmem")][-1]
+    assert "aten._unique2.default, whose output shape depends on tensor values" in last, p.stderr
+    assert "(then, while the program handled it: RuntimeError: _apply(): Couldn't swap" in last, last
+    assert last.endswith("teardown.py:4)"), last
+
+
 def test_catalogue_and_bad_input():
     p = _torchmem("estimate", "--list-gpus", "--json")
     cat = {g["key"]: g for g in json.loads(p.stdout)}

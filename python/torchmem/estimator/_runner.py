@@ -179,8 +179,17 @@ class _ScriptRun:
 
         translated = translate_error(value) if isinstance(value, Exception) else None
         err = translated or value
+        later = ""
+        if not isinstance(err, EstimateUnsupported):
+            # What the estimate cannot follow, raised first and replaced while the program handled it (Lightning's
+            # teardown moves the model to the CPU after an error inside `fit`, and that fails too): the first
+            # one is the answer, the later one is said after it.
+            root = _first_unsupported(value, translate_error)
+            if root is not None:
+                later = f" (then, while the program handled it: {type(value).__name__}: {value})"
+                err, tb = root
         if isinstance(err, EstimateUnsupported):
-            message = str(err)
+            message = str(err) + later
         else:
             message = f"{type(err).__name__}: {err}"
         where = ""
@@ -192,6 +201,21 @@ class _ScriptRun:
         if not isinstance(err, EstimateUnsupported):
             sys.__excepthook__(etype, value, tb)
         sys.stderr.flush()
+
+
+def _first_unsupported(value: BaseException, translate) -> tuple[EstimateUnsupported, Any] | None:
+    """The earliest exception in `value`'s chain (`__cause__`, `__context__`) that is a call the estimate cannot
+    follow, as its message and traceback; None if there is none."""
+    chain: list[BaseException] = []
+    e: BaseException | None = value.__cause__ or value.__context__
+    while e is not None and all(e is not c for c in chain) and len(chain) < 64:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for e in reversed(chain):
+        found = e if isinstance(e, EstimateUnsupported) else translate(e) if isinstance(e, Exception) else None
+        if found is not None:
+            return found, e.__traceback__
+    return None
 
 
 def start_from_env() -> None:
