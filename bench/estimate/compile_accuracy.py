@@ -1,12 +1,14 @@
 """The accuracy of the estimate of `torch.compile` programs (issue 23 item 4; docs/estimator.md §3.3): every config
 of `scripts/gpu_compile_truth.py` (compiled and eager twins) estimated here, without a GPU, with `torchmem.estimate()`
-for the H200, against what the H200 measured (`tests/fixtures/compile-h200/compile-truth.json`).
+for the GPU the truth was recorded on, against what that GPU measured. The recorded truth
+(`tests/fixtures/compile-h100/compile-truth.json.gz`) is an NVIDIA H100 80GB HBM3's (torch 2.11, CUDA 13), not an
+H200's: no H200 was free when it was recorded. The GPU is taken from the truth's `device_name`.
 
     .venv/bin/python bench/estimate/compile_accuracy.py [--only NAME,...] [--truth PATH] [--out PATH]
 
 Each config is estimated in a fresh process (as `torchmem estimate` would run it: dynamo's caches and Inductor's
 compile start empty), for as many steps as the truth ran (the first one compiles). Prints one row per config: the
-H200's whole-process peak allocated, reserved and NVML (compile step included), the point estimate, the upper
+GPU's whole-process peak allocated, reserved and NVML (compile step included), the point estimate, the upper
 bound and the errors; writes the rows as JSON.
 """
 
@@ -24,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "python"))
-TRUTH = ROOT / "tests" / "fixtures" / "compile-h200" / "compile-truth.json.gz"
+TRUTH = ROOT / "tests" / "fixtures" / "compile-h100" / "compile-truth.json.gz"
 
 
 def load_truth(path: Path = TRUTH) -> dict:
@@ -33,8 +35,19 @@ def load_truth(path: Path = TRUTH) -> dict:
         return json.load(f)
 
 
-def estimate_config(name: str, steps: int) -> dict:
-    """The estimate of one config (in this process), as a dict of the numbers the table needs."""
+def gpu_key(device_name: str) -> str:
+    """The catalogue key (`--gpu`) of the GPU torch named `device_name` (the truth's), e.g. "H100-80GB"."""
+    import torchmem.estimator as te
+
+    keys = [g["key"] for g in te.gpu_catalogue() if g["name"] == device_name]
+    if not keys:
+        raise SystemExit(f"no catalogue GPU is named {device_name!r}: add it to crates/torchmem-estimator/src/gpus.rs")
+    return keys[0]
+
+
+def estimate_config(name: str, steps: int, gpu: str) -> dict:
+    """The estimate of one config (in this process) for the catalogue GPU `gpu`, as a dict of the numbers the table
+    needs."""
     import gpu_compile_truth as truth
     import torch
     import torchmem.estimator as te
@@ -48,7 +61,7 @@ def estimate_config(name: str, steps: int) -> dict:
         state["step"]()
 
     t0 = time.perf_counter()
-    est = te.estimate(step, gpu="H200", steps=steps)
+    est = te.estimate(step, gpu=gpu, steps=steps)
     return {
         "peak_allocated_bytes": est.peak_allocated_bytes,
         "peak_reserved_bytes": est.peak_reserved_bytes,
@@ -82,11 +95,14 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "estimate" / "compile-accuracy.json"))
     ap.add_argument("--child", default="")
     ap.add_argument("--steps", type=int, default=0)
+    ap.add_argument("--gpu", default="")
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(estimate_config(args.child, args.steps)))
+        print(json.dumps(estimate_config(args.child, args.steps, args.gpu)))
         return
     truth = load_truth(Path(args.truth))
+    gpu = gpu_key(truth["device_name"])
+    print(f"truth recorded on {truth['device_name']} (torch {truth['torch_version']}); estimating for --gpu {gpu}")
     names = [n for n in truth["configs"] if not args.only or n in args.only.split(",")]
     mib = 2**20
     rows = []
@@ -99,7 +115,7 @@ def main() -> None:
         if "error" in t:
             continue
         steps = len(t["steps"])
-        argv = [sys.executable, __file__, "--child", n, "--steps", str(steps)]
+        argv = [sys.executable, __file__, "--child", n, "--steps", str(steps), "--gpu", gpu]
         p = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
         if p.returncode != 0:
             print(f"{n:40s} estimate failed: {p.stderr.strip().splitlines()[-1:]}")
@@ -129,7 +145,7 @@ def main() -> None:
         if vals:
             print(f"compiled configs, |{key}|: median {statistics.median(vals):.2f} max {max(vals):.2f}")
     under = sum(r["reserved_under_upper"] for r in ok)
-    print(f"compiled configs: the H200's peak reserved at or under the upper bound in {under} of {len(ok)}")
+    print(f"compiled configs: the {gpu}'s peak reserved at or under the upper bound in {under} of {len(ok)}")
     Path(args.out).write_text(json.dumps(rows, indent=1))
 
 

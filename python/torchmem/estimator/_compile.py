@@ -197,8 +197,9 @@ class CompileEmulation:
         """SDPA in a compiled graph: the estimate's `F.scaled_dot_product_attention` wrapper picks the backend in
         Python (`_rules.sdpa_wrapper`), which dynamo cannot trace (a graph break in every attention layer split
         nanoGPT's forward into 14 graphs). While dynamo traces, the wrapper hands over to torch's own function, as
-        on a GPU: aot_autograd then asks `aten._fused_sdp_choice` for the backend, which on fake CUDA tensors without
-        a GPU answers math; its Meta kernel (the one fake tensors run) answers the estimate's rule instead."""
+        on a GPU; aot_autograd's decomposition of it then takes the backend from `_sdpa_kernel` (installed for the
+        compile). A program's own `torch._fused_sdp_choice` call (on fake CUDA tensors: the Meta kernel) answers the
+        estimate's rule too."""
         import torch.nn.functional as F
 
         wrapper = F.scaled_dot_product_attention
@@ -214,7 +215,10 @@ class CompileEmulation:
         rules = self.rules
 
         def fused_sdp_choice(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
-            if q.device.type != "cuda":
+            # Fake tensors run this kernel as meta tensors (their `.device` says meta inside the kernel call): the
+            # device that counts is the one they stand for.
+            device = getattr(q, "fake_device", q.device)
+            if device.type != "cuda":
                 return 0  # math, as torch's Meta kernel answers for a tensor not on CUDA
             return int(rules.sdpa_backend(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa))
 
@@ -470,8 +474,44 @@ class CompileEmulation:
             _patch_device_interface(setattr_saved)
             if inductor:
                 self._patch_inductor(setattr_saved, stack)
+            self._sdpa_kernel(stack)
             stack.enter_context(_disable_current_modes())
             yield
+
+    def _sdpa_kernel(self, stack) -> None:
+        """While dynamo and aot_autograd trace, `aten::scaled_dot_product_attention` picks the backend the target
+        GPU would (`_rules.sdpa_backend`). Its CompositeImplicitAutograd kernel (C++) asks CUDA's
+        `_fused_sdp_choice` stub directly, not the dispatcher, and without a GPU that answers math: the compiled
+        graph then held the math path's attention matrices (nanoGPT on the H100: 384 MiB fp32 per layer, +88 %
+        where the GPU ran cuDNN attention). This kernel, installed only for the compile, calls the chosen fused
+        op as torch's does; math (and attention off CUDA, which the estimate does not size) goes through
+        `_scaled_dot_product_attention_math` as torch's math case does."""
+        from ._rules import _sdpa
+
+        rules = self.rules
+
+        def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+            out = None
+            if getattr(query, "fake_device", query.device).type == "cuda":
+                out = _sdpa(rules, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+            if out is None:
+                if attn_mask is not None and attn_mask.dtype == torch.bool:
+                    zero = torch.zeros((), dtype=query.dtype, device=query.device)
+                    attn_mask = torch.where(attn_mask, zero, torch.full_like(zero, float("-inf")))
+                out = torch.ops.aten._scaled_dot_product_attention_math(
+                    query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+                )[0]
+            return out
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": ours, for the compile
+                lib = torch.library.Library("aten", "IMPL")
+                lib.impl("scaled_dot_product_attention", sdpa, "CompositeImplicitAutograd")
+        except Exception:  # noqa: BLE001 - then compiled attention takes torch's answer (math), said in a note
+            self.tracer.note("torch.compile: the SDPA backend rule could not be installed for compiled graphs")
+            return
+        stack.callback(lib._destroy)
 
     def _patch_inductor(self, setattr_saved, stack) -> None:
         import torch._functorch.config as fconfig
