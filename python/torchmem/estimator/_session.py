@@ -215,6 +215,13 @@ class Session:
         setattr(obj, name, value)
 
     def _install(self) -> None:
+        import torch._subclasses.fake_tensor as fake_tensor_mod
+
+        if hasattr(fake_tensor_mod, "init_gpu_context"):
+            # torch 2.10-2.11: every new fake CUDA tensor first makes one real CUDA tensor when
+            # `torch.cuda.is_available()` answers True (our answer, below), which fails without a driver; the
+            # emulated device has no context to initialise.
+            self._patch(fake_tensor_mod, "init_gpu_context", lambda device: None)
         self._shim.install()
         _device.install_backward_fix(_new_mode)
         import torch.optim.optimizer as optim_mod
