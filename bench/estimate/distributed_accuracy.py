@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -52,16 +53,18 @@ def launch_args(world: int) -> list[str]:
     return ["--nnodes", str(world // per_node), "--nproc-per-node", str(per_node)]
 
 
-def estimate(cfg: dict, steps: int | None = None, gpu: str = "H200") -> dict:
-    """The CLI's `--json` report for one truth config (rank `cfg['rank']` of `cfg['world_size']`)."""
-    exe = Path(sys.executable)
-    torchmem = exe.with_name("torchmem")
+def estimate(cfg: dict, steps: int | None = None, gpu: str = "H200", python: str | None = None) -> dict:
+    """The CLI's `--json` report for one truth config (rank `cfg['rank']` of `cfg['world_size']`); `python`: the
+    interpreter the program runs under (another torch than this venv's; torchmem importable there)."""
+    torchmem = Path(sys.executable).with_name("torchmem")
+    exe = python or sys.executable
     cmd = [str(torchmem), "estimate", "--gpu", gpu, *launch_args(cfg["world_size"]), "--rank", str(cfg["rank"]),
            "--json", "--", str(exe), str(SCRIPT), "--child", cfg["name"]]  # fmt: skip
     if steps is not None:
         cmd += ["--steps", str(steps)]
+    env = dict(os.environ, TORCHMEM_PYTHON=str(exe))
     with tempfile.TemporaryDirectory() as tmp:  # not the repo root: it has a `python/` folder
-        p = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=900)
+        p = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=900, env=env)
     if p.returncode != 0:
         raise RuntimeError(f"{cfg['name']}: torchmem estimate exited {p.returncode}: {p.stderr[-2000:]}")
     return json.loads(p.stdout)
@@ -152,6 +155,8 @@ def main() -> int:
     ap.add_argument("--only", help="comma-separated config names")
     ap.add_argument("--jobs", type=int, default=2, help="estimates run side by side (default 2)")
     ap.add_argument("--held-out", default="", help="comma-separated names or name prefixes not used while fixing")
+    ap.add_argument("--python", help="run the programs under this interpreter (e.g. a venv with the truth's torch "
+                    "version and torchmem importable); default: this one")  # fmt: skip
     ap.add_argument("--json", help="write the rows and summaries to this file ('-': stdout, no table)")
     a = ap.parse_args()
     cfgs = load_truth(Path(a.truth))
@@ -168,7 +173,7 @@ def main() -> int:
 
     def one(group: list[dict]) -> list[dict]:
         t0 = time.time()
-        rep = estimate(group[0], gpu=group[0]["gpu"])
+        rep = estimate(group[0], gpu=group[0]["gpu"], python=a.python)
         rep["_seconds"] = round(time.time() - t0, 1)
         return [compare(cfg, rep) for cfg in group]
 
