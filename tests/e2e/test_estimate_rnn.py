@@ -79,6 +79,10 @@ def test_corpus_script_peak_within_the_interval(script):
     assert est["nvml_upper_bytes"] >= truth["nvml_process_bytes"]
     if script == "lstm_lm.py":  # all shapes known but the workspace: allocated is exact
         assert abs(est["peak_allocated_bytes"] / truth["allocated_bytes.all.peak"] - 1) < 0.01
+        # its workspace (2 layers with dropout, not recorded) from the same stack recorded without dropout plus
+        # one hidden-size row per row and inner layer (_rnn.py): the reserved peak was 16 % low by nearest-shape
+        # scaling; exact since (the rule was read off the catalogue, this script held out)
+        assert abs(est["peak_reserved_bytes"] / truth["reserved_bytes.all.peak"] - 1) < 0.005
         kinds = {u["kind"] for u in est["uncertainty"]}
         assert "cudnn_rnn_workspace" in kinds, est["uncertainty"]
     else:  # the lengths come from torch.randint on the CPU: no values here, full length taken and said
