@@ -55,15 +55,13 @@ FIT = {
     "tv_reference_resnet50.py": (2560, 32),
 }
 CHILD_TIMEOUT_S = 300
+H200_CUDA_TOTAL_BYTES = 150_109_880_320
 
 
 def _is_oom(message: str) -> bool:
     """Out of device memory, as the caching allocator or a CUDA library says it (cuBLAS cannot create its handle
     when the allocator has taken all but a sliver of the GPU: `CUBLAS_STATUS_ALLOC_FAILED`)."""
     return "out of memory" in message.lower() or "CUBLAS_STATUS_ALLOC_FAILED" in message
-
-
-H200_CUDA_TOTAL_BYTES = 150_109_880_320
 
 
 class NvmlSampler(threading.Thread):

@@ -30,6 +30,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from compile_accuracy import gpu_key  # the truth's device name -> its `--gpu` key (one lookup)
+
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS = ROOT / "bench" / "estimate" / "corpus"
 DEFAULT_TRUTH = [
@@ -76,11 +78,6 @@ def family(name: str) -> str:
         if key in name:
             return fam
     return "other"
-
-
-def gpu_key(device: str | None) -> str:
-    """The `--gpu` key of the device a truth was recorded on (its torch name): the estimate is made for that GPU."""
-    return "H100-80GB" if device and "H100" in device else "H200"
 
 
 def torchmem_cmd(extra: list[str], script: Path, args: list[str], gpu: str = "H200") -> list[str]:
@@ -164,7 +161,7 @@ def fit_row(name: str, f: dict, cache: Path | None) -> dict:
         if not batch:
             continue
         c = cache / "fit" / f"{Path(name).stem}-b{batch}.json" if cache else None
-        e = run_json(torchmem_cmd([], CORPUS / name, ["--batch-size", str(batch)], gpu_key(f.get("device"))), cache=c)
+        e = run_json(torchmem_cmd([], CORPUS / name, ["--batch-size", str(batch)], f.get("device", "H200")), cache=c)
         if "error" in e:
             row[label] = {"batch": batch, "error": e["error"]}
             continue
@@ -274,7 +271,7 @@ def main() -> int:
     fit_truth: dict[str, dict] = {}
     for path in a.truth or [str(p) for p in DEFAULT_TRUTH if p.exists()]:
         doc = json.load(gzip.open(path))
-        device = doc.get("versions", {}).get("device")
+        device = gpu_key(doc.get("versions", {}).get("device") or doc.get("device") or "NVIDIA H200")
         truth.update({n: {**t, "device": device} for n, t in doc.get("scripts", {}).items()})
         fit_truth.update({n: {**f, "device": device} for n, f in doc.get("fit", {}).items()})
     names = sorted(p.name for p in CORPUS.glob("*.py"))
@@ -287,7 +284,7 @@ def main() -> int:
 
     def one(n: str) -> dict:
         cache = Path(a.cache) / (Path(n).stem + ".json") if a.cache else None
-        cmd = torchmem_cmd([], CORPUS / n, [], gpu_key(truth[n].get("device")))
+        cmd = torchmem_cmd([], CORPUS / n, [], truth[n].get("device", "H200"))
         row = score(n, truth[n], run_json(cmd, cache=cache))
         print(f"  {n}: {'refused' if 'refused' in row else 'estimated'} ({row['estimate'].get('seconds')} s)",
               file=sys.stderr, flush=True)  # fmt: skip

@@ -34,6 +34,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from compile_accuracy import gpu_key  # the truth's device name -> its `--gpu` key (one lookup)
+
 ROOT = Path(__file__).resolve().parents[2]
 TRUTH = ROOT / "tests/fixtures/distributed-h200/distributed-truth.json.gz"
 SCRIPT = ROOT / "scripts/gpu_distributed_truth.py"
@@ -44,7 +46,7 @@ def load_truth(path: Path) -> list[dict]:
     """The configs that ran, each with the `--gpu` key of the device it was recorded on (`gpu`)."""
     with gzip.open(path, "rt") as f:
         doc = json.load(f)
-    gpu = "H100-80GB" if "H100" in (doc.get("device") or "") else "H200"
+    gpu = gpu_key(doc.get("device") or "NVIDIA H200")
     return [{**c, "gpu": gpu} for c in doc["configs"] if c.get("steps")]
 
 

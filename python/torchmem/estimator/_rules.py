@@ -68,8 +68,8 @@ SELECT_NOTE = (
 )
 
 
-def _bool_index(args) -> bool:
-    return any(ix is not None and ix.dtype in (torch.bool, torch.uint8) for ix in args[1])
+def _is_mask(ix) -> bool:
+    return ix is not None and ix.dtype in (torch.bool, torch.uint8)
 
 
 def cublas_workspace_bytes(major: int) -> int:
@@ -142,8 +142,10 @@ class CudaRules:
     def _select(self, tracer, func, args, kwargs):
         """A value-dependent selection (see `_SELECT_OPS`): as is when its size is known (host values, no boolean
         index), else with every element selected."""
+        if func is torch.ops.aten.index.Tensor and not any(_is_mask(ix) for ix in args[1]):
+            return None
         try:
-            return None if func is torch.ops.aten.index.Tensor and not _bool_index(args) else (func(*args, **kwargs),)
+            return (func(*args, **kwargs),)
         except DynamicOutputShapeException:
             pass
         x = args[0]
@@ -155,7 +157,7 @@ class CudaRules:
         else:  # x[mask]: a boolean index of k dimensions is k long indices of its element count
             indices = []
             for ix in args[1]:
-                if ix is not None and ix.dtype in (torch.bool, torch.uint8):
+                if _is_mask(ix):
                     indices += [torch.zeros(ix.numel(), dtype=torch.long, device=ix.device)] * ix.dim()
                 else:
                     indices.append(ix)

@@ -90,9 +90,7 @@ def summary(session, *, reason: str, seconds: float, error: str | None = None) -
         "trace_peak_bytes": peak,
         "phase_peak_bytes": phases,
         "largest_at_peak": top,
-        # cuDNN's RNN kernels load as much as half-precision GEMMs do: the context's middle tier (758 MiB on the
-        # H200 and the H100 for every cuDNN RNN training script of the corpus)
-        "uses_half_precision": session.rules.used_half or session._rnn.calls > 0,
+        "uses_half_precision": session.uses_half_precision,
         "uses_convolution": session.rules.used_conv,
         "convolution_workspaces": session.rules.conv_summary(),
         # What the trace does not know exactly, for the upper bound (docs/estimator.md, intervals).
