@@ -23,6 +23,8 @@ Usage (from the repository root on the GPU machine):
     python scripts/gpu_corpus_truth.py OUT [--jobs 4] [--only a.py,b.py] [--no-fit] [--fit-only] [--fit-budget S]
         (a second call with the same OUT adds to the first one's file: `--no-fit`, then `--fit-only`)
     python scripts/gpu_corpus_truth.py --child SCRIPT [ARGS...]      (one script in this process; prints JSON)
+        (with CORPUS_SNAPSHOT=FILE.pickle in the environment the child also keeps the allocator's history and
+        dumps it there at the end: `torch.cuda.memory._dump_snapshot`, for request-by-request comparisons)
     python scripts/gpu_corpus_truth.py OUT --plumbing                 (no GPU: checks the parallel runs, the
         child protocol and the bisection on stub scripts; writes OUT/corpus-truth-plumbing.json.gz)
 """
@@ -117,6 +119,11 @@ def child(script: str, argv: list[str], plumbing: bool) -> dict:
         sampler.start()
     sys.argv = [script, *argv]
     sys.path[0] = str(Path(script).resolve().parent)
+    snapshot = None if plumbing else os.environ.get("CORPUS_SNAPSHOT")
+    if snapshot:
+        import torch
+
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     t0 = time.time()
     r: dict = {"argv": argv, "status": "ok"}
     try:
@@ -139,6 +146,8 @@ def child(script: str, argv: list[str], plumbing: bool) -> dict:
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - after an OOM the device is still readable; recorded otherwise
         r["sync_error"] = str(e)[:300]
+    if snapshot:
+        torch.cuda.memory._dump_snapshot(snapshot)
     s = torch.cuda.memory_stats()
     for k in ("allocated_bytes.all.peak", "reserved_bytes.all.peak", "requested_bytes.all.peak",
               "active_bytes.all.peak", "num_alloc_retries", "num_ooms", "num_device_alloc"):  # fmt: skip

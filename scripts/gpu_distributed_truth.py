@@ -43,6 +43,15 @@ CONFIGS["hsdp-2x8"] = ("hsdp", 16, 0, {})
 CONFIGS["tp-w4"] = ("tp", 4, 0, {})
 CONFIGS["tp-w8"] = ("tp", 8, 0, {})
 CONFIGS["fsdp-tp-4x4"] = ("fsdp_tp", 16, 0, {})
+# FSDP2's other knobs, FSDP1, sequence parallel and checkpointing under TP (issue 24's remaining parallelisms).
+CONFIGS["fsdp2-reshard2-w8"] = ("fsdp2", 8, 0, {"reshard_after_forward": 2})
+CONFIGS["fsdp2-offload-w8"] = ("fsdp2", 8, 0, {"offload": True})
+CONFIGS["fsdp2-prefetch-w8"] = ("fsdp2", 8, 0, {"prefetch": 2})
+CONFIGS["fsdp2-bf16-ckpt-w64"] = ("fsdp2", 64, 0, {"mp": "bf16", "checkpoint": True})
+CONFIGS["fsdp1-w8"] = ("fsdp1", 8, 0, {})
+CONFIGS["fsdp1-noreshard-w8"] = ("fsdp1", 8, 0, {"sharding": "SHARD_GRAD_OP"})
+CONFIGS["tp-sp-w4"] = ("tp", 4, 0, {"sequence_parallel": True})
+CONFIGS["tp-ckpt-w4"] = ("tp", 4, 0, {"checkpoint": True})
 CONFIGS["ddp"] = ("ddp", 1, 0, {})
 CONFIGS["ddp-bucket-view"] = ("ddp", 1, 0, {"gradient_as_bucket_view": True})
 CONFIGS["ddp-static"] = ("ddp", 1, 0, {"static_graph": True})
@@ -123,9 +132,11 @@ def _child(name: str, steps: int) -> dict:
             super().__init__()
             self.up = nn.Linear(hidden, 4 * hidden, bias=False)
             self.down = nn.Linear(4 * hidden, hidden, bias=False)
+            self.norm = nn.LayerNorm(hidden) if opts.get("sequence_parallel") else None
 
         def forward(self, x):
-            return x + self.down(torch.nn.functional.gelu(self.up(x)))
+            h = x if self.norm is None else self.norm(x)
+            return x + self.down(torch.nn.functional.gelu(self.up(h)))
 
     blocks = LAYERS // n if kind == "pp" else LAYERS  # a pipeline stage holds its share of the blocks
     model = nn.Sequential(*[Block() for _ in range(blocks)]).cuda()
@@ -150,15 +161,39 @@ def _child(name: str, steps: int) -> dict:
         kw = {"mesh": mesh, "reshard_after_forward": opts.get("reshard_after_forward", True)}
         if mp is not None:
             kw["mp_policy"] = mp
+        if opts.get("offload"):
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            kw["offload_policy"] = CPUOffloadPolicy()
         for block in model:
             fully_shard(block, **kw)
         fully_shard(model, **kw)
+        if opts.get("prefetch"):  # explicit prefetching, `prefetch` blocks ahead in both directions
+            blocks_ = list(model)
+            for i, block in enumerate(blocks_):
+                block.set_modules_to_forward_prefetch(blocks_[i + 1 : i + 1 + opts["prefetch"]])
+                block.set_modules_to_backward_prefetch(blocks_[max(0, i - opts["prefetch"]) : i][::-1])
+    elif kind == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        strategy = ShardingStrategy[opts.get("sharding", "FULL_SHARD")]
+        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=0,
+                                         sharding_strategy=strategy)  # fmt: skip
     elif kind == "tp":
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         mesh = init_device_mesh("cuda", (n,))
+        if opts.get("sequence_parallel"):  # activations sharded on the sequence between blocks (torchtitan's plan)
+            from torch.distributed.tensor import Shard
+            from torch.distributed.tensor.parallel import SequenceParallel
+
+            plan = {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+                    "down": RowwiseParallel(output_layouts=Shard(1))}  # fmt: skip
+        else:
+            plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
         for block in model:
-            parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+            parallelize_module(block, mesh, plan)
     elif kind == "pp":
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -178,7 +213,8 @@ def _child(name: str, steps: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     per_step = []
     for _ in range(steps):
-        x = torch.randn(BATCH, SEQ, hidden, device="cuda") if schedule is None or me == 0 else None
+        seq = SEQ // n if opts.get("sequence_parallel") else SEQ  # this rank's slice of the sequence
+        x = torch.randn(BATCH, seq, hidden, device="cuda") if schedule is None or me == 0 else None
         if schedule is not None:
             if me == 0:
                 schedule.step(x)

@@ -1129,6 +1129,15 @@ class LargestTensor(TypedDict):
     step: int | None
 
 
+class NcclCommunicator(TypedDict):
+    """estimator::summary::NcclCommunicator."""
+
+    ranks: int
+    peers: int
+    channels: int
+    bytes: int
+
+
 class NcclModel(TypedDict):
     """estimator::summary::NcclModel."""
 
@@ -1139,6 +1148,7 @@ class NcclModel(TypedDict):
     channels: int
     verified: bool
     source: str
+    communicators: list[NcclCommunicator]
 
 
 class RankClass(TypedDict):

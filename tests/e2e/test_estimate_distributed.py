@@ -273,8 +273,10 @@ print(json.dumps(out))
 
 def test_hsdp_and_fsdp_with_tp_on_two_dimensional_meshes(tmp_path):
     """HSDP (replicate 2 x shard 8, bf16 parameters, activation checkpointing) and FSDP x TP (4 x 4) in a world of
-    16: each parameter is sharded by the shard dimension only (HSDP) or by TP then FSDP (2-D); the rank belongs to
-    the communicators of its mesh rows and columns (the NCCL model's input)."""
+    16: each parameter is sharded by the shard dimension only (HSDP) or by TP then FSDP (2-D); the NCCL model's
+    communicators are the groups the rank ran collectives on, in first-use order: HSDP's shard (8) and replicate
+    (2) groups, then the dp (4) and tp (4) groups; the world group of 16, made but never used, has none (NCCL
+    creates a communicator at a group's first collective)."""
     script = tmp_path / "mesh2d.py"
     script.write_text(MESH_2D_SCRIPT)
     r = _python(script)
@@ -285,7 +287,7 @@ def test_hsdp_and_fsdp_with_tp_on_two_dimensional_meshes(tmp_path):
         "down.weight": [64, 256],  # 1024 columns / 4 (TP rowwise); 256 rows / 4 (FSDP)
         "down.bias": [64],
     }
-    assert r["communicators"] == [16, 2, 8, 4, 4]
+    assert r["communicators"] == [8, 2, 4, 4]
     assert r["steps"] == 4
 
 
@@ -461,13 +463,15 @@ for _ in range(3):
 def test_collectives_and_sub_groups_return_at_once_and_allocate_their_outputs(tmp_path):
     """broadcast, reduce_scatter_tensor, all_reduce on a `new_group(backend="nccl")`, barrier: nothing waits in a
     world of 8; a functional all-gather's output (8 x 4 MiB) is allocated on the emulated device (the program's own
-    `memory_allocated()` sees it); the rank's communicators (world and sub-group) feed the NCCL model."""
+    `memory_allocated()` sees it); the groups the rank ran collectives on (world, then the sub-group) are the NCCL
+    model's communicators."""
     script = tmp_path / "collectives.py"
     script.write_text(COLLECTIVES_SCRIPT)
     p = _estimate(script, cli=("--nproc-per-node", "8"), timeout=120)
     r = _ok(p)
     assert "gathered (8388608,) 32" in p.stderr
     assert r["nccl"]["bytes"] == r["nccl_bytes"] > 0
+    assert [c["ranks"] for c in r["nccl"]["communicators"]] == [8, 4]
     assert r["peak_allocated_bytes"] >= (4 + 32) * MIB
 
 

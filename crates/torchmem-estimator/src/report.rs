@@ -244,9 +244,9 @@ pub fn estimate_trace(
     );
     if nccl_bytes > 0 {
         notes.push(format!(
-            "NCCL's buffers ({}, {} communicator(s) of this rank) are a model from NCCL's documented sizes \
-             (NCCL_BUFFSIZE {} x {} channels x peers), not measured: the real figure may be {} to {} \
-             (docs/estimator.md §7)",
+            "NCCL's buffers ({}, {} communicator(s): the groups this rank ran collectives on) are a model from \
+             NCCL's documented sizes (NCCL_BUFFSIZE {} x {} channels x peers), not measured: the real figure may \
+             be {} to {} (docs/estimator.md §7)",
             format_bytes(nccl_bytes),
             world.communicators.len(),
             format_bytes(world.nccl.buffsize_bytes),

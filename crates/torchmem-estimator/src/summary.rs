@@ -159,6 +159,18 @@ pub struct NcclModel {
     pub channels: u64,
     pub verified: bool,
     pub source: String,
+    /// One per communicator the model counts (a group this rank ran collectives on), in first-use order.
+    pub communicators: Vec<NcclCommunicator>,
+}
+
+/// One NCCL communicator of the model: its group's size, the peers it keeps buffers for, and those bytes.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct NcclCommunicator {
+    pub ranks: u64,
+    pub peers: u64,
+    pub channels: u64,
+    pub bytes: u64,
 }
 
 /// A class of ranks that behave alike: `traced_rank`'s trace stands for all of `ranks`.

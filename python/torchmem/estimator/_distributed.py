@@ -185,7 +185,10 @@ class Emulation:
         self.note = tracer.note
         self._patches: list[tuple[Any, str, Any]] = []
         self.initialized = False
-        self.group_sizes: list[int] = []  # every communicator this rank is a member of (NCCL model)
+        self.group_sizes: list[int] = []  # every process group of > 1 ranks this rank is a member of
+        # The groups this rank ran a collective on (group name -> size): NCCL makes a group's communicator, and
+        # its buffers, at the group's first collective (lazy init), so these are the NCCL model's communicators.
+        self.groups_used: dict[str, int] = {}
         self.ddp_modules = 0
         # What makes ranks differ (rank classes): uneven shards (the shard group's ranks, the size of the sharded
         # dim: FSDP2 parameters, DTensor Shard placements) and pipeline stages (the pipeline group's ranks).
@@ -216,7 +219,30 @@ class Emulation:
         self._patch_ddp()
         self._patch_cuda()
         self._patch_classes()
+        self.tracer.on_collective = self._saw_collective
         return True
+
+    def _saw_collective(self, func, args) -> None:
+        """Notes the process group a c10d operator runs on: a `ProcessGroup` script object (`c10d.*` ops) or a
+        group name (`_c10d_functional.*`: DTensor and functional collectives)."""
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        for a in args:
+            pg = None
+            if isinstance(a, torch.ScriptObject):
+                try:
+                    pg = dist.ProcessGroup.unbox(a)
+                except Exception:  # noqa: BLE001 - a ReduceOp, a Work: not a group
+                    continue
+            elif isinstance(a, str) and func.namespace == "_c10d_functional":
+                try:
+                    pg = c10d._resolve_process_group(a)
+                except Exception:  # noqa: BLE001 - a reduce op's name ("sum"), not a group
+                    continue
+            if pg is not None and pg.size() > 1:
+                self.groups_used.setdefault(pg.group_name, pg.size())
 
     # -- init_process_group
     def _patch_init(self, dist, c10d) -> None:
@@ -648,6 +674,8 @@ class Emulation:
         return classes
 
     def uninstall(self) -> None:
+        if self.tracer.on_collective == self._saw_collective:
+            self.tracer.on_collective = None
         if self.initialized:
             try:
                 import torch.distributed as dist
@@ -670,9 +698,13 @@ class Emulation:
     def summary(self) -> dict[str, Any]:
         d: dict[str, Any] = self.world.as_dict()
         d["process_group"] = "fake" if self.group_sizes or self.initialized else None
-        d["communicators"] = list(self.group_sizes)
+        used = list(self.groups_used.values())
+        if self.ddp_modules and not used and self.world.world_size > 1:
+            used = [self.world.world_size]  # DDP's reducer (emulated: no c10d operator) all-reduces on the default
+        d["communicators"] = used
+        d["process_groups"] = len(self.group_sizes)
         d["ddp_modules"] = self.ddp_modules
-        d["nccl"] = nccl_model(self.group_sizes, world_size=self.world.world_size)
+        d["nccl"] = nccl_model(used, world_size=self.world.world_size)
         d["rank_classes"] = self.rank_classes()
         return d
 

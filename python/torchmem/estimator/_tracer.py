@@ -81,6 +81,8 @@ class Tracer(TorchDispatchMode):
         self.events: list[Event] = []
         self.frames_min_bytes = frames_min_bytes
         self.rules = rules
+        # Called with (func, args) for every c10d operator (`_distributed.Emulation`: which groups ran collectives).
+        self.on_collective = None
         self.phase = "setup"
         self.step = 0
         self.notes = Notes()
@@ -252,6 +254,8 @@ class Tracer(TorchDispatchMode):
                 # the local allocations are recorded as they happen (a mode that ran the op itself would be off
                 # the stack while the subclass's inner ops ran: they were missed).
                 return NotImplemented
+        if self.on_collective is not None and "c10d" in func.namespace:
+            self.on_collective(func, args)
         rules = self.rules
         if rules is not None:
             replaced = rules.before(self, func, args, kwargs)
