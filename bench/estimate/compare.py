@@ -1,12 +1,18 @@
 """Compares the estimator's trace of a workload with the trace recorded on the H200, request by request.
 
     .venv/bin/python bench/estimate/compare.py mlp_sgd_fp32 [--steps 3] [--show 40] [--fixture estimator-h200]
+    .venv/bin/python bench/estimate/compare.py --script SCRIPT.py --snapshot REAL.pickle[.gz] [--gpu H100-80GB]
 
 It traces the workload of `scripts/gpu_estimator_truth.py` (same model, same step) on the emulated GPU, loads
 `tests/fixtures/<fixture>/NAME__*.pickle.gz`, and prints: the number of allocations, the 512-rounded live-bytes
 peak of each (the allocated peak the allocator would report, less its block rounding), the sizes only one side
 has (with the Python line that requested them), and an alignment of the two request sequences around the first
 differences. That is how the CUDA rules in `python/torchmem/estimator/_rules.py` were found.
+
+With `--script`, any program (a corpus script) is traced unchanged, as `torchmem estimate` would run it, and
+compared with an allocator history recorded on the GPU (`CORPUS_SNAPSHOT=... scripts/gpu_corpus_truth.py --child`);
+both request sequences are also replayed through the simulator (`torchmem simulate`), which tells the trace's
+part of a reserved error from the simulator's.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ def _site(frames) -> str:
 
 
 def real_requests(path: Path) -> list[tuple[str, int, int, str]]:
-    snap = pickle.load(gzip.open(path))
+    snap = pickle.load(gzip.open(path) if path.suffix == ".gz" else open(path, "rb"))
     out = []
     for e in snap["device_traces"][0]:
         if e["action"] == "alloc":
@@ -84,13 +90,46 @@ def trace_workload(name: str, steps: int):
     return s.tracer, time.time() - t0
 
 
-def simulate(tracer, name: str) -> dict | None:
+def trace_script(script: Path, argv: list[str], gpu: str):
+    """Runs SCRIPT as `python SCRIPT ARGS` would, on the emulated GPU (as `torchmem estimate` does)."""
+    import runpy
+
+    from torchmem.estimator import gpu_spec
+    from torchmem.estimator._session import Session
+
+    old_argv, old_path = sys.argv[:], sys.path[:]
+    sys.argv = [str(script), *argv]
+    sys.path.insert(0, str(script.resolve().parent))
+    t0 = time.time()
+    try:
+        with Session(gpu_spec(gpu)) as s:
+            try:
+                runpy.run_path(str(script), run_name="__main__")
+            except SystemExit:
+                pass
+    finally:
+        sys.argv, sys.path[:] = old_argv, old_path
+    return s.tracer, time.time() - t0
+
+
+def simulate_file(path: Path) -> dict | None:
+    import subprocess
+
+    p = subprocess.run([sys.executable, "-m", "torchmem", "simulate", str(path), "--json"], capture_output=True,
+                       text=True)  # fmt: skip
+    if p.returncode != 0:
+        print("  simulate failed:", p.stderr[-500:])
+        return None
+    return json.loads(p.stdout)["devices"][0]
+
+
+def simulate(tracer, name: str | None) -> dict | None:
     import subprocess
     import tempfile
 
     from torchmem.estimator import _snapshot
 
-    conf = __import__("gpu_estimator_truth").WORKLOADS[name].get("alloc_conf", "")
+    conf = __import__("gpu_estimator_truth").WORKLOADS[name].get("alloc_conf", "") if name else ""
     with tempfile.TemporaryDirectory() as d:
         path = _snapshot.write(_snapshot.build(tracer, alloc_conf=conf), Path(d) / "trace.pickle")
         p = subprocess.run(
@@ -105,16 +144,27 @@ def simulate(tracer, name: str) -> dict | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("name")
+    ap.add_argument("name", nargs="?")
+    ap.add_argument("--script", type=Path, help="a program to trace unchanged (with --snapshot)")
+    ap.add_argument("--snapshot", type=Path, help="the allocator history the GPU recorded for --script")
+    ap.add_argument("--gpu", default="H200")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--show", type=int, default=30)
     ap.add_argument("--fixture", default="estimator-h200")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args, rest = ap.parse_known_args()
     fx = ROOT / "tests" / "fixtures" / args.fixture
-    path = next(fx.glob(f"{args.name}__*.pickle.gz"))
-    real = real_requests(path)
-    tracer, secs = trace_workload(args.name, args.steps)
+    if args.script:
+        if not args.snapshot:
+            ap.error("--script needs --snapshot (the GPU's allocator history of the same program)")
+        path = args.snapshot
+        args.name = args.script.stem
+        real = real_requests(path)
+        tracer, secs = trace_script(args.script, rest, args.gpu)
+    else:
+        path = next(fx.glob(f"{args.name}__*.pickle.gz"))
+        real = real_requests(path)
+        tracer, secs = trace_workload(args.name, args.steps)
     est = est_requests(tracer.events)
     rp, rat = live_peak(real)
     ep, eat = live_peak(est)
@@ -151,7 +201,13 @@ def main() -> None:
         shown += 1
         if shown >= 12:
             break
-    sim = simulate(tracer, args.name)
+    sim = simulate(tracer, None if args.script else args.name)
+    if args.script:
+        real_sim = simulate_file(path)
+        if sim and real_sim:
+            for k in ("peak_allocated_bytes", "peak_reserved_bytes"):
+                print(f"  simulated {k:22s} from the trace {sim[k] / 2**20:10.2f} MiB   from the GPU's requests "
+                      f"{real_sim[k] / 2**20:10.2f} MiB")  # fmt: skip
     truth = (
         json.loads((fx / "estimator-truth.json").read_text())["configs"].get(args.name)
         if fx.name == "estimator-h200"
