@@ -612,3 +612,129 @@ def test_pipeline_stages_are_classes_and_gpipe_holds_more_microbatches_than_1f1b
     saved_input = (16 // 8) * 64 * 1024 * 4  # one microbatch's input to one Linear
     for stage in (0, 1):
         assert per_stage["gpipe"][stage] - per_stage["1f1b"][stage] >= 6 * saved_input, per_stage
+
+
+# FSDP2's other knobs, FSDP1 and sequence parallel in a world of 8, each estimated with `torchmem.estimate` in one
+# process: 4 blocks of two 1024 x 1024 fp32 layers (8 MiB a block unsharded, 1 MiB a rank's shard).
+KNOBS_SCRIPT = """
+import json
+import torch, torch.nn as nn
+import torch.distributed as dist
+import torchmem
+
+L, H = 4, 1024  # 4 layers of H x H fp32 (4 MiB each unsharded, 0.5 MiB per rank of 8)
+state = {}
+
+
+class Block(nn.Module):
+    def __init__(self, norm=False):
+        super().__init__()
+        self.norm = nn.LayerNorm(H) if norm else None  # only under SP (a plain TP plan would leave it unsharded)
+        self.up = nn.Linear(H, H, bias=False)
+        self.down = nn.Linear(H, H, bias=False)
+
+    def forward(self, x):
+        h = x if self.norm is None else self.norm(x)
+        return x + self.down(torch.relu(self.up(h)))
+
+
+def fsdp2(**kw):
+    from torch.distributed.fsdp import fully_shard, CPUOffloadPolicy
+    prefetch = kw.pop("prefetch", 0)
+    if kw.pop("offload", False):
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    model = nn.Sequential(*[Block() for _ in range(L)]).cuda()
+    for b in model:
+        fully_shard(b, **kw)
+    fully_shard(model, **kw)
+    if prefetch:
+        bs = list(model)
+        for i, b in enumerate(bs):
+            b.set_modules_to_forward_prefetch(bs[i + 1 : i + 1 + prefetch])
+    return model
+
+
+def fsdp1(strategy):
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    model = nn.Sequential(*[Block() for _ in range(L)]).cuda()
+    return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=0,
+                                    sharding_strategy=ShardingStrategy[strategy])
+
+
+def tp(sp):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    model = nn.Sequential(*[Block(norm=sp) for _ in range(L)]).cuda()
+    plan = ({"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+             "down": RowwiseParallel(output_layouts=Shard(1))} if sp else
+            {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    for b in model:
+        parallelize_module(b, mesh, plan)
+    return model
+
+
+VARIANTS = {
+    "reshard_true": lambda: fsdp2(reshard_after_forward=True),
+    "reshard_false": lambda: fsdp2(reshard_after_forward=False),
+    "reshard_2": lambda: fsdp2(reshard_after_forward=2),
+    "offload": lambda: fsdp2(offload=True),
+    "prefetch_2": lambda: fsdp2(prefetch=2),
+    "fsdp1_full": lambda: fsdp1("FULL_SHARD"),
+    "fsdp1_grad_op": lambda: fsdp1("SHARD_GRAD_OP"),
+    "tp": lambda: tp(False),
+    "tp_sp": lambda: tp(True),
+}
+SEQ = 16  # activations small beside the parameters: the peaks are the parameters' story
+
+
+def step(name):
+    def run():
+        if not state:
+            dist.init_process_group("nccl")
+            model = VARIANTS[name]()
+            state["model"], state["opt"] = model, torch.optim.AdamW(model.parameters())
+        n = dist.get_world_size()
+        # TP: a long sequence (activations are what sequence parallel shards); FSDP: parameters dominate
+        seq = {"tp": 512, "tp_sp": 512 // n}.get(name, SEQ)
+        x = torch.randn(4 if name.startswith("tp") else 2, seq, H, device="cuda")
+        state["model"](x).float().pow(2).mean().backward()
+        state["opt"].step()
+        state["opt"].zero_grad()
+    return run
+
+
+out = {}
+for name in VARIANTS:
+    state.clear()
+    e = torchmem.estimate(step(name), world_size=8)
+    out[name] = {"peak": e.peak_allocated_bytes, "phases": e.phases}
+print(json.dumps(out))
+"""
+
+
+def test_fsdp_knobs_fsdp1_and_sequence_parallel_move_the_peak_as_their_semantics_say(tmp_path):
+    """What each knob does to the forward's peak, in blocks of unsharded parameters (B = 8 MiB), with activations
+    small beside them: `reshard_after_forward=False` keeps the 3 earlier blocks unsharded at the last one (+3 B);
+    `=2` keeps them as shards of a world of 2 (+1.5 B); explicit forward prefetch of 2 holds 2 more blocks while
+    the first ones run (+2 B); FSDP1's SHARD_GRAD_OP is FSDP2's reshard False (+3 B over FULL_SHARD); CPU offload
+    leaves the optimizer step with nothing on the device and the peak without the Adam state (8 MiB); sequence
+    parallel lowers a long sequence's peak against plain TP. Each within half a block."""
+    script = tmp_path / "knobs.py"
+    script.write_text(KNOBS_SCRIPT)
+    r = _python(script, timeout=300)
+    block = 8 * MIB
+    fwd = {k: v["phases"]["forward"] for k, v in r.items()}
+
+    def blocks_over(name: str, base: str) -> float:
+        return (fwd[name] - fwd[base]) / block
+
+    assert 2.5 <= blocks_over("reshard_false", "reshard_true") <= 3.5, fwd
+    assert 1.0 <= blocks_over("reshard_2", "reshard_true") <= 2.0, fwd
+    assert 1.5 <= blocks_over("prefetch_2", "reshard_true") <= 2.5, fwd
+    assert 2.5 <= blocks_over("fsdp1_grad_op", "fsdp1_full") <= 3.5, fwd
+    assert "optimizer" not in r["offload"]["phases"], r["offload"]["phases"]
+    assert r["offload"]["peak"] <= r["reshard_true"]["peak"] - 8 * MIB, (r["offload"], r["reshard_true"])
+    assert r["tp_sp"]["peak"] < r["tp"]["peak"] - 4 * MIB, (r["tp_sp"], r["tp"])

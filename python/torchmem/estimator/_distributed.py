@@ -29,6 +29,7 @@ import contextlib
 import functools
 import inspect
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,6 +212,9 @@ class Emulation:
 
         if self.world.explicit or self.world.world_size > 1:
             os.environ.update(self.world.env())
+        # init_process_group wraps sys.excepthook to prefix "[rankN]: "; put back at uninstall, or every estimate
+        # of one process (`torchmem.estimate` in a loop) would add one more prefix to a later traceback.
+        self._patch(sys, "excepthook", sys.excepthook)
         self._patch_init(dist, c10d)
         self._patch_groups(dist, c10d)
         self._patch_mesh()
