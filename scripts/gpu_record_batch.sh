@@ -15,11 +15,11 @@ python3 scripts/gpu_distributed_truth.py $W/dist --only "$DIST" --jobs 4 > $W/di
 echo "dist truth $(( $(date +%s) - t0 )) s" >> $W/times.txt
 cp $W/dist/distributed-truth.json.gz "$OUT/distributed-truth-new.json.gz"
 # allocator histories: 3 distributed configs at a time, then 3 corpus scripts at a time
-echo "$DIST" | tr , '\n' | xargs -P 3 -I{} sh -c 'timeout 240 python3 scripts/gpu_distributed_truth.py --child {} --snapshot /tmp/w/dsnap/{}.pickle > /tmp/w/dsnap/{}.out 2>&1'
+[ "${DIST_SNAPSHOTS:-1}" = 1 ] && echo "$DIST" | tr , '\n' | xargs -P 3 -I{} sh -c 'timeout 240 python3 scripts/gpu_distributed_truth.py --child {} --snapshot /tmp/w/dsnap/{}.pickle > /tmp/w/dsnap/{}.out 2>&1'
 echo "dist snapshots $(( $(date +%s) - t0 )) s" >> $W/times.txt
 echo $CORPUS | tr ' ' '\n' | xargs -P 3 -I{} sh -c 'cd bench/estimate/corpus && CORPUS_SNAPSHOT=/tmp/w/csnap/{}.pickle timeout 300 python3 ../../../scripts/gpu_corpus_truth.py --child {}.py > /tmp/w/csnap/{}.out 2>&1'
 echo "corpus snapshots $(( $(date +%s) - t0 )) s" >> $W/times.txt
-gzip -f $W/dsnap/*.pickle $W/csnap/*.pickle
+gzip -f $W/dsnap/*.pickle $W/csnap/*.pickle 2>/dev/null
 tar -C $W -czf $W/dist-snapshots.tgz dsnap dist.log
 tar -C $W -cf $W/corpus-snapshots.tar csnap
 split -b 15M -d $W/dist-snapshots.tgz "$OUT/dist-snapshots.tgz.part"
