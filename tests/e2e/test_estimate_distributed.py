@@ -36,28 +36,43 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.device_mesh import init_device_mesh
 
 mode, n = sys.argv[1], int(sys.argv[2])
+kind = sys.argv[3] if len(sys.argv) > 3 else "fsdp2"   # fsdp2, fsdp1 (FullyShardedDataParallel), offload (FSDP2)
 LAYERS, IN, OUT = 4, 128, 100   # 100 rows: padded to 104 at 8 ranks
 
 
 def build(device):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(IN if i == 0 else OUT, OUT) for i in range(LAYERS)]).to(device)
-    mesh = init_device_mesh(device, (n,))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if kind == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
+                                         device_id=torch.device(device, 0) if device == "cuda" else None)
+    else:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        mesh = init_device_mesh(device, (n,))
+        kw = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if kind == "offload" else {}
+        for layer in model:
+            fully_shard(layer, mesh=mesh, **kw)
+        fully_shard(model, mesh=mesh, **kw)
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(8, IN, device=device)).sum().backward()
     opt.step()
     return model, opt
 
 
+def local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def storages(model, opt):
     ts = []
     for p in model.parameters():
-        ts += [p.to_local(), p.grad.to_local()]
+        ts += [local(p), local(p.grad)]
     for st in opt.state.values():
-        ts += [v.to_local() if hasattr(v, "to_local") else v for k, v in st.items() if k != "step"]
+        ts += [local(v) for k, v in st.items() if k != "step"]
     return {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in ts}
 
 
@@ -89,7 +104,7 @@ else:
                                 "aten.alias.default", "aten._unsafe_view.default"}),
             "device": str(next(model.parameters()).device),
         }
-out["param_shapes"] = [list(p.to_local().shape) for p in model.parameters()]
+out["param_shapes"] = [list(local(p).shape) for p in model.parameters()]
 print(json.dumps(out))
 """
 
@@ -138,6 +153,23 @@ def test_fsdp2_state_per_rank_is_the_real_fake_backend_runs_and_shrinks_as_one_o
     assert est[2]["state_bytes"] * 2 == full
     assert est[8]["state_bytes"] * 8 == full * 104 // 100
     assert est[8]["param_shapes"][0] == [13, 128]
+
+
+def test_fsdp1_flat_shards_and_fsdp2_cpu_offload_per_rank(tmp_path):
+    """FSDP1 (`FullyShardedDataParallel`, one flat parameter per Linear) at 8 ranks: each rank holds 1/8 of each
+    flat parameter, padded up to a multiple of 8 elements (12,900 -> 1,613; 10,100 -> 1,263), on the emulated
+    device, with its gradient and AdamW's two states, all traced (FSDP1 needs an accelerator: no real CPU run to
+    compare with, the sizes are FSDP1's documented padding). FSDP2 with `CPUOffloadPolicy` keeps the same local
+    shards as a real CPU run of the fake backend, on the host: none of them is on the emulated device."""
+    script = tmp_path / "fsdp_state.py"
+    script.write_text(FSDP_STATE_SCRIPT)
+    fsdp1 = _python(script, "estimate", "8", "fsdp1")
+    assert fsdp1["device"].startswith("cuda") and fsdp1["untraced"] == 0, fsdp1
+    assert fsdp1["param_shapes"] == [[1613], [1263], [1263], [1263]]
+    assert fsdp1["traced_bytes"] == fsdp1["state_bytes"] == (1613 + 3 * 1263) * 4 * 4
+    est, real = _python(script, "estimate", "8", "offload"), _python(script, "real", "8", "offload")
+    assert est["param_shapes"] == real["param_shapes"] and est["state_bytes"] == real["state_bytes"], (est, real)
+    assert est["device"] == "cpu" and est["traced_bytes"] == 0, est
 
 
 def test_fsdp2_peak_sheds_seven_eighths_of_the_sharded_state_at_eight_ranks(tmp_path):
