@@ -7,7 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-out}; W=/tmp/w; mkdir -p "$OUT" $W/dist $W/dsnap $W/csnap
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-DIST=${DIST:-fsdp2-reshard2-w8,fsdp2-offload-w8,fsdp2-prefetch-w8,fsdp2-bf16-ckpt-w64,fsdp1-w8,fsdp1-noreshard-w8,tp-sp-w4,tp-ckpt-w4}
+DIST=${DIST:-fsdp2-reshard2-w8,fsdp2-offload-w8,fsdp2-prefetch-w8,hsdp-ckpt-2x8,fsdp1-w8,fsdp1-noreshard-w8,tp-sp-w4,tp-ckpt-w4}
 CORPUS=${CORPUS:-tv_efficientnet_b0_rmsprop bilstm_tagger_amp gru_classifier_packed t5_greedy_summarize diffusion_unet_ddpm rnn_eval two_tower_retrieval hf_distilbert_fp16 dlrm_recommender}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c 'import torch,sys; print(torch.__version__, torch.version.cuda, torch.backends.cudnn.version(), sys.version)'; } > "$OUT/gpu.txt" 2>&1
 t0=$(date +%s)
