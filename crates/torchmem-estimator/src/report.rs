@@ -631,7 +631,9 @@ impl EstimateReport {
             if !u.site.is_empty() {
                 what += &format!(" at {}", u.site);
             }
-            s += &format!("    +{:>10}  {what} ({} call(s))\n", format_bytes(u.bytes), u.calls);
+            // NCCL's part counts communicators (the groups this rank ran collectives on), the others calls.
+            let unit = if u.kind == "NCCL buffers" { "communicator(s)" } else { "call(s)" };
+            s += &format!("    +{:>10}  {what} ({} {unit})\n", format_bytes(u.bytes), u.calls);
         }
         if self.uncertainty.len() > SHOWN {
             let rest = &self.uncertainty[SHOWN..];
