@@ -124,22 +124,13 @@ def simulate_file(path: Path) -> dict | None:
 
 
 def simulate(tracer, name: str | None) -> dict | None:
-    import subprocess
     import tempfile
 
     from torchmem.estimator import _snapshot
 
     conf = __import__("gpu_estimator_truth").WORKLOADS[name].get("alloc_conf", "") if name else ""
     with tempfile.TemporaryDirectory() as d:
-        path = _snapshot.write(_snapshot.build(tracer, alloc_conf=conf), Path(d) / "trace.pickle")
-        p = subprocess.run(
-            [sys.executable, "-m", "torchmem", "simulate", str(path), "--json"], capture_output=True, text=True
-        )
-    if p.returncode != 0:
-        print("  simulate failed:", p.stderr[-500:])
-        return None
-    res = json.loads(p.stdout)
-    return res["devices"][0]
+        return simulate_file(_snapshot.write(_snapshot.build(tracer, alloc_conf=conf), Path(d) / "trace.pickle"))
 
 
 def main() -> None:

@@ -13,6 +13,9 @@ use torchmem_units::format_bytes;
 use crate::summary::{Distributed, EstimateKind, LargestTensor, NcclModel, Summary, Uncertainty};
 use crate::{EstimateError, Target};
 
+/// The uncertainty kind of NCCL's modelled buffers (its `calls` count communicators).
+const NCCL_KIND: &str = "NCCL buffers";
+
 /// Where the simulated allocator ran out of memory: the trace entry and its frames.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct OomAt {
@@ -190,7 +193,7 @@ pub fn estimate_trace(
     let nccl_upper = if nccl_bytes > 0 { world.nccl.high_bytes.max(nccl_bytes) } else { 0 };
     if nccl_upper > nccl_bytes {
         uncertainty.push(Uncertainty {
-            kind: "NCCL buffers".into(),
+            kind: NCCL_KIND.into(),
             what: format!(
                 "NCCL's buffers are a model from NCCL's documented sizes, not measured: {} to {} (the top of the \
                  stated range is the upper bound)",
@@ -632,7 +635,7 @@ impl EstimateReport {
                 what += &format!(" at {}", u.site);
             }
             // NCCL's part counts communicators (the groups this rank ran collectives on), the others calls.
-            let unit = if u.kind == "NCCL buffers" { "communicator(s)" } else { "call(s)" };
+            let unit = if u.kind == NCCL_KIND { "communicator(s)" } else { "call(s)" };
             s += &format!("    +{:>10}  {what} ({} {unit})\n", format_bytes(u.bytes), u.calls);
         }
         if self.uncertainty.len() > SHOWN {

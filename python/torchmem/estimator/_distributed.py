@@ -706,7 +706,6 @@ class Emulation:
         if self.ddp_modules and not used and self.world.world_size > 1:
             used = [self.world.world_size]  # DDP's reducer (emulated: no c10d operator) all-reduces on the default
         d["communicators"] = used
-        d["process_groups"] = len(self.group_sizes)
         d["ddp_modules"] = self.ddp_modules
         d["nccl"] = nccl_model(used, world_size=self.world.world_size)
         d["rank_classes"] = self.rank_classes()
