@@ -25,7 +25,7 @@ OomBackend = Literal["cuda", "hip", "xpu", "mps", "cpu"]
 OomWording = Literal["torch_le2_0", "torch2_1", "torch_ge2_2", "xpu", "mps", "cpu"]
 #: analysis::growth::GrowthUnit, GrowthSeries.
 GrowthUnit = Literal["epoch", "step"]
-GrowthSeries = Literal["GPU allocated", "CPU RSS"]
+GrowthSeries = Literal["GPU allocated", "CPU RSS", "CPU RSS after empty_cache()"]
 #: estimator::summary::EstimateKind.
 EstimateKind = Literal["training", "inference", "backward without optimizer step"]
 
@@ -133,6 +133,8 @@ class Peaks(TypedDict):
 class _EpochRowOptional(TypedDict, total=False):
     #: End-of-epoch RSS less malloc's free bytes; only when the epoch's marker has it.
     held_rss_bytes: int
+    #: RSS at the "Cache emptied" mark (`torchmem.empty_cache()`) after this epoch; only where there is one.
+    rss_after_emptied_cache_bytes: int
 
 
 class EpochRow(_EpochRowOptional):

@@ -165,6 +165,10 @@ pub struct TorchSample {
     pub origin: Origin,
 }
 
+/// The mark `torchmem.empty_cache()` records after it emptied PyTorch's cache and gave glibc's free heap back
+/// (`python/torchmem/api.py`): its RSS is what the process still holds.
+pub const CACHE_EMPTIED_MARK: &str = "Cache emptied";
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum MarkerKind {
@@ -230,9 +234,9 @@ pub struct MarkerMemory {
     pub peak_allocated_bytes: Option<u64>,
     pub peak_reserved_bytes: Option<u64>,
     pub peak_rss_bytes: Option<u64>,
-    /// At an epoch's End edge (the in-process Monitor): RSS less what glibc's malloc keeps freed, carried over
-    /// torchmem's own `malloc_trim`s (`analysis::leaks::HeldRss`, the series the step leak detector judges).
-    /// The epoch growth warning judges it instead of RSS. Not stored in the profile (None when loaded).
+    /// At an epoch's End edge (the in-process Monitor): RSS less what glibc's malloc keeps freed and resident
+    /// (`analysis::leaks::held_rss_bytes`, the series the step leak detector judges). The epoch growth
+    /// warning judges it instead of RSS. Stored since schema v4 (`markers.held_rss_bytes`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub held_rss_bytes: Option<u64>,
 }

@@ -24,7 +24,9 @@ pub const FORMAT_NAME: &str = "torchmem-profile";
 /// The schema this code writes. v2 added identity (pid, rank, local_rank, world_size) to markers, torch
 /// samples and line profiles, the marker's device, and `span_aggregates`; v3 made the side records typed
 /// (`record::Blob`: a closed set of kinds, each a serde struct, stored as its name and JSON; the line profile a
-/// `lines::LineProfile`) and gave `blobs` the sender's identity. v1 and v2 files still load (their blobs read
+/// `lines::LineProfile`) and gave `blobs` the sender's identity; v4 keeps the Monitor's end-of-epoch RSS less
+/// malloc's free bytes (`markers.held_rss_bytes`), so a profile's growth warning judges the series the Monitor
+/// judges (a v3 file reads it as NULL and falls back to raw RSS). v1, v2 and v3 files still load (their blobs read
 /// into the same kinds; a name this torchmem does not know stays `Blob::Other`). Later v2 files add the
 /// breakdown tables (`breakdowns`, `module_activations`, `breakdown_aggregates`, below): a file without them
 /// reads as "no breakdown recorded", and older readers ignore them.
@@ -37,7 +39,7 @@ pub const FORMAT_NAME: &str = "torchmem-profile";
 /// `breakdown_aggregates` one row per (pid, rank, boundary, device, category) of the boundaries the
 /// recorder folded (every step after the first `keep_spans`): count, sum and max, so the mean and max
 /// over all steps are exact while the file grows by the first `keep_spans` steps' rows only.
-pub const SCHEMA_VERSION: i64 = 3;
+pub const SCHEMA_VERSION: i64 = 4;
 
 pub struct ProfileWriter {
     conn: Connection,
@@ -969,7 +971,7 @@ mod tests {
             edge: Edge::Start,
             name: "forward".into(),
             index: None,
-            memory: MarkerMemory::default(),
+            memory: MarkerMemory { rss_bytes: Some(900 << 20), held_rss_bytes: Some(700 << 20), ..Default::default() },
             origin,
             device: Some(1),
             breakdown: None,
@@ -1008,6 +1010,8 @@ mod tests {
         let p = Profile::open(&path).unwrap();
         assert_eq!(p.schema_version, SCHEMA_VERSION);
         assert_eq!((p.markers[0].origin, p.markers[0].device), (origin, Some(1)));
+        // v4: the Monitor's RSS less malloc's free bytes is kept, so a profile's growth judges what it judged.
+        assert_eq!(p.markers[0].memory.held_rss_bytes, Some(700 << 20));
         assert_eq!(p.aggregates, vec![row]);
         assert_eq!(p.line_profile_origins, vec![origin]);
     }

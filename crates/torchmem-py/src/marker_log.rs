@@ -7,7 +7,7 @@
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use torchmem_core::analysis::MarkerLog as CoreLog;
-use torchmem_core::model::{Edge, Marker, MarkerKind, MarkerMemory};
+use torchmem_core::model::{Edge, Marker, MarkerKind, MarkerMemory, CACHE_EMPTIED_MARK};
 use torchmem_core::report::monitor;
 
 use crate::convert::{from_py, to_py};
@@ -127,7 +127,14 @@ impl MarkerLog {
 
     /// `{"line", "row", "growth", "growth_per_epoch_bytes"}` for the last finished epoch.
     fn epoch_report<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyAny>> {
-        let epochs: Vec<Marker> = self.log.markers().iter().filter(|m| m.kind == MarkerKind::Epoch).cloned().collect();
+        // The epochs and the "Cache emptied" marks between them (the series the growth warning judges).
+        let epochs: Vec<Marker> = self
+            .log
+            .markers()
+            .iter()
+            .filter(|m| m.kind == MarkerKind::Epoch || (m.kind == MarkerKind::Mark && m.name == CACHE_EMPTIED_MARK))
+            .cloned()
+            .collect();
         to_py(py, &monitor::epoch_report(&epochs))
     }
 }

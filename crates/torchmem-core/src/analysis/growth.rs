@@ -30,6 +30,10 @@ pub enum GrowthSeries {
     /// The process's RSS (less malloc's free bytes where every row has them).
     #[serde(rename = "CPU RSS")]
     CpuRss,
+    /// The process's RSS right after each epoch's `torchmem.empty_cache()` (its "Cache emptied" mark, read
+    /// after `malloc_trim` gave the free heap back): what is still held once the cache is emptied.
+    #[serde(rename = "CPU RSS after empty_cache()")]
+    CpuRssAfterEmptyCache,
 }
 
 impl GrowthSeries {
@@ -37,6 +41,7 @@ impl GrowthSeries {
         match self {
             GrowthSeries::GpuAllocated => "GPU allocated",
             GrowthSeries::CpuRss => "CPU RSS",
+            GrowthSeries::CpuRssAfterEmptyCache => "CPU RSS after empty_cache()",
         }
     }
 }
@@ -66,31 +71,43 @@ pub fn detect_growth(values: &[u64], min_bytes: i64) -> Option<i64> {
 
 const GROWTH_MIN_BYTES: i64 = 1 << 20;
 
-/// Growth warnings from the epoch rows of one process (GPU allocated first, CPU RSS otherwise). On the CPU
-/// the series is RSS less malloc's free bytes (`EpochRow::held_rss_bytes`) where every row has it, as the
-/// step leak detector judges: glibc's freed memory makes RSS creep in a healthy loop (`malloc_trim` gives it
-/// back), and a healthy CNN's RSS rose at 3 epoch ends in a row 2 runs in 10. Raw RSS otherwise (a profile).
+/// Growth warnings from the epoch rows of one process (GPU allocated first, CPU RSS otherwise). On the CPU:
+/// - where the program empties the cache after every epoch (`torchmem.empty_cache()`; the last epoch may have
+///   no such mark yet, as when the Monitor judges at that epoch's end), the RSS right after each
+///   (`EpochRow::rss_after_emptied_cache_bytes`): with glibc's free heap given back it is what is held, and
+///   it is the cleanest series there is (measured, `examples/train.py` on the CPU: flat to 1 MiB over 6
+///   healthy epochs; +50-51 MiB every epoch with `--leak`, whose epoch-end RSS rose 29-67 MiB and RSS less
+///   malloc's free bytes 7-39 MiB, since the trims leave pages malloc counts free out of RSS);
+/// - else RSS less malloc's free bytes (`EpochRow::held_rss_bytes`) where every row has it, as the step leak
+///   detector judges: glibc's freed memory makes RSS creep in a healthy loop (`malloc_trim` gives it back),
+///   and a healthy CNN's RSS rose at 3 epoch ends in a row 2 runs in 10;
+/// - raw RSS otherwise (epochs not marked by the Monitor, a profile of schema v3 or older).
 pub fn growth_warnings(rows: &[EpochRow], unit: GrowthUnit) -> Vec<Growth> {
     let mut out = Vec::new();
     let alloc: Vec<u64> = rows.iter().filter_map(|r| r.allocated_bytes).collect();
+    let emptied: Vec<u64> = rows.iter().map_while(|r| r.rss_after_emptied_cache_bytes).collect();
     let held: Vec<u64> = rows.iter().filter_map(|r| r.held_rss_bytes).collect();
-    let rss: Vec<u64> = if held.len() == rows.len() && !held.is_empty() {
-        held
+    let (cpu_series, rss) = if emptied.len() >= 3 && emptied.len() + 1 >= rows.len() {
+        (GrowthSeries::CpuRssAfterEmptyCache, emptied)
+    } else if held.len() == rows.len() && !held.is_empty() {
+        (GrowthSeries::CpuRss, held)
     } else {
-        rows.iter().filter_map(|r| r.rss_bytes).collect()
+        (GrowthSeries::CpuRss, rows.iter().filter_map(|r| r.rss_bytes).collect())
     };
-    let candidates: [(GrowthSeries, &Vec<u64>); 2] =
-        [(GrowthSeries::GpuAllocated, &alloc), (GrowthSeries::CpuRss, &rss)];
-    for (what, values) in candidates {
-        if values.len() != rows.len() {
+    let candidates: [(GrowthSeries, &Vec<u64>, usize); 2] = [
+        (GrowthSeries::GpuAllocated, &alloc, rows.len()),
+        (cpu_series, &rss, if cpu_series == GrowthSeries::CpuRss { rows.len() } else { rss.len() }),
+    ];
+    for (what, values, needed) in candidates {
+        if values.len() != needed {
             continue;
         }
         // RSS grows in allocator-sized chunks (glibc arenas, torch's CPU caching) that scale with the process:
         // ask for at least 4 MiB and 1 % of the RSS per unit there; the GPU allocator's counters are exact.
-        let min = if what == GrowthSeries::CpuRss {
-            (4 * GROWTH_MIN_BYTES).max(values.last().copied().unwrap_or(0) as i64 / 100)
-        } else {
+        let min = if what == GrowthSeries::GpuAllocated {
             GROWTH_MIN_BYTES
+        } else {
+            (4 * GROWTH_MIN_BYTES).max(values.last().copied().unwrap_or(0) as i64 / 100)
         };
         if let Some(per) = detect_growth(values, min) {
             out.push(Growth { unit, what, per_unit_bytes: per, units: values.len() });

@@ -31,6 +31,11 @@ pub struct EpochRow {
     /// warning judges on the CPU when every epoch has it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub held_rss_bytes: Option<u64>,
+    /// RSS at the first "Cache emptied" mark (`torchmem.empty_cache()`, read after `malloc_trim`) of the same
+    /// process after this span's end and before its next span of the kind starts: the series the growth
+    /// warning judges on the CPU when the program empties the cache after every epoch.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rss_after_emptied_cache_bytes: Option<u64>,
     /// End-of-epoch allocated (GPU) minus the same process's previous epoch's; RSS on CPU-only runs.
     pub growth_allocated_bytes: Option<i64>,
     pub growth_rss_bytes: Option<i64>,
@@ -76,11 +81,30 @@ pub struct ProcessRow {
     pub lifetime_ns: u64,
 }
 
-/// One row per span of `kind`, in start order; growth is against the same process's previous row.
-pub fn epoch_rows(spans: &[Span], kind: MarkerKind, torch: &[TorchSample], cpu: &[CpuSample]) -> Vec<EpochRow> {
+/// One row per span of `kind`, in start order; growth is against the same process's previous row. `markers`:
+/// where the "Cache emptied" marks are looked up (`EpochRow::rss_after_emptied_cache_bytes`).
+pub fn epoch_rows(
+    spans: &[Span],
+    kind: MarkerKind,
+    torch: &[TorchSample],
+    cpu: &[CpuSample],
+    markers: &[Marker],
+) -> Vec<EpochRow> {
+    let emptied: Vec<&Marker> =
+        markers.iter().filter(|m| m.kind == MarkerKind::Mark && m.name == CACHE_EMPTIED_MARK).collect();
+    let of_kind: Vec<&Span> = spans.iter().filter(|s| s.kind == kind).collect();
+    let rss_after_emptied = |i: usize| -> Option<u64> {
+        let s = of_kind[i];
+        let (end, stream) = (s.end_t_ns?, s.origin.stream());
+        let next_start = of_kind[i + 1..].iter().find(|n| n.origin.stream() == stream).map(|n| n.start_t_ns);
+        emptied
+            .iter()
+            .find(|m| m.t_ns >= end && next_start.is_none_or(|n| m.t_ns <= n) && m.origin.stream() == stream)
+            .and_then(|m| m.memory.rss_bytes)
+    };
     let mut rows: Vec<EpochRow> = Vec::new();
     let mut last_of: HashMap<(Option<u32>, Option<u32>), (usize, usize)> = HashMap::new();
-    for s in spans.iter().filter(|s| s.kind == kind) {
+    for (i, s) in of_kind.iter().enumerate() {
         let stream = s.origin.stream();
         let (n, prev) = match last_of.get(&stream) {
             Some(&(n, i)) => (n, Some(&rows[i])),
@@ -104,6 +128,7 @@ pub fn epoch_rows(spans: &[Span], kind: MarkerKind, torch: &[TorchSample], cpu: 
             rss_bytes: rss,
             peak_rss_bytes: prss,
             held_rss_bytes: exit.and_then(|e| e.held_rss_bytes),
+            rss_after_emptied_cache_bytes: if emptied.is_empty() { None } else { rss_after_emptied(i) },
             growth_allocated_bytes: growth(allocated, prev.and_then(|p| p.allocated_bytes)),
             growth_rss_bytes: growth(rss, prev.and_then(|p| p.rss_bytes)),
         };

@@ -559,6 +559,7 @@ mod tests {
             rss_bytes: Some(rss),
             peak_rss_bytes: Some(rss + MIB),
             held_rss_bytes: None,
+            rss_after_emptied_cache_bytes: None,
             growth_allocated_bytes: None,
             growth_rss_bytes: Some(0),
         }

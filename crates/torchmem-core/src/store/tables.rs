@@ -318,7 +318,7 @@ impl Table for TorchSamples {
     }
 }
 
-const MARKER_COLUMNS: [Col; 16] = {
+const MARKER_COLUMNS: [Col; 17] = {
     let [pid, rank, local_rank, world_size] = origin_cols!(2);
     [
         col("t_ns", "INTEGER NOT NULL"),
@@ -337,6 +337,7 @@ const MARKER_COLUMNS: [Col; 16] = {
         local_rank,
         world_size,
         col_since(2, "device", "INTEGER"),
+        col_since(4, "held_rss_bytes", "INTEGER"),
     ]
 };
 
@@ -368,6 +369,7 @@ impl Table for Markers {
                 &o.local_rank,
                 &o.world_size,
                 &m.device,
+                &sql_opt(mm.held_rss_bytes),
             ],
         )
     }
@@ -388,7 +390,7 @@ impl Table for Markers {
                 peak_allocated_bytes: get_opt(r, 8)?,
                 peak_reserved_bytes: get_opt(r, 9)?,
                 peak_rss_bytes: get_opt(r, 10)?,
-                held_rss_bytes: None,
+                held_rss_bytes: get_opt(r, 16)?,
             },
             origin: get_origin(r, 11)?,
             device: r.get(15)?,
@@ -733,12 +735,13 @@ mod tests {
             st.query_map([], |r| r.get(0)).unwrap().collect::<rusqlite::Result<_>>().unwrap()
         };
         assert_eq!(cols("blobs"), ["t_ns", "name", "data", "pid", "rank", "local_rank", "world_size"]);
-        assert_eq!(cols("markers").len(), 16);
-        assert_eq!(Markers::insert().matches('?').count(), 16);
+        assert_eq!(cols("markers").len(), 17);
+        assert_eq!(Markers::insert().matches('?').count(), 17);
         assert_eq!(
             Blobs::select(2, "", "ORDER BY t_ns"),
             "SELECT t_ns, name, data, NULL, NULL, NULL, NULL FROM blobs ORDER BY t_ns"
         );
-        assert!(Markers::select(1, ", rowid", "").contains("peak_rss_bytes, NULL, NULL, NULL, NULL, NULL, rowid"));
+        assert!(Markers::select(1, ", rowid", "").contains("peak_rss_bytes, NULL, NULL, NULL, NULL, NULL, NULL, rowid"));
+        assert!(Markers::select(3, "", "").ends_with("device, NULL FROM markers "), "a v3 file has no held RSS");
     }
 }
