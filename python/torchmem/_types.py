@@ -412,14 +412,21 @@ class OomFinding(TypedDict):
     program_in_kernel_log: bool | None
 
 
-class JobPlace(TypedDict):
-    """model::JobPlace: where a launcher (torchrun, SLURM) placed the run."""
+class _JobPlaceLaunch(TypedDict, total=False):
+    #: The node (torchrun's GROUP_RANK, else SLURM_NODEID) and the attempt (TORCHELASTIC_RESTART_COUNT, else
+    #: SLURM_RESTART_COUNT); left out where the environment does not say (model::Launch).
+    group_rank: int
+    restart_count: int
 
+
+class JobPlace(_JobPlaceLaunch):
+    """model::JobPlace: where a launcher (torchrun, SLURM) placed the run: an Origin (pid always None: the
+    launch's place, not a process's) and a Launch, flat, as the `identity` blob has them."""
+
+    pid: None
     rank: int | None
     local_rank: int | None
     world_size: int | None
-    group_rank: int | None
-    restart_count: int | None
 
 
 class WriteFailure(TypedDict):

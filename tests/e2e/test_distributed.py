@@ -292,7 +292,9 @@ def test_each_torchrun_rank_wraps_itself_one_file_per_rank(tmp_path: Path) -> No
     with_meta = json.loads(torchmem("report", "--format", "json", str(files[1])).stdout)
     assert with_meta["ranks"][0]["rank"] == 1 and with_meta["ranks"][0]["restart_count"] == 0
     launch = with_meta["meta"]["launch"]
-    assert launch == {"rank": 1, "local_rank": 1, "world_size": n, "group_rank": 0, "restart_count": 0}, launch
+    # The identity blob's shape: an Origin (no pid: the launch's place, not a process's) and a Launch, flat.
+    expected = {"pid": None, "rank": 1, "local_rank": 1, "world_size": n, "group_rank": 0, "restart_count": 0}
+    assert launch == expected, launch
     text = torchmem("report", str(prof)).stdout
     header = text.split("Ranks", 1)[1].splitlines()[1]
     assert header.split()[:6] == ["rank", "local", "node", "restart", "host", "pid"], header

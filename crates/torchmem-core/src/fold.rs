@@ -9,7 +9,7 @@
 use std::collections::{HashMap, HashSet};
 
 use crate::breakdown::{boundary_of, BreakdownAggregate, BreakdownKey};
-use crate::model::{opt_max, AggregateKey, Edge, Marker, MarkerKind, MarkerMemory, Origin, SpanAggregate};
+use crate::model::{opt_max, AggregateKey, Edge, Marker, MarkerKind, MarkerMemory, Origin, SpanAggregate, SpanTotals};
 
 /// How many occurrences of each step and phase keep their markers unless told otherwise.
 pub const DEFAULT_KEEP_SPANS: u64 = 100;
@@ -170,58 +170,48 @@ impl SpanFolder {
             name: key.3.clone(),
             epoch: o.epoch,
             device: o.device,
-            count: 0,
+            totals: SpanTotals::default(),
             open_count: 0,
-            total_ns: 0,
-            min_ns: None,
-            max_ns: None,
-            delta_allocated_sum_bytes: 0,
-            delta_allocated_count: 0,
-            delta_rss_sum_bytes: 0,
-            delta_rss_count: 0,
-            peak_allocated_bytes: None,
-            peak_reserved_bytes: None,
-            peak_rss_bytes: None,
             first_start_t_ns: o.t_ns,
             last_end_t_ns: None,
         });
-        a.count += 1;
+        a.totals.count += 1;
         a.first_start_t_ns = a.first_start_t_ns.min(o.t_ns);
         let entry = &o.entry;
         match end {
             Some((end_t_ns, exit)) => {
                 let d = end_t_ns.saturating_sub(o.t_ns);
-                a.total_ns += d;
-                a.min_ns = Some(a.min_ns.map_or(d, |m| m.min(d)));
-                a.max_ns = Some(a.max_ns.map_or(d, |m| m.max(d)));
+                a.totals.total_ns += d;
+                a.totals.min_ns = Some(a.totals.min_ns.map_or(d, |m| m.min(d)));
+                a.totals.max_ns = Some(a.totals.max_ns.map_or(d, |m| m.max(d)));
                 a.last_end_t_ns = opt_max(a.last_end_t_ns, Some(end_t_ns));
                 if let (Some(x), Some(n)) = (exit.allocated_bytes, entry.allocated_bytes) {
-                    a.delta_allocated_sum_bytes += x as i64 - n as i64;
-                    a.delta_allocated_count += 1;
+                    a.totals.delta_allocated_sum_bytes += x as i64 - n as i64;
+                    a.totals.delta_allocated_count += 1;
                 }
                 if let (Some(x), Some(n)) = (exit.rss_bytes, entry.rss_bytes) {
-                    a.delta_rss_sum_bytes += x as i64 - n as i64;
-                    a.delta_rss_count += 1;
+                    a.totals.delta_rss_sum_bytes += x as i64 - n as i64;
+                    a.totals.delta_rss_count += 1;
                 }
                 // As `analysis::span_peaks` reads a span from its markers: the exit's peak, else the exit's or
                 // the entry's value.
                 let peak = |p: Option<u64>, x: Option<u64>, n: Option<u64>| opt_max(p, opt_max(x, n));
-                a.peak_allocated_bytes = opt_max(
-                    a.peak_allocated_bytes,
+                a.totals.peak_allocated_bytes = opt_max(
+                    a.totals.peak_allocated_bytes,
                     peak(exit.peak_allocated_bytes, exit.allocated_bytes, entry.allocated_bytes),
                 );
-                a.peak_reserved_bytes = opt_max(
-                    a.peak_reserved_bytes,
+                a.totals.peak_reserved_bytes = opt_max(
+                    a.totals.peak_reserved_bytes,
                     peak(exit.peak_reserved_bytes, exit.reserved_bytes, entry.reserved_bytes),
                 );
-                a.peak_rss_bytes =
-                    opt_max(a.peak_rss_bytes, peak(exit.peak_rss_bytes, exit.rss_bytes, entry.rss_bytes));
+                a.totals.peak_rss_bytes =
+                    opt_max(a.totals.peak_rss_bytes, peak(exit.peak_rss_bytes, exit.rss_bytes, entry.rss_bytes));
             }
             None => {
                 a.open_count += 1;
-                a.peak_allocated_bytes = opt_max(a.peak_allocated_bytes, entry.allocated_bytes);
-                a.peak_reserved_bytes = opt_max(a.peak_reserved_bytes, entry.reserved_bytes);
-                a.peak_rss_bytes = opt_max(a.peak_rss_bytes, entry.rss_bytes);
+                a.totals.peak_allocated_bytes = opt_max(a.totals.peak_allocated_bytes, entry.allocated_bytes);
+                a.totals.peak_reserved_bytes = opt_max(a.totals.peak_reserved_bytes, entry.reserved_bytes);
+                a.totals.peak_rss_bytes = opt_max(a.totals.peak_rss_bytes, entry.rss_bytes);
             }
         }
         self.dirty.insert(key);
@@ -304,11 +294,11 @@ mod tests {
         assert_eq!(kept.len(), 2 * (4 + 4));
         let rows = f.into_aggregates();
         let of = |pid: u32, e: Option<i64>| rows.iter().find(|r| r.origin.pid == Some(pid) && r.epoch == e);
-        assert_eq!(of(1, Some(0)).unwrap().count, 3);
-        assert_eq!(of(1, Some(1)).unwrap().count, 5);
-        assert_eq!(of(2, Some(1)).unwrap().total_ns, 15);
-        assert_eq!(of(2, Some(1)).unwrap().delta_rss_sum_bytes, 50);
+        assert_eq!(of(1, Some(0)).unwrap().totals.count, 3);
+        assert_eq!(of(1, Some(1)).unwrap().totals.count, 5);
+        assert_eq!(of(2, Some(1)).unwrap().totals.total_ns, 15);
+        assert_eq!(of(2, Some(1)).unwrap().totals.delta_rss_sum_bytes, 50);
         let open = of(1, None).unwrap();
-        assert_eq!((open.count, open.open_count, open.peak_rss_bytes), (1, 1, Some(200)));
+        assert_eq!((open.totals.count, open.open_count, open.totals.peak_rss_bytes), (1, 1, Some(200)));
     }
 }

@@ -25,6 +25,17 @@ pub struct Origin {
 }
 
 impl Origin {
+    /// Rank, local rank and world size from the variables `get` reads (`|n| std::env::var(n).ok()` for this
+    /// process's environment); no pid.
+    pub fn from_vars(get: &dyn Fn(&str) -> Option<String>) -> Self {
+        Origin {
+            pid: None,
+            rank: var_u32(get, RANK_VARS),
+            local_rank: var_u32(get, LOCAL_RANK_VARS),
+            world_size: var_u32(get, WORLD_SIZE_VARS),
+        }
+    }
+
     /// The part of the identity that tells two span streams apart: spans pair, and fold, per (pid, rank).
     pub fn stream(&self) -> (Option<u32>, Option<u32>) {
         (self.pid, self.rank)
@@ -64,37 +75,21 @@ impl Launch {
 
 /// The recorder's own place in a distributed launch, from its environment: set when `torchmem run` itself
 /// runs as a rank (`torchrun -m torchmem run …`, `srun torchmem run …`), so a profile whose program sent
-/// no hello still says whose it is. Kept in the run's metadata (`RunMeta::launch`).
+/// no hello still says whose it is. Kept in the run's metadata (`RunMeta::launch`), its fields flat.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JobPlace {
-    #[serde(default)]
-    pub rank: Option<u32>,
-    #[serde(default)]
-    pub local_rank: Option<u32>,
-    #[serde(default)]
-    pub world_size: Option<u32>,
-    #[serde(default)]
-    pub group_rank: Option<u32>,
-    #[serde(default)]
-    pub restart_count: Option<u32>,
+    /// Rank, local rank and world size (`Origin::from_vars`; no pid: the launch's place, not a process's).
+    #[serde(flatten)]
+    pub origin: Origin,
+    #[serde(flatten)]
+    pub launch: Launch,
 }
 
 impl JobPlace {
     /// From the variables `get` reads; None when none of them is set (not a distributed launch).
     pub fn from_vars(get: &dyn Fn(&str) -> Option<String>) -> Option<Self> {
-        let launch = Launch::from_vars(get);
-        let place = JobPlace {
-            rank: var_u32(get, RANK_VARS),
-            local_rank: var_u32(get, LOCAL_RANK_VARS),
-            world_size: var_u32(get, WORLD_SIZE_VARS),
-            group_rank: launch.group_rank,
-            restart_count: launch.restart_count,
-        };
+        let place = JobPlace { origin: Origin::from_vars(get), launch: Launch::from_vars(get) };
         (place != JobPlace::default()).then_some(place)
-    }
-
-    pub fn launch(&self) -> Launch {
-        Launch { group_rank: self.group_rank, restart_count: self.restart_count }
     }
 }
 
@@ -268,22 +263,13 @@ pub struct Marker {
     pub activations_by_module: Option<std::collections::BTreeMap<String, u64>>,
 }
 
-/// The spans (steps, phases) that were folded instead of kept as markers: every occurrence after the first
-/// `keep_spans` of one (pid, rank, kind, name), summed per epoch and device. Sums and counts, not means, so
-/// rows of the same key add up exactly (`merge`), and together with the kept markers give exactly the totals
-/// that all markers would.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct SpanAggregate {
-    pub origin: Origin,
-    pub kind: MarkerKind,
-    pub name: String,
-    /// The index of the epoch open in that process when the spans started; None outside any epoch.
-    pub epoch: Option<i64>,
-    pub device: Option<u32>,
-    /// Spans folded, open ones included.
+/// Running totals of some spans (steps, phases): counts, durations, delta sums and peaks. Sums and counts, not
+/// means, so totals add up exactly (`merge`): the folded rows (`SpanAggregate`) and the tables' sums over kept
+/// spans plus folded rows (`analysis::aggregate`) are the same record.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SpanTotals {
+    /// Spans counted, open ones included.
     pub count: u64,
-    /// Spans still open when the recording ended: counted, without a duration.
-    pub open_count: u64,
     pub total_ns: u64,
     pub min_ns: Option<u64>,
     pub max_ns: Option<u64>,
@@ -296,6 +282,41 @@ pub struct SpanAggregate {
     pub peak_allocated_bytes: Option<u64>,
     pub peak_reserved_bytes: Option<u64>,
     pub peak_rss_bytes: Option<u64>,
+}
+
+impl SpanTotals {
+    /// Adds another total.
+    pub fn merge(&mut self, o: &SpanTotals) {
+        self.count += o.count;
+        self.total_ns += o.total_ns;
+        self.min_ns = opt_min(self.min_ns, o.min_ns);
+        self.max_ns = opt_max(self.max_ns, o.max_ns);
+        self.delta_allocated_sum_bytes += o.delta_allocated_sum_bytes;
+        self.delta_allocated_count += o.delta_allocated_count;
+        self.delta_rss_sum_bytes += o.delta_rss_sum_bytes;
+        self.delta_rss_count += o.delta_rss_count;
+        self.peak_allocated_bytes = opt_max(self.peak_allocated_bytes, o.peak_allocated_bytes);
+        self.peak_reserved_bytes = opt_max(self.peak_reserved_bytes, o.peak_reserved_bytes);
+        self.peak_rss_bytes = opt_max(self.peak_rss_bytes, o.peak_rss_bytes);
+    }
+}
+
+/// The spans (steps, phases) that were folded instead of kept as markers: every occurrence after the first
+/// `keep_spans` of one (pid, rank, kind, name), summed per epoch and device. Rows of the same key add up
+/// exactly (`merge`), and together with the kept markers give exactly the totals that all markers would.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SpanAggregate {
+    pub origin: Origin,
+    pub kind: MarkerKind,
+    pub name: String,
+    /// The index of the epoch open in that process when the spans started; None outside any epoch.
+    pub epoch: Option<i64>,
+    pub device: Option<u32>,
+    /// The folded spans' totals (`count` includes open ones).
+    #[serde(flatten)]
+    pub totals: SpanTotals,
+    /// Spans still open when the recording ended: counted, without a duration.
+    pub open_count: u64,
     pub first_start_t_ns: u64,
     pub last_end_t_ns: Option<u64>,
 }
@@ -310,18 +331,8 @@ impl SpanAggregate {
 
     /// Adds another row of the same key.
     pub fn merge(&mut self, o: &SpanAggregate) {
-        self.count += o.count;
+        self.totals.merge(&o.totals);
         self.open_count += o.open_count;
-        self.total_ns += o.total_ns;
-        self.min_ns = opt_min(self.min_ns, o.min_ns);
-        self.max_ns = opt_max(self.max_ns, o.max_ns);
-        self.delta_allocated_sum_bytes += o.delta_allocated_sum_bytes;
-        self.delta_allocated_count += o.delta_allocated_count;
-        self.delta_rss_sum_bytes += o.delta_rss_sum_bytes;
-        self.delta_rss_count += o.delta_rss_count;
-        self.peak_allocated_bytes = opt_max(self.peak_allocated_bytes, o.peak_allocated_bytes);
-        self.peak_reserved_bytes = opt_max(self.peak_reserved_bytes, o.peak_reserved_bytes);
-        self.peak_rss_bytes = opt_max(self.peak_rss_bytes, o.peak_rss_bytes);
         self.first_start_t_ns = self.first_start_t_ns.min(o.first_start_t_ns);
         self.last_end_t_ns = opt_max(self.last_end_t_ns, o.last_end_t_ns);
     }

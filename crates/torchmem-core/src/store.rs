@@ -983,26 +983,25 @@ mod tests {
             name: "forward".into(),
             epoch: Some(2),
             device: Some(1),
-            count: 5,
+            totals: SpanTotals {
+                count: 5,
+                total_ns: 50,
+                min_ns: Some(9),
+                max_ns: Some(11),
+                delta_allocated_sum_bytes: -4,
+                delta_allocated_count: 5,
+                peak_allocated_bytes: Some(1 << 30),
+                ..Default::default()
+            },
             open_count: 0,
-            total_ns: 50,
-            min_ns: Some(9),
-            max_ns: Some(11),
-            delta_allocated_sum_bytes: -4,
-            delta_allocated_count: 5,
-            delta_rss_sum_bytes: 0,
-            delta_rss_count: 0,
-            peak_allocated_bytes: Some(1 << 30),
-            peak_reserved_bytes: None,
-            peak_rss_bytes: None,
             first_start_t_ns: 10,
             last_end_t_ns: Some(99),
         };
         w.push(Record::Aggregate(row.clone()));
         w.flush().unwrap();
         // A later commit replaces the row's totals.
-        row.count = 7;
-        row.total_ns = 70;
+        row.totals.count = 7;
+        row.totals.total_ns = 70;
         w.push(Record::Aggregate(row.clone()));
         w.push(Record::LineProfile { t_ns: 4, origin, profile: Default::default() });
         w.flush().unwrap();

@@ -140,7 +140,10 @@ mod tests {
         assert_eq!(Launch::from_vars(&torchrun), Launch { group_rank: Some(2), restart_count: Some(1) });
         let slurm = vars(&[("SLURM_NODEID", "5"), ("SLURM_RESTART_COUNT", " 3 "), ("SLURM_PROCID", "9")]);
         let place = crate::model::JobPlace::from_vars(&slurm).unwrap();
-        assert_eq!((place.rank, place.group_rank, place.restart_count), (Some(9), Some(5), Some(3)));
+        assert_eq!(
+            (place.origin.rank, place.launch.group_rank, place.launch.restart_count),
+            (Some(9), Some(5), Some(3))
+        );
         assert_eq!(crate::model::JobPlace::from_vars(&vars(&[("RANK", "x")])), None, "not a number: not set");
     }
 }

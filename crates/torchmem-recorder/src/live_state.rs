@@ -15,7 +15,7 @@ use std::path::Path;
 use std::sync::{Arc, RwLock};
 
 use serde::{Deserialize, Serialize};
-use torchmem_core::model::{Edge, MarkerKind, Origin, Profile};
+use torchmem_core::model::{opt_max, Edge, MarkerKind, Origin, Profile};
 use torchmem_core::record::Blob;
 use torchmem_core::store::Record;
 
@@ -196,13 +196,6 @@ pub struct LiveState {
     folds: u64,
 }
 
-fn max_opt(a: Option<u64>, b: Option<u64>) -> Option<u64> {
-    match (a, b) {
-        (Some(a), Some(b)) => Some(a.max(b)),
-        (a, b) => a.or(b),
-    }
-}
-
 fn push_point(v: &mut Vec<u64>, x: u64) {
     if v.len() == HISTORY_POINTS {
         v.remove(0);
@@ -253,10 +246,10 @@ impl LiveState {
                 let t = &mut self.base.tree;
                 t.rss_bytes = Some(s.rss_bytes);
                 t.process_count = s.process_count;
-                t.peak_rss_bytes = max_opt(t.peak_rss_bytes, Some(s.rss_bytes));
+                t.peak_rss_bytes = opt_max(t.peak_rss_bytes, Some(s.rss_bytes));
                 if s.pss_bytes.is_some() {
                     t.pss_bytes = s.pss_bytes;
-                    t.peak_pss_bytes = max_opt(t.peak_pss_bytes, s.pss_bytes);
+                    t.peak_pss_bytes = opt_max(t.peak_pss_bytes, s.pss_bytes);
                 } else {
                     t.pss_bytes = carried(t.pss_bytes, s.rss_bytes);
                 }
@@ -321,8 +314,8 @@ impl LiveState {
                 let reserved: u64 = self.torch.values().map(|t| t.reserved_bytes).sum();
                 tree.allocated_bytes = Some(alloc);
                 tree.reserved_bytes = Some(reserved);
-                tree.peak_allocated_bytes = max_opt(tree.peak_allocated_bytes, Some(alloc.max(t.peak_allocated_bytes)));
-                tree.peak_reserved_bytes = max_opt(tree.peak_reserved_bytes, Some(reserved.max(t.peak_reserved_bytes)));
+                tree.peak_allocated_bytes = opt_max(tree.peak_allocated_bytes, Some(alloc.max(t.peak_allocated_bytes)));
+                tree.peak_reserved_bytes = opt_max(tree.peak_reserved_bytes, Some(reserved.max(t.peak_reserved_bytes)));
             }
             Record::Marker(m) => self.apply_marker(m),
             _ => {}

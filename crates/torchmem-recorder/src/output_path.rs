@@ -251,11 +251,11 @@ pub fn dir_output(dir: &Path, host: &str, place: Option<&torchmem_core::model::J
     }
     let pid = std::process::id();
     let who = match place {
-        Some(p) if p.rank.is_some() => {
-            let restart = p.restart_count.filter(|&n| n > 0).map(|n| format!("-restart{n}")).unwrap_or_default();
-            format!("rank{}{restart}", p.rank.unwrap_or_default())
+        Some(p) if p.origin.rank.is_some() => {
+            let restart = p.launch.restart_count.filter(|&n| n > 0).map(|n| format!("-restart{n}")).unwrap_or_default();
+            format!("rank{}{restart}", p.origin.rank.unwrap_or_default())
         }
-        Some(p) if p.group_rank.is_some() => format!("node{}", p.group_rank.unwrap_or_default()),
+        Some(p) if p.launch.group_rank.is_some() => format!("node{}", p.launch.group_rank.unwrap_or_default()),
         _ => format!("pid{pid}"),
     };
     let base = format!("{}-{who}-{}-{pid}", file_safe(host), local_timestamp());
@@ -413,13 +413,16 @@ mod tests {
 
     #[test]
     fn a_directory_output_gives_each_rank_or_node_its_own_new_file() {
-        use torchmem_core::model::JobPlace;
+        use torchmem_core::model::{JobPlace, Launch, Origin};
         let dir = tempfile::tempdir().unwrap();
         let prof = dir.path().join("prof");
         assert!(names_a_directory(Path::new("prof/")) && names_a_directory(dir.path()));
         assert!(!names_a_directory(&prof) && !names_a_directory(&dir.path().join("run.sqlite")));
         let pid = std::process::id();
-        let rank = JobPlace { rank: Some(3), restart_count: Some(1), group_rank: Some(0), ..Default::default() };
+        let rank = JobPlace {
+            origin: Origin { rank: Some(3), ..Default::default() },
+            launch: Launch { restart_count: Some(1), group_rank: Some(0) },
+        };
         let a = dir_output(&prof, "node a", Some(&rank)).unwrap();
         assert!(prof.is_dir(), "a missing DIR/ is created");
         let name = a.file_name().unwrap().to_str().unwrap().to_string();
@@ -428,10 +431,13 @@ mod tests {
         let again = dir_output(&prof, "node a", Some(&rank)).unwrap();
         assert_ne!(again, a, "an existing file is never chosen");
         assert!(again.to_str().unwrap().ends_with(&format!("-{pid}-2.sqlite")), "{}", again.display());
-        let node = JobPlace { group_rank: Some(1), ..Default::default() };
+        let node = JobPlace { launch: Launch { group_rank: Some(1), ..Default::default() }, ..Default::default() };
         let n = dir_output(&prof, "vm", Some(&node)).unwrap();
         assert!(n.file_name().unwrap().to_str().unwrap().starts_with("vm-node1-"), "{}", n.display());
-        let first = JobPlace { rank: Some(0), restart_count: Some(0), ..Default::default() };
+        let first = JobPlace {
+            origin: Origin { rank: Some(0), ..Default::default() },
+            launch: Launch { restart_count: Some(0), ..Default::default() },
+        };
         let f = dir_output(&prof, "vm", Some(&first)).unwrap();
         assert!(
             f.to_str().unwrap().contains("vm-rank0-") && !f.to_str().unwrap().contains("restart"),

@@ -18,7 +18,7 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
-pub use aggregate::SpanTotals;
+pub use crate::model::SpanTotals;
 pub use breakdown::{breakdown_summary, BreakdownSummary};
 pub use growth::{detect_growth, growth_by_process, growth_warnings, Growth, GrowthSeries, GrowthUnit};
 pub use journey::{journey, journey_of_spans};
@@ -112,7 +112,7 @@ impl Summary {
         }
         let step_rows = epoch_rows(&sp, MarkerKind::Step, p.torch, p.cpu, &[]);
         let steps = step_rows.len() as u64
-            + p.aggregates.iter().filter(|a| a.kind == MarkerKind::Step).map(|a| a.count).sum::<u64>();
+            + p.aggregates.iter().filter(|a| a.kind == MarkerKind::Step).map(|a| a.totals.count).sum::<u64>();
         let mut growth = growth_by_process(&epochs, GrowthUnit::Epoch);
         if growth.is_empty() && step_rows.len() >= 5 {
             growth = growth_by_process(&step_rows, GrowthUnit::Step);
@@ -127,9 +127,9 @@ impl Summary {
         let agg_peak = |f: fn(&SpanAggregate) -> Option<u64>| p.aggregates.iter().filter_map(f).max();
         raise_peak_stage(
             &mut journey,
-            agg_peak(|a| a.peak_allocated_bytes),
-            agg_peak(|a| a.peak_reserved_bytes),
-            agg_peak(|a| a.peak_rss_bytes),
+            agg_peak(|a| a.totals.peak_allocated_bytes),
+            agg_peak(|a| a.totals.peak_reserved_bytes),
+            agg_peak(|a| a.totals.peak_rss_bytes),
         );
         Summary {
             command: p.meta.command.clone(),

@@ -77,11 +77,11 @@ pub fn gpu_peaks(
             let rows = || aggregates.iter().filter(|a| counts_for(a.device, d));
             let marker_alloc = opt_max(
                 mine().filter_map(|m| m.memory.peak_allocated_bytes).max(),
-                rows().filter_map(|a| a.peak_allocated_bytes).max(),
+                rows().filter_map(|a| a.totals.peak_allocated_bytes).max(),
             );
             let marker_reserved = opt_max(
                 mine().filter_map(|m| m.memory.peak_reserved_bytes).max(),
-                rows().filter_map(|a| a.peak_reserved_bytes).max(),
+                rows().filter_map(|a| a.totals.peak_reserved_bytes).max(),
             );
             let torch_alloc = t.iter().map(|s| s.peak_allocated_bytes.max(s.allocated_bytes)).max();
             let torch_reserved = t.iter().map(|s| s.peak_reserved_bytes.max(s.reserved_bytes)).max();

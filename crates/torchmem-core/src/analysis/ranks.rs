@@ -342,7 +342,7 @@ impl RankReport {
         for (pi, p) in profiles.iter().enumerate() {
             let ids = identities(p);
             let launch_of = launches(p);
-            let recorder_launch = p.meta.launch.map(|j| j.launch()).unwrap_or_default();
+            let recorder_launch = p.meta.launch.map(|j| j.launch).unwrap_or_default();
             let launch = |pid: u32| {
                 let l = launch_of.get(&pid).copied().unwrap_or_default();
                 Launch {
@@ -593,7 +593,7 @@ impl RankReport {
             .map(|t| {
                 let m =
                     markers.iter().filter(|m| on_device(m.device)).filter_map(|m| m.memory.peak_allocated_bytes).max();
-                let a = aggs.iter().filter(|a| on_device(a.device)).filter_map(|a| a.peak_allocated_bytes).max();
+                let a = aggs.iter().filter(|a| on_device(a.device)).filter_map(|a| a.totals.peak_allocated_bytes).max();
                 opt_max(Some(t), opt_max(m, a)).unwrap_or(t)
             });
         let peak_reserved = torch
@@ -604,7 +604,7 @@ impl RankReport {
             .map(|t| {
                 let m =
                     markers.iter().filter(|m| on_device(m.device)).filter_map(|m| m.memory.peak_reserved_bytes).max();
-                let a = aggs.iter().filter(|a| on_device(a.device)).filter_map(|a| a.peak_reserved_bytes).max();
+                let a = aggs.iter().filter(|a| on_device(a.device)).filter_map(|a| a.totals.peak_reserved_bytes).max();
                 opt_max(Some(t), opt_max(m, a)).unwrap_or(t)
             });
         let single_gpu = n_gpus == 1;
@@ -635,7 +635,7 @@ impl RankReport {
             ),
         );
         let steps = markers.iter().filter(|m| m.kind == MarkerKind::Step && m.edge == Edge::Start).count() as u64
-            + aggs.iter().filter(|a| a.kind == MarkerKind::Step).map(|a| a.count).sum::<u64>();
+            + aggs.iter().filter(|a| a.kind == MarkerKind::Step).map(|a| a.totals.count).sum::<u64>();
         let last_ns = p
             .processes
             .iter()
@@ -723,8 +723,8 @@ impl RankReport {
                 rp.profile.aggregates.iter().filter(|a| a.origin.pid == Some(rp.pid) && a.kind == MarkerKind::Phase)
             {
                 first_seen.entry(a.name.clone()).or_insert(a.first_start_t_ns);
-                put(a.name.as_str(), "peak allocated", a.peak_allocated_bytes);
-                put(a.name.as_str(), "peak CPU RSS", a.peak_rss_bytes);
+                put(a.name.as_str(), "peak allocated", a.totals.peak_allocated_bytes);
+                put(a.name.as_str(), "peak CPU RSS", a.totals.peak_rss_bytes);
             }
             for ((name, unit), v) in mine {
                 per_phase.entry((name.to_string(), unit)).or_default().push((rp.row.rank, v));
@@ -1008,7 +1008,8 @@ mod tests {
         }
         let mut second = node();
         second.path = "a1.sqlite".into();
-        second.meta.launch = Some(JobPlace { restart_count: Some(1), group_rank: Some(0), ..Default::default() });
+        second.meta.launch =
+            Some(JobPlace { launch: Launch { restart_count: Some(1), group_rank: Some(0) }, ..Default::default() });
         for m in second.markers.iter_mut().filter(|m| m.origin.rank == Some(1)) {
             m.memory.rss_bytes = Some(50 * MIB); // rank 1 is the smaller one in attempt 1
         }

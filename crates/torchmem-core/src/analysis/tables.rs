@@ -6,7 +6,6 @@ use std::collections::{BTreeMap, HashMap};
 
 use serde::{Deserialize, Serialize};
 
-use super::aggregate::SpanTotals;
 use super::spans::{span_peaks, Span};
 use crate::model::*;
 
@@ -185,13 +184,13 @@ pub fn epoch_totals(spans: &[Span], aggregates: &[SpanAggregate]) -> Vec<EpochTo
         let key = (a.origin.pid, a.origin.rank, a.epoch, a.kind, a.name.clone());
         let e = totals.entry(key).or_insert((a.first_start_t_ns, SpanTotals::default()));
         e.0 = e.0.min(a.first_start_t_ns);
-        e.1.count += a.count;
-        e.1.total_ns += a.total_ns;
-        e.1.min_ns = match (e.1.min_ns, a.min_ns) {
+        e.1.count += a.totals.count;
+        e.1.total_ns += a.totals.total_ns;
+        e.1.min_ns = match (e.1.min_ns, a.totals.min_ns) {
             (Some(x), Some(y)) => Some(x.min(y)),
             (x, y) => x.or(y),
         };
-        e.1.max_ns = opt_max(e.1.max_ns, a.max_ns);
+        e.1.max_ns = opt_max(e.1.max_ns, a.totals.max_ns);
     }
     let mut rows: Vec<(u64, EpochTotalRow)> = totals
         .into_iter()

@@ -195,7 +195,7 @@ impl SinkConfig {
         let mut sinks: Vec<Box<dyn Sink>> = Vec::new();
         let metrics = match &self.metrics {
             Some(a) if self.metrics_port_offset_local_rank => {
-                Some(http::offset_port(a, ctx.launch.and_then(|l| l.local_rank).unwrap_or(0))?)
+                Some(http::offset_port(a, ctx.launch.and_then(|l| l.origin.local_rank).unwrap_or(0))?)
             }
             a => a.clone(),
         };

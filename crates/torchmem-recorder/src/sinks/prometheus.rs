@@ -49,7 +49,7 @@ impl MetricsView {
             recorder: ctx
                 .launch
                 .map(|l| {
-                    [("rank", l.rank), ("local_rank", l.local_rank)]
+                    [("rank", l.origin.rank), ("local_rank", l.origin.local_rank)]
                         .into_iter()
                         .filter_map(|(k, v)| Some((k, v?.to_string())))
                         .collect()
@@ -288,7 +288,7 @@ impl PrometheusSink {
                     }
                     other => other?,
                 };
-                let rank = ctx.launch.and_then(|l| l.rank).map(|r| format!(" (rank {r})")).unwrap_or_default();
+                let rank = ctx.launch.and_then(|l| l.origin.rank).map(|r| format!(" (rank {r})")).unwrap_or_default();
                 eprintln!("torchmem: Prometheus metrics at http://{}/metrics{rank}", server.local_addr());
                 Some(server)
             }
@@ -477,8 +477,11 @@ mod tests {
 
     #[test]
     fn a_rank_recorder_labels_its_tree_and_a_hello_labels_a_process_at_once() {
-        use torchmem_core::model::JobPlace;
-        let place = JobPlace { rank: Some(3), local_rank: Some(1), world_size: Some(4), ..Default::default() };
+        use torchmem_core::model::{JobPlace, Origin};
+        let place = JobPlace {
+            origin: Origin { rank: Some(3), local_rank: Some(1), world_size: Some(4), ..Default::default() },
+            ..Default::default()
+        };
         let ctx = RunContext { launch: Some(place), ..Default::default() };
         let (view, mut st) = (MetricsView::new(&ctx), LiveState::new(&ctx, 1, None, None));
         let hello = serde_json::json!({"pid": 42, "rank": 3, "local_rank": 1, "world_size": 4, "t_ns": 1});
