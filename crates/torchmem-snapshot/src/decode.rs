@@ -306,39 +306,59 @@ impl Compactor for SnapshotCompactor {
         items: &[(Value, Value)],
         replaced: &mut Vec<(Value, Value)>,
     ) -> Result<Option<Value>, String> {
-        // One pass over the keys decides what this dict is.
-        let (mut action, mut state, mut size, mut address, mut blocks, mut filename, mut line, mut name) =
-            (false, false, false, false, false, false, false, false);
-        for (k, _) in items {
-            match self.key(k) {
-                K_ACTION => action = true,
-                K_STATE => state = true,
-                K_SIZE => size = true,
-                K_ADDRESS => address = true,
-                K_BLOCKS => blocks = true,
-                K_FILENAME => filename = true,
-                K_LINE => line = true,
-                K_NAME => name = true,
-                _ => {}
+        match DictKind::of_keys(items.iter().map(|(k, _)| self.key(k)), items.len()) {
+            DictKind::Trace => {
+                let t = self.trace(items, replaced)?;
+                let id = self.traces.len() as u32;
+                self.traces.push(t);
+                Ok(Some(Value::Opaque { kind: KIND_TRACE, id }))
             }
+            DictKind::Block => {
+                let b = self.block(items, replaced)?;
+                let id = self.blocks.len() as u32;
+                self.blocks.push(b);
+                Ok(Some(Value::Opaque { kind: KIND_BLOCK, id }))
+            }
+            DictKind::Frame => {
+                let id = self.frame(items)?;
+                Ok(Some(Value::Opaque { kind: KIND_FRAME, id }))
+            }
+            DictKind::Other => Ok(None),
         }
-        if action {
-            let t = self.trace(items, replaced)?;
-            let id = self.traces.len() as u32;
-            self.traces.push(t);
-            return Ok(Some(Value::Opaque { kind: KIND_TRACE, id }));
+    }
+}
+
+/// What a snapshot dict is, by its keys: the one rule of both decoders (`SnapshotCompactor::on_dict` here,
+/// `direct`'s fast reader).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DictKind {
+    /// Not a record: kept as a plain dict.
+    Other,
+    /// A trace entry (it has an `action`).
+    Trace,
+    /// A block (`state`, `size` and `address`, and no `blocks`: a segment has blocks).
+    Block,
+    /// A stack frame (`filename`, `line` and `name`, at most 8 keys).
+    Frame,
+}
+
+impl DictKind {
+    /// From the dict's key codes (`K_*`, another key any other code) and its number of pairs.
+    pub(crate) fn of_keys(keys: impl Iterator<Item = u8>, pairs: usize) -> DictKind {
+        let mut seen = 0u64;
+        for k in keys.filter(|&k| k < 64) {
+            seen |= 1 << k;
         }
-        if state && size && address && !blocks {
-            let b = self.block(items, replaced)?;
-            let id = self.blocks.len() as u32;
-            self.blocks.push(b);
-            return Ok(Some(Value::Opaque { kind: KIND_BLOCK, id }));
+        let has = |k: u8| seen & (1 << k) != 0;
+        if has(K_ACTION) {
+            DictKind::Trace
+        } else if has(K_STATE) && has(K_SIZE) && has(K_ADDRESS) && !has(K_BLOCKS) {
+            DictKind::Block
+        } else if has(K_FILENAME) && has(K_LINE) && has(K_NAME) && pairs <= 8 {
+            DictKind::Frame
+        } else {
+            DictKind::Other
         }
-        if filename && line && name && items.len() <= 8 {
-            let id = self.frame(items)?;
-            return Ok(Some(Value::Opaque { kind: KIND_FRAME, id }));
-        }
-        Ok(None)
     }
 }
 

@@ -119,8 +119,8 @@ struct StrMeta {
 struct Shape {
     /// String ids of the keys.
     keys: Vec<u32>,
-    /// 0: no record, 1: trace entry, 2: block, 3: frame.
-    kind: u8,
+    /// What dicts of these keys are.
+    kind: DictKind,
     /// Pair index of each key code (`decode::K_*`), `NO_POS` when absent.
     pos: [u8; 17],
     /// A key code appears twice (then the generic order of checks matters: no shortcut).
@@ -133,35 +133,13 @@ const NO_POS: u8 = u8::MAX;
 type Fields = [Option<V>; 17];
 const MAX_SHAPES: usize = 8;
 
-/// What a dict's pairs make it, as `decode::SnapshotCompactor::on_dict` decides: 0 no record, 1 trace
-/// entry, 2 block, 3 frame.
-fn classify<Rd: Read>(r: &Reader<Rd>, pairs: &[V]) -> u8 {
-    let (mut action, mut state, mut size, mut address, mut blocks, mut filename, mut line, mut name) =
-        (false, false, false, false, false, false, false, false);
-    for kv in pairs.chunks_exact(2) {
-        if let V::Str(k) = kv[0] {
-            match r.strings[k as usize].key {
-                K_ACTION => action = true,
-                K_STATE => state = true,
-                K_SIZE => size = true,
-                K_ADDRESS => address = true,
-                K_BLOCKS => blocks = true,
-                K_FILENAME => filename = true,
-                K_LINE => line = true,
-                K_NAME => name = true,
-                _ => {}
-            }
-        }
-    }
-    if action {
-        1
-    } else if state && size && address && !blocks {
-        2
-    } else if filename && line && name && pairs.len() / 2 <= 8 {
-        3
-    } else {
-        0
-    }
+/// What a dict's pairs make it (`decode::DictKind`, the rule both decoders share).
+fn classify<Rd: Read>(r: &Reader<Rd>, pairs: &[V]) -> DictKind {
+    let keys = pairs.chunks_exact(2).map(|kv| match kv[0] {
+        V::Str(k) => r.strings[k as usize].key,
+        _ => 0,
+    });
+    DictKind::of_keys(keys, pairs.len() / 2)
 }
 
 /// A LONG1/LONG4 integer (little-endian two's complement), as the generic unpickler reads it.
@@ -1044,8 +1022,8 @@ impl<Rd: Read> Reader<Rd> {
             None => classify(self, pairs),
         };
         let result = match kind {
-            0 => None,
-            1 => {
+            DictKind::Other => None,
+            DictKind::Trace => {
                 let fast = match shape {
                     Some(i) if !self.shapes[i].repeated => {
                         let pos = self.shapes[i].pos;
@@ -1060,13 +1038,13 @@ impl<Rd: Read> Reader<Rd> {
                 self.pending.push(t);
                 Some((V::Trace(self.pending_base + self.pending.len() as u64 - 1), pack(M_GONE, 0)?))
             }
-            2 => {
+            DictKind::Block => {
                 let b = self.block(pairs)?;
                 self.blocks.push(b);
                 let bid = (self.blocks.len() - 1) as u32;
                 Some((V::Block(bid), pack(M_BLOCK, bid)?))
             }
-            _ => {
+            DictKind::Frame => {
                 let f = self.frame(pairs)?;
                 Some((V::Frame(f), pack(M_FRAME, f)?))
             }
