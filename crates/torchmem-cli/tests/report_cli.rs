@@ -33,10 +33,6 @@ fn marker(
     rss: u64,
 ) -> Record {
     Record::Marker(Marker {
-        t_ns,
-        kind,
-        edge,
-        name: name.into(),
         index,
         memory: MarkerMemory {
             allocated_bytes: alloc,
@@ -44,10 +40,7 @@ fn marker(
             rss_bytes: Some(rss),
             ..Default::default()
         },
-        origin: Default::default(),
-        device: None,
-        breakdown: None,
-        activations_by_module: None,
+        ..Marker::new(t_ns, kind, edge, name)
     })
 }
 

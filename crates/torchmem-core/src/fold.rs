@@ -259,16 +259,10 @@ mod tests {
 
     fn mk(t: u64, pid: u32, kind: MarkerKind, edge: Edge, name: &str, idx: Option<i64>, rss: u64) -> Marker {
         Marker {
-            t_ns: t,
-            kind,
-            edge,
-            name: name.into(),
             index: idx,
             memory: MarkerMemory { rss_bytes: Some(rss), ..Default::default() },
             origin: Origin { pid: Some(pid), ..Default::default() },
-            device: None,
-            breakdown: None,
-            activations_by_module: None,
+            ..Marker::new(t, kind, edge, name)
         }
     }
 

@@ -263,6 +263,25 @@ pub struct Marker {
     pub activations_by_module: Option<std::collections::BTreeMap<String, u64>>,
 }
 
+impl Marker {
+    /// A marker with nothing read: no index, no memory, no identity, no device, no breakdown. Set the rest
+    /// with struct update syntax: `Marker { index: Some(3), ..Marker::new(t, kind, edge, "epoch") }`.
+    pub fn new(t_ns: u64, kind: MarkerKind, edge: Edge, name: impl Into<String>) -> Marker {
+        Marker {
+            t_ns,
+            kind,
+            edge,
+            name: name.into(),
+            index: None,
+            memory: MarkerMemory::default(),
+            origin: Origin::default(),
+            device: None,
+            breakdown: None,
+            activations_by_module: None,
+        }
+    }
+}
+
 /// Running totals of some spans (steps, phases): counts, durations, delta sums and peaks. Sums and counts, not
 /// means, so totals add up exactly (`merge`): the folded rows (`SpanAggregate`) and the tables' sums over kept
 /// spans plus folded rows (`analysis::aggregate`) are the same record.

@@ -703,16 +703,9 @@ mod tests {
             origin: Default::default(),
         }));
         w.push(Record::Marker(Marker {
-            t_ns: 3,
-            kind: MarkerKind::Epoch,
-            edge: Edge::Start,
-            name: "epoch".into(),
             index: Some(0),
             memory: MarkerMemory { rss_bytes: Some(7), ..Default::default() },
-            origin: Default::default(),
-            device: None,
-            breakdown: None,
-            activations_by_module: None,
+            ..Marker::new(3, MarkerKind::Epoch, Edge::Start, "epoch")
         }));
         let origin = Origin { pid: Some(12), rank: Some(1), local_rank: None, world_size: Some(2) };
         w.push(Record::Blob { t_ns: 4, origin, blob: Blob::from_parts("x".into(), serde_json::json!({"a": 1})) });
@@ -966,16 +959,10 @@ mod tests {
         let mut w = ProfileWriter::create(&path, &meta()).unwrap();
         let origin = Origin { pid: Some(41), rank: Some(1), local_rank: Some(0), world_size: Some(2) };
         w.push(Record::Marker(Marker {
-            t_ns: 3,
-            kind: MarkerKind::Phase,
-            edge: Edge::Start,
-            name: "forward".into(),
-            index: None,
             memory: MarkerMemory { rss_bytes: Some(900 << 20), held_rss_bytes: Some(700 << 20), ..Default::default() },
             origin,
             device: Some(1),
-            breakdown: None,
-            activations_by_module: None,
+            ..Marker::new(3, MarkerKind::Phase, Edge::Start, "forward")
         }));
         let mut row = SpanAggregate {
             origin,
@@ -1025,16 +1012,8 @@ mod tests {
         for i in 0..n {
             for (dt, edge) in [(0, Edge::Start), (3, Edge::End)] {
                 w.push(Record::Marker(Marker {
-                    t_ns: i * 10 + dt,
-                    kind: MarkerKind::Step,
-                    edge,
-                    name: "step".into(),
                     index: Some(i as i64),
-                    memory: MarkerMemory::default(),
-                    origin: Origin::default(),
-                    device: None,
-                    breakdown: None,
-                    activations_by_module: None,
+                    ..Marker::new(i * 10 + dt, MarkerKind::Step, edge, "step")
                 }));
             }
         }
@@ -1092,16 +1071,10 @@ mod breakdown_tests {
 
     fn marker(t: u64, kind: MarkerKind, edge: Edge, name: &str, index: Option<i64>) -> Marker {
         Marker {
-            t_ns: t,
-            kind,
-            edge,
-            name: name.into(),
             index,
             memory: MarkerMemory { rss_bytes: Some(300 * MIB), ..Default::default() },
             origin: Origin { pid: Some(7), ..Default::default() },
-            device: None,
-            breakdown: None,
-            activations_by_module: None,
+            ..Marker::new(t, kind, edge, name)
         }
     }
 

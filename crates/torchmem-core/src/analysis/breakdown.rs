@@ -493,18 +493,7 @@ mod tests {
     const MIB: u64 = 1 << 20;
 
     fn hand_built_marker(t: u64, kind: MarkerKind, edge: Edge, name: &str, index: Option<i64>) -> Marker {
-        Marker {
-            t_ns: t,
-            kind,
-            edge,
-            name: name.into(),
-            index,
-            memory: MarkerMemory::default(),
-            origin: Origin::default(),
-            device: Some(0),
-            breakdown: None,
-            activations_by_module: None,
-        }
+        Marker { index, device: Some(0), ..Marker::new(t, kind, edge, name) }
     }
 
     fn hand_built_cuda_entry(params: u64, grads: u64, opt: u64, acts: u64, inputs: u64) -> DeviceBreakdown {

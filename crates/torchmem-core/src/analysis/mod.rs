@@ -202,10 +202,6 @@ mod tests {
         peak: Option<u64>,
     ) -> Marker {
         Marker {
-            t_ns: t,
-            kind,
-            edge,
-            name: name.into(),
             index: idx,
             memory: MarkerMemory {
                 allocated_bytes: Some(alloc),
@@ -214,10 +210,7 @@ mod tests {
                 peak_allocated_bytes: peak,
                 ..Default::default()
             },
-            origin: Default::default(),
-            device: None,
-            breakdown: None,
-            activations_by_module: None,
+            ..Marker::new(t, kind, edge, name)
         }
     }
 
@@ -272,18 +265,7 @@ mod tests {
 
     #[test]
     fn span_peaks_fall_back_to_the_samples_inside_the_span() {
-        let bare = |t, edge| Marker {
-            t_ns: t,
-            kind: MarkerKind::Phase,
-            edge,
-            name: "p".into(),
-            index: None,
-            memory: MarkerMemory::default(),
-            origin: Default::default(),
-            device: None,
-            breakdown: None,
-            activations_by_module: None,
-        };
+        let bare = |t, edge| Marker::new(t, MarkerKind::Phase, edge, "p");
         let markers = [bare(100, Edge::Start), bare(200, Edge::End)];
         let sp = &spans(&markers)[0];
         let cpu: Vec<CpuSample> = [(50, 9000), (100, 10), (150, 30), (200, 20), (250, 8000)]
@@ -322,20 +304,13 @@ mod tests {
     /// `held[e]`), followed by `torchmem.empty_cache()`'s mark at `emptied[e]` MiB where given.
     fn cpu_epochs(end_rss: &[u64], held: &[u64], emptied: &[u64]) -> Vec<Marker> {
         let cpu = |t, kind, edge, name: &str, idx, rss: u64, held: Option<u64>| Marker {
-            t_ns: t,
-            kind,
-            edge,
-            name: name.into(),
             index: idx,
             memory: MarkerMemory {
                 rss_bytes: Some(rss * MIB),
                 held_rss_bytes: held.map(|h| h * MIB),
                 ..Default::default()
             },
-            origin: Default::default(),
-            device: None,
-            breakdown: None,
-            activations_by_module: None,
+            ..Marker::new(t, kind, edge, name)
         };
         let mut v = Vec::new();
         for (e, (&rss, &h)) in end_rss.iter().zip(held).enumerate() {
@@ -375,45 +350,18 @@ mod tests {
     #[test]
     fn journey_orders_marks_phases_peak_cleanup() {
         let mut m = vec![Marker {
-            t_ns: 0,
-            kind: MarkerKind::Mark,
-            edge: Edge::Point,
-            name: "Device checked".into(),
-            index: None,
             memory: MarkerMemory { allocated_bytes: Some(0), reserved_bytes: Some(0), ..Default::default() },
-            origin: Default::default(),
-            device: None,
-            breakdown: None,
-            activations_by_module: None,
+            ..Marker::new(0, MarkerKind::Mark, Edge::Point, "Device checked")
         }];
         m.extend(leaky_run(2, 0));
+        m.push(Marker::new(900, MarkerKind::Mark, Edge::Point, "Cache emptied"));
         m.push(Marker {
-            t_ns: 900,
-            kind: MarkerKind::Mark,
-            edge: Edge::Point,
-            name: "Cache emptied".into(),
-            index: None,
-            memory: MarkerMemory::default(),
-            origin: Default::default(),
-            device: None,
-            breakdown: None,
-            activations_by_module: None,
-        });
-        m.push(Marker {
-            t_ns: 1000,
-            kind: MarkerKind::Mark,
-            edge: Edge::Point,
-            name: "Cache emptied".into(),
-            index: None,
             memory: MarkerMemory {
                 allocated_bytes: Some(10 * MIB),
                 reserved_bytes: Some(10 * MIB),
                 ..Default::default()
             },
-            origin: Default::default(),
-            device: None,
-            breakdown: None,
-            activations_by_module: None,
+            ..Marker::new(1000, MarkerKind::Mark, Edge::Point, "Cache emptied")
         });
         let j = journey(&m, Some(1000 * MIB), &[], &[]);
         let names: Vec<&str> = j.iter().map(|s| s.name.as_str()).collect();

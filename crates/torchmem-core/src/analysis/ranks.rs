@@ -843,16 +843,10 @@ mod tests {
         rss: u64,
     ) -> Marker {
         Marker {
-            t_ns: t,
-            kind,
-            edge,
-            name: name.into(),
             index: idx,
             memory: MarkerMemory { rss_bytes: Some(rss), ..Default::default() },
             origin: origin(pid, rank),
-            device: None,
-            breakdown: None,
-            activations_by_module: None,
+            ..Marker::new(t, kind, edge, name)
         }
     }
 

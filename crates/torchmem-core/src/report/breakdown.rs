@@ -15,17 +15,6 @@ use crate::units::{format_bytes, format_delta, format_secs};
 /// The section's heading in the text, Markdown and HTML reports.
 pub const SECTION_TITLE: &str = "What the memory is";
 
-fn table(title: &str, empty: &str) -> Table {
-    Table {
-        title: title.into(),
-        headers: Vec::new(),
-        numeric: Vec::new(),
-        rows: Vec::new(),
-        notes: Vec::new(),
-        empty: empty.into(),
-    }
-}
-
 fn signed_bytes(b: i64) -> String {
     if b < 0 {
         format_delta(b)
@@ -78,9 +67,9 @@ pub fn composition_table(b: &BreakdownSummary) -> Table {
         NO_BREAKDOWN_HINT
     };
     let Some(p) = &b.peak else {
-        return table(&format!("{SECTION_TITLE}: at the peak"), empty);
+        return Table::new(&format!("{SECTION_TITLE}: at the peak"), empty);
     };
-    let mut t = table(&format!("{SECTION_TITLE}: at the peak ({})", where_peak(p)), empty);
+    let mut t = Table::new(&format!("{SECTION_TITLE}: at the peak ({})", where_peak(p)), empty);
     t.headers = vec!["category".into(), "bytes".into(), "% of peak".into()];
     t.numeric = vec![false, true, true];
     for r in &p.rows {
@@ -130,7 +119,8 @@ fn mean_max(r: &BoundaryRow, c: Category) -> String {
 
 /// Per boundary and device: the mean (and max, when it differs) of each category over every step.
 pub fn boundaries_table(b: &BreakdownSummary) -> Table {
-    let mut t = table(&format!("{SECTION_TITLE}: per boundary"), if b.recorded { "none" } else { NO_BREAKDOWN_HINT });
+    let mut t =
+        Table::new(&format!("{SECTION_TITLE}: per boundary"), if b.recorded { "none" } else { NO_BREAKDOWN_HINT });
     if b.boundaries.is_empty() {
         return t;
     }
@@ -185,7 +175,7 @@ pub fn modules_table(b: &BreakdownSummary) -> Option<Table> {
         return None;
     }
     let dev = b.detail_device.clone().unwrap_or_default();
-    let mut t = table(&format!("{SECTION_TITLE}: parameters and gradients per module ({dev})"), "none");
+    let mut t = Table::new(&format!("{SECTION_TITLE}: parameters and gradients per module ({dev})"), "none");
     t.headers = vec!["module".into(), "parameters".into(), "gradients".into()];
     t.numeric = vec![false, true, true];
     for r in &b.modules {
@@ -204,7 +194,7 @@ pub fn param_groups_table(b: &BreakdownSummary) -> Option<Table> {
         return None;
     }
     let dev = b.detail_device.clone().unwrap_or_default();
-    let mut t = table(&format!("{SECTION_TITLE}: optimizer state per param group ({dev})"), "none");
+    let mut t = Table::new(&format!("{SECTION_TITLE}: optimizer state per param group ({dev})"), "none");
     t.headers = vec!["param group".into(), "optimizer state".into()];
     t.numeric = vec![true, true];
     for g in &b.param_groups {
@@ -218,7 +208,7 @@ pub fn activations_table(b: &BreakdownSummary) -> Option<Table> {
     if b.activations_by_module.is_empty() {
         return None;
     }
-    let mut t = table(&format!("{SECTION_TITLE}: activations by module (end of forward)"), "none");
+    let mut t = Table::new(&format!("{SECTION_TITLE}: activations by module (end of forward)"), "none");
     t.headers = vec!["module".into(), "activations".into()];
     t.numeric = vec![false, true];
     for r in &b.activations_by_module {
@@ -246,7 +236,7 @@ pub fn tables(b: &BreakdownSummary) -> Vec<Table> {
 /// The in-process Monitor's "Breakdown" table: the per-boundary means (and the composition at the peak).
 pub fn monitor_tables(b: &BreakdownSummary) -> Vec<Table> {
     if !b.recorded {
-        return vec![table("Breakdown", NO_BREAKDOWN_HINT)];
+        return vec![Table::new("Breakdown", NO_BREAKDOWN_HINT)];
     }
     let mut per_boundary = boundaries_table(b);
     per_boundary.title = "Breakdown".into();

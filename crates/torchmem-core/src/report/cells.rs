@@ -27,7 +27,8 @@ pub struct Table {
 }
 
 impl Table {
-    fn new(title: &str, empty: &str) -> Table {
+    /// An empty table: a title, and what is drawn while it has no rows.
+    pub fn new(title: &str, empty: &str) -> Table {
         Table {
             title: title.into(),
             headers: Vec::new(),

@@ -354,18 +354,7 @@ mod tests {
         assert!(!html.contains("coloured lane"), "no phases, no note about the lane");
         let mut q = profile(2, 10);
         for (t, edge) in [(0, Edge::Start), (1_000_000_000, Edge::End)] {
-            q.markers.push(Marker {
-                t_ns: t,
-                kind: MarkerKind::Epoch,
-                edge,
-                name: "epoch".into(),
-                index: Some(0),
-                memory: MarkerMemory::default(),
-                origin: Default::default(),
-                device: None,
-                breakdown: None,
-                activations_by_module: None,
-            });
+            q.markers.push(Marker { index: Some(0), ..Marker::new(t, MarkerKind::Epoch, edge, "epoch") });
         }
         let html = render(&q, &Summary::from_profile(&q));
         assert!(html.contains("Epochs are the shaded bands"));
@@ -374,30 +363,8 @@ mod tests {
     #[test]
     fn script_data_cannot_close_the_script_block() {
         let mut p = profile(1, 10);
-        p.markers.push(Marker {
-            t_ns: 0,
-            kind: MarkerKind::Phase,
-            edge: Edge::Start,
-            name: "</script><b>x".into(),
-            index: None,
-            memory: MarkerMemory::default(),
-            origin: Default::default(),
-            device: None,
-            breakdown: None,
-            activations_by_module: None,
-        });
-        p.markers.push(Marker {
-            t_ns: 5,
-            kind: MarkerKind::Phase,
-            edge: Edge::End,
-            name: "</script><b>x".into(),
-            index: None,
-            memory: MarkerMemory::default(),
-            origin: Default::default(),
-            device: None,
-            breakdown: None,
-            activations_by_module: None,
-        });
+        p.markers.push(Marker::new(0, MarkerKind::Phase, Edge::Start, "</script><b>x"));
+        p.markers.push(Marker::new(5, MarkerKind::Phase, Edge::End, "</script><b>x"));
         let html = render(&p, &Summary::from_profile(&p));
         assert_eq!(html.matches("</script>").count(), 2);
         assert!(!html.contains("</script><b>x"));

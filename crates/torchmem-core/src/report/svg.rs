@@ -446,30 +446,8 @@ mod tests {
                 process_count: 1,
             });
         }
-        p.markers.push(Marker {
-            t_ns: 0,
-            kind: MarkerKind::Epoch,
-            edge: Edge::Start,
-            name: "epoch".into(),
-            index: Some(0),
-            memory: MarkerMemory::default(),
-            origin: Default::default(),
-            device: None,
-            breakdown: None,
-            activations_by_module: None,
-        });
-        p.markers.push(Marker {
-            t_ns: 500_000_000,
-            kind: MarkerKind::Epoch,
-            edge: Edge::End,
-            name: "epoch".into(),
-            index: Some(0),
-            memory: MarkerMemory::default(),
-            origin: Default::default(),
-            device: None,
-            breakdown: None,
-            activations_by_module: None,
-        });
+        p.markers.push(Marker { index: Some(0), ..Marker::new(0, MarkerKind::Epoch, Edge::Start, "epoch") });
+        p.markers.push(Marker { index: Some(0), ..Marker::new(500_000_000, MarkerKind::Epoch, Edge::End, "epoch") });
         let lay = Layout::standard();
         let tl = Timeline::build(&p, lay.buckets());
         let svg = render_chart(&p, &tl, &lay, false);

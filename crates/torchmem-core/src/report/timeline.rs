@@ -457,18 +457,7 @@ mod tests {
     }
 
     fn marker(t: u64, kind: MarkerKind, edge: Edge, name: &str, index: Option<i64>) -> Marker {
-        Marker {
-            t_ns: t,
-            kind,
-            edge,
-            name: name.into(),
-            index,
-            memory: MarkerMemory::default(),
-            origin: Default::default(),
-            device: None,
-            breakdown: None,
-            activations_by_module: None,
-        }
+        Marker { index, ..Marker::new(t, kind, edge, name) }
     }
 
     #[test]

@@ -357,9 +357,7 @@ impl Sink for PrometheusSink {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use torchmem_core::model::{
-        Edge, Marker, MarkerKind, MarkerMemory, Origin, ProcessInfo, ProcessSample, TorchSample,
-    };
+    use torchmem_core::model::{Edge, Marker, MarkerKind, Origin, ProcessInfo, ProcessSample, TorchSample};
     use torchmem_core::record::Record;
     use torchmem_core::sources::gpu::GpuDevice;
 
@@ -368,18 +366,7 @@ mod tests {
     }
 
     fn marker(pid: u32, kind: MarkerKind, edge: Edge, name: &str, index: Option<i64>) -> Marker {
-        Marker {
-            t_ns: 1,
-            kind,
-            edge,
-            name: name.into(),
-            index,
-            memory: MarkerMemory::default(),
-            origin: origin(pid, Some(1)),
-            device: None,
-            breakdown: None,
-            activations_by_module: None,
-        }
+        Marker { index, origin: origin(pid, Some(1)), ..Marker::new(1, kind, edge, name) }
     }
 
     #[test]
