@@ -66,18 +66,18 @@ pub fn device_text(d: &DeviceResult, out: &mut String) {
             let _ = writeln!(out, "  out of memory:         no");
         }
         Some(o) => {
-            let why = if o.over_memory_limit { "over the memory limit" } else { "the device is full" };
+            let why = if o.failure.over_memory_limit { "over the memory limit" } else { "the device is full" };
             let _ = writeln!(
                 out,
                 "  OUT OF MEMORY at entry {} ({} into the trace): {} requested ({} rounded, a {} segment), {why}; {} allocated, \
                  {} reserved{}",
                 o.entry,
                 torchmem_snapshot::fmt::since_start(o.time_us, o.trace_start_us),
-                bytes(o.requested_bytes),
-                bytes(o.rounded_bytes),
-                bytes(o.segment_bytes),
-                bytes(o.allocated_bytes),
-                bytes(o.reserved_bytes),
+                bytes(o.failure.requested_bytes),
+                bytes(o.failure.rounded_bytes),
+                bytes(o.failure.segment_bytes),
+                bytes(o.failure.allocated_bytes),
+                bytes(o.failure.reserved_bytes),
                 if o.recorded { " (the recording failed here too)" } else { "" }
             );
             for f in o.frames.iter().take(8) {

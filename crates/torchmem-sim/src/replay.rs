@@ -87,12 +87,9 @@ pub struct OomReport {
     /// The time of the device trace's first entry: `time_us - trace_start_us` is the time into the trace
     /// (`snapshot --top --at` counts from the same start).
     pub trace_start_us: i64,
-    pub requested_bytes: u64,
-    pub rounded_bytes: u64,
-    pub segment_bytes: u64,
-    pub allocated_bytes: u64,
-    pub reserved_bytes: u64,
-    pub over_memory_limit: bool,
+    /// What the simulated allocator refused, and with what allocated and reserved.
+    #[serde(flatten)]
+    pub failure: OomFailure,
     /// Innermost first.
     pub frames: Vec<String>,
     pub live_blocks: usize,
@@ -618,12 +615,7 @@ impl<'a> Prepared<'a> {
             entry: k as u32,
             time_us: e.time_us,
             trace_start_us: self.entries.first().map_or(e.time_us, |first| first.time_us),
-            requested_bytes: f.requested_bytes,
-            rounded_bytes: f.rounded_bytes,
-            segment_bytes: f.segment_bytes,
-            allocated_bytes: f.allocated_bytes,
-            reserved_bytes: f.reserved_bytes,
-            over_memory_limit: f.over_memory_limit,
+            failure: f,
             frames,
             live_blocks: live_count,
             largest_live,

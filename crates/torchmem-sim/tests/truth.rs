@@ -54,7 +54,7 @@ fn simulated(r: &torchmem_sim::DeviceResult) -> Outcome {
         r.peak_allocated_bytes,
         r.peak_reserved_bytes,
         r.num_alloc_retries,
-        r.oom.as_ref().map(|o| (o.entry as u64, o.requested_bytes)),
+        r.oom.as_ref().map(|o| (o.entry as u64, o.failure.requested_bytes)),
     )
 }
 
