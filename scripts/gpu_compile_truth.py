@@ -34,12 +34,14 @@ import pickle
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))
+
+import gpu_sim_truth  # noqa: E402  (the shared packing)
 
 # name -> spec: "model" (mlp | cnn | resnet50 | nanogpt), "batch", "dtype" (fp32 | amp_bf16), "opt"
 # (adamw_foreach | adamw_fused | sgd), "compile" (True: torch.compile(model) with the default mode).
@@ -467,23 +469,7 @@ def parent(args) -> None:
         work.iterdir(),
         key=lambda f: ("_eager__" in f.name, not f.name.endswith((".txt.gz", ".json.gz")), f.name),
     )
-    packs: list[list[Path]] = [[]]
-    size = 0
-    for f in files:
-        n = f.stat().st_size
-        if packs[-1] and size + n > 14 * 2**20:
-            if len(packs) == 6:
-                print(f"left out (size): {f.name} {n} B", flush=True)
-                continue
-            packs.append([])
-            size = 0
-        packs[-1].append(f)
-        size += n
-    for i, pack in enumerate(p for p in packs if p):
-        with tarfile.open(out / f"compile-h200-{i}.tar", "w") as tar:
-            for f in pack:
-                tar.add(f, arcname=f"compile-h200/{f.name}")
-        print(f"wrote {out / f'compile-h200-{i}.tar'}", flush=True)
+    gpu_sim_truth.pack_tars(files, out, "compile-h200", max_tars=6)
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -26,7 +26,6 @@ import os
 import pickle
 import subprocess
 import sys
-import tarfile
 import threading
 import time
 from pathlib import Path
@@ -263,31 +262,8 @@ def _find_ids(loss_fn):
     raise RuntimeError("no input ids in the loss closure")
 
 
-def _optimizer(torch, kind: str, params):
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
-    if kind == "adamw_foreach":
-        return torch.optim.AdamW(params, lr=1e-4, foreach=True)
-    if kind == "adamw_fused":
-        return torch.optim.AdamW(params, lr=1e-4, fused=True)
-    return torch.optim.Adam(params, lr=1e-4, foreach=False)
-
-
-def train_step(spec: dict, torch, opt, loss_fn, scaler) -> None:
-    """One optimizer step, exactly as `gpu_sim_truth._train` does it."""
-    amp = spec["dtype"].startswith("amp")
-    amp_dtype = torch.float16 if spec["dtype"] == "amp_fp16" else torch.bfloat16
-    with torch.autocast("cuda", dtype=amp_dtype, enabled=amp):
-        loss = loss_fn()
-    if scaler is not None:
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-    else:
-        loss.backward()
-        opt.step()
-    opt.zero_grad(set_to_none=True)
-    del loss
+_optimizer = gpu_sim_truth.optimizer
+train_step = gpu_sim_truth.train_step
 
 
 # ----------------------------------------------------------------------------------------------- NVML
@@ -513,19 +489,7 @@ def parent(args) -> None:
         )
     print(f"all {len(names)} configs in {time.time() - t0:.0f} s", flush=True)
     (out / "estimator-truth.json").write_text(json.dumps(truth, indent=1, sort_keys=True))
-    packs: list[list[Path]] = [[]]
-    size = 0
-    for f in sorted(work.glob("*.pickle.gz")):
-        if packs[-1] and size + f.stat().st_size > 14 * 2**20:
-            packs.append([])
-            size = 0
-        packs[-1].append(f)
-        size += f.stat().st_size
-    for i, files in enumerate(p for p in packs if p):
-        with tarfile.open(out / f"estimator-h200-{i}.tar", "w") as tar:
-            for f in files:
-                tar.add(f, arcname=f"estimator-h200/{f.name}")
-        print(f"wrote {out / f'estimator-h200-{i}.tar'}")
+    gpu_sim_truth.pack_tars(sorted(work.glob("*.pickle.gz")), out, "estimator-h200")
     for f in work.iterdir():
         f.unlink()
     work.rmdir()

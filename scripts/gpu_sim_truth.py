@@ -176,36 +176,43 @@ def _build(spec: dict, torch):
     if spec["dtype"] == "bf16":
         model = model.to(torch.bfloat16)
     model.train()
-    opt_kind = spec["opt"]
-    params = model.parameters()
-    if opt_kind == "sgd":
-        opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
-    elif opt_kind == "adamw_foreach":
-        opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
-    elif opt_kind == "adamw_fused":
-        opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    return model, optimizer(torch, spec["opt"], model.parameters()), loss_fn
+
+
+def optimizer(torch, kind: str, params):
+    """The spec's optimizer ("sgd", "adamw_foreach", "adamw_fused", else Adam for-loop): every truth recorder's."""
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    if kind == "adamw_foreach":
+        return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    if kind == "adamw_fused":
+        return torch.optim.AdamW(params, lr=1e-4, fused=True)
+    return torch.optim.Adam(params, lr=1e-4, foreach=False)
+
+
+def train_step(spec: dict, torch, opt, loss_fn, scaler) -> None:
+    """One optimizer step under the spec's dtype (autocast for amp_*, a GradScaler for amp_fp16): every truth
+    recorder's step."""
+    amp = spec["dtype"].startswith("amp")
+    amp_dtype = torch.float16 if spec["dtype"] == "amp_fp16" else torch.bfloat16
+    with torch.autocast("cuda", dtype=amp_dtype, enabled=amp):
+        loss = loss_fn()
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
     else:
-        opt = torch.optim.Adam(params, lr=1e-4, foreach=False)
-    return model, opt, loss_fn
+        loss.backward()
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    del loss
 
 
 def _train(spec: dict, torch, steps: int) -> None:
     model, opt, loss_fn = _build(spec, torch)
-    amp = spec["dtype"].startswith("amp")
-    amp_dtype = torch.float16 if spec["dtype"] == "amp_fp16" else torch.bfloat16
     scaler = torch.amp.GradScaler("cuda") if spec["dtype"] == "amp_fp16" else None
     for _ in range(steps):
-        with torch.autocast("cuda", dtype=amp_dtype, enabled=amp):
-            loss = loss_fn()
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        del loss
+        train_step(spec, torch, opt, loss_fn, scaler)
     torch.cuda.synchronize()
 
 
@@ -444,26 +451,37 @@ def parent(args) -> None:
                 f"oom {bool(rep['oom'])}{match}"
             )
     (work / "truth.json").write_text(json.dumps(truth, indent=1, sort_keys=True))
-    # What comes back from the device is at most 8 files of 16 MiB: pack the (already gzipped) snapshots into
-    # plain tars of at most ~14 MiB each, truth.json on its own.
-    packs: list[list[Path]] = [[]]
-    size = 0
-    for f in sorted(work.glob("*.pickle.gz")):
-        if packs[-1] and size + f.stat().st_size > 14 * 2**20:
-            packs.append([])
-            size = 0
-        packs[-1].append(f)
-        size += f.stat().st_size
-    for i, files in enumerate(packs):
-        with tarfile.open(out / f"sim-h200-{i}.tar", "w") as tar:
-            for f in files:
-                tar.add(f, arcname=f"sim-h200/{f.name}")
+    # What comes back from the device is at most 8 files of 16 MiB: the (already gzipped) snapshots in plain
+    # tars of at most ~14 MiB each, truth.json on its own.
+    pack_tars(sorted(work.glob("*.pickle.gz")), out, "sim-h200")
     (out / "truth.json").write_text((work / "truth.json").read_text())
-    for f in sorted(out.glob("sim-h200-*.tar")):
-        print(f"wrote {f} ({f.stat().st_size} bytes)")
     for f in work.iterdir():
         f.unlink()
     work.rmdir()
+
+
+def pack_tars(files: list[Path], out: Path, name: str, max_tars: int | None = None) -> None:
+    """Packs `files`, in their order, into plain tars `out/NAME-0.tar`, … of at most ~14 MiB each (what comes
+    back from the device is at most 8 files of 16 MiB), under the folder `NAME/`; past `max_tars` tars, what
+    does not fit is named and left out. Every truth recorder's packing."""
+    packs: list[list[Path]] = [[]]
+    size = 0
+    for f in files:
+        n = f.stat().st_size
+        if packs[-1] and size + n > 14 * 2**20:
+            if max_tars is not None and len(packs) == max_tars:
+                print(f"left out (size): {f.name} {n} B", flush=True)
+                continue
+            packs.append([])
+            size = 0
+        packs[-1].append(f)
+        size += n
+    for i, pack in enumerate(p for p in packs if p):
+        tar_path = out / f"{name}-{i}.tar"
+        with tarfile.open(tar_path, "w") as tar:
+            for f in pack:
+                tar.add(f, arcname=f"{name}/{f.name}")
+        print(f"wrote {tar_path} ({tar_path.stat().st_size} bytes)", flush=True)
 
 
 def main() -> None:
