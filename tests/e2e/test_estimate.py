@@ -244,16 +244,18 @@ def test_data_dependent_and_device_only_calls_are_named(tmp_path):
     p = _torchmem("estimate", "--", sys.executable, str(bad))
     assert p.returncode != 0
     assert "unique" in p.stderr and "unique.py:3" in p.stderr and "depends on tensor values" in p.stderr, p.stderr
-    # an operator without a shape-only kernel is named, not "Found no NVIDIA driver" from its real kernel
+    # an operator without a shape-only kernel is named, not "Found no NVIDIA driver" from its real kernel (the CTC
+    # loss itself is emulated, tests/e2e/test_estimate_ctc.py; its cuDNN query called directly is not)
     ctc = tmp_path / "ctc.py"
     ctc.write_text(
         "import torch\nlp = torch.randn(50, 4, 20, device='cuda').log_softmax(2)\n"
-        "t = torch.randint(1, 20, (4, 10), device='cuda')\nn = torch.full((4,), 50, device='cuda')\n"
-        "m = torch.full((4,), 10, device='cuda')\nprint(torch.nn.functional.ctc_loss(lp, t, n, m))\n"
+        "t = torch.randint(1, 20, (40,), device='cuda', dtype=torch.int32)\n"
+        "n = torch.full((4,), 50, device='cuda', dtype=torch.int32)\n"
+        "m = torch.full((4,), 10, device='cuda', dtype=torch.int32)\nprint(torch._use_cudnn_ctc_loss(lp, t, n, m, 0))\n"
     )
     p = _torchmem("estimate", "--", sys.executable, str(ctc))
     assert p.returncode != 0 and "ctc.py:6" in p.stderr, p.stderr
-    assert "ctc_loss" in p.stderr and "has no fake (shape-only) kernel" in p.stderr, p.stderr
+    assert "_use_cudnn_ctc_loss" in p.stderr and "has no fake (shape-only) kernel" in p.stderr, p.stderr
     assert "NVIDIA driver" not in p.stderr.splitlines()[-1], p.stderr
     graphs = tmp_path / "graphs.py"
     graphs.write_text("import torch\ng = torch.cuda.CUDAGraph()\n")

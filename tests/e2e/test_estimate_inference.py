@@ -9,6 +9,7 @@ and output, far below a training step."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -82,7 +83,10 @@ def gen_script(tmp_path_factory) -> Path:
     return path
 
 
+@functools.cache
 def _generate(script: Path, *args: str, cli: tuple[str, ...] = ()) -> tuple[dict, str]:
+    """One estimate of the generating script, made once per worker (greedy `--new 48` is the baseline of two
+    tests); the tests only read it."""
     p = _estimate(script, *args, cli=cli)
     r = _ok(p)
     assert r["kind"] == "inference" and r["steps_traced"] == 0, r

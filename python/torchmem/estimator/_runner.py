@@ -55,11 +55,12 @@ def largest_at_peak(tracer, top: int = _TOP) -> tuple[int, int, list[dict]]:
             if "site-packages/torch/" not in fn:
                 site = f"{fn}:{f['line']} ({f['name']})"
                 break
+        if not site and ev.phase == "backward":
+            # only torch's frames (the engine running a custom Function's backward, e.g. the emulated CTC loss's)
+            site = "(autograd engine, backward of the forward op)"
         if not site and ev.frames:
             f = ev.frames[0]
             site = f"{f['filename']}:{f['line']} ({f['name']})"
-        if not site and ev.phase == "backward":
-            site = "(autograd engine, backward of the forward op)"
         out.append({"size_bytes": ev.size_bytes, "phase": ev.phase, "what": ev.what, "site": site, "step": ev.step})
     return peak, at, out
 

@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import (
 
 from . import _device, _rules
 from ._compile import CompileEmulation
+from ._ctc import CtcEmulation
 from ._inference import ForwardCounter, GenerationPatches
 from ._rnn import RnnEmulation
 from ._tracer import Tracer
@@ -178,6 +179,7 @@ class Session:
         self._warning_filter: tuple | None = None
         self._generation = GenerationPatches(self.forwards, self.tracer.note)
         self._rnn = RnnEmulation(self.tracer, gpu)
+        self._ctc = CtcEmulation(self.tracer)
         self._compile = CompileEmulation(self.tracer, self.rules, gpu)
         # Called once `steps_limit` steps are traced (the script runner writes the trace and exits); without
         # it the hook raises StopTrace.
@@ -232,6 +234,7 @@ class Session:
         self._compile.install(self._patch)
         self._patch_dataloader()
         self._rnn.install()
+        self._ctc.install()
         tr = self.tracer
         session = self
 
@@ -396,6 +399,7 @@ class Session:
             h.remove()
         self._handles.clear()
         self._generation.uninstall()
+        self._ctc.uninstall()
         self._rnn.uninstall()
         self._compile.uninstall()
         for obj, name, old in reversed(self._patches):

@@ -233,6 +233,14 @@ class Tracer(TorchDispatchMode):
         addr = self.alloc(nbytes, what)
         self._tracked[key] = (weakref.ref(st, lambda r, k=key: self._storage_died(k, r)), addr, nbytes)
 
+    def addr_of(self, t: torch.Tensor) -> int:
+        """The trace address of `t`'s storage (0: not tracked)."""
+        try:
+            entry = self._tracked.get(t.untyped_storage()._cdata)
+        except (NotImplementedError, RuntimeError):
+            return 0
+        return entry[1] if entry is not None else 0
+
     def track_existing(self, tensors) -> None:
         """Tracks storages made before the trace started (e.g. by a `.to('cuda')` outside the mode)."""
         for t in tensors:
