@@ -39,6 +39,7 @@ from typing import Any
 import pytest
 import torch
 import torchmem
+from autograd_graph import graph_saved_bytes, storage_key
 from torch import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -59,41 +60,6 @@ def nbytes(params: Any) -> int:
 
 def mib(n: int | None) -> str:
     return "-" if n is None else f"{n / MIB:.2f} MiB"
-
-
-def storage_key(t: torch.Tensor) -> tuple[int, int]:
-    return (t.get_device(), t.untyped_storage().data_ptr())
-
-
-def graph_saved_bytes(output: torch.Tensor, exclude: set, device: torch.device) -> int:
-    """Independent count of what autograd saved, on `device`: unique storages of every node's `_saved_*`
-    tensors (and custom Functions' `saved_tensors`), minus `exclude`; Python numbers (0-dim float64 CPU
-    tensors, which autograd saves without any hook) left out."""
-    seen_nodes, seen, total = set(), set(exclude), 0
-    if not isinstance(output, torch.Tensor):  # a Hugging Face ModelOutput
-        output = output.logits
-    stack = [output.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen_nodes:
-            continue
-        seen_nodes.add(node)
-        values = [getattr(node, n) for n in dir(node) if n.startswith("_saved_")]
-        if hasattr(node, "saved_tensors"):
-            values.append(node.saved_tensors)
-        for v in values:
-            for t in v if isinstance(v, (tuple, list)) else [v]:
-                if not isinstance(t, torch.Tensor) or t.device != device:
-                    continue
-                if t.dim() == 0 and t.dtype == torch.float64 and not t.is_cuda:
-                    continue
-                s = t.untyped_storage()
-                k = storage_key(t)
-                if s.nbytes() and k not in seen:
-                    seen.add(k)
-                    total += s.nbytes()
-        stack.extend(f for f, _ in node.next_functions)
-    return total
 
 
 def entry(marker: dict, device: str) -> dict:

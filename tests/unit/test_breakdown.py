@@ -13,6 +13,7 @@ import gc
 import pytest
 import torch
 import torchmem
+from autograd_graph import graph_saved_bytes, keys_of
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
@@ -85,40 +86,6 @@ class Checkpointed(nn.Module):
 
 def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 10))
-
-
-def graph_saved_bytes(output, exclude: set) -> int:
-    """An independent count of what autograd saved: walks the graph from `output` and reads every node's
-    saved tensors (`_saved_*` attributes; `saved_tensors` of custom Functions), unique storages, minus the
-    storage keys in `exclude`. A Python number in an op (`h * 0.01`) is saved as a 0-dim float64 CPU
-    tensor without going through saved-tensor hooks (PyTorch skips them for wrapped numbers): left out."""
-    seen_nodes, seen_keys, total = set(), set(exclude), 0
-    stack = [output.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen_nodes:
-            continue
-        seen_nodes.add(node)
-        values = []
-        for name in dir(node):
-            if name.startswith("_saved_"):
-                values.append(getattr(node, name))
-        if hasattr(node, "saved_tensors"):
-            values.append(node.saved_tensors)
-        for v in values:
-            for t in v if isinstance(v, (tuple, list)) else [v]:
-                if isinstance(t, torch.Tensor) and not (t.dim() == 0 and t.dtype == torch.float64 and not t.is_cuda):
-                    s = t.untyped_storage()
-                    key = (t.get_device(), s.data_ptr())
-                    if s.nbytes() and key not in seen_keys:
-                        seen_keys.add(key)
-                        total += s.nbytes()
-        stack.extend(f for f, _ in node.next_functions)
-    return total
-
-
-def keys_of(tensors) -> set:
-    return {(t.get_device(), t.untyped_storage().data_ptr()) for t in tensors}
 
 
 # --- parameters, gradients, optimizer state ----------------------------------------------------------------
