@@ -9,11 +9,11 @@ from __future__ import annotations
 import csv
 import io
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 from browser import CHROMIUM, chromium
+from cli import torchmem
 
 TRAIN = """
 import torch
@@ -31,10 +31,6 @@ for step in range(12):  # measured (the default breakdown_every=10): steps 1, 2,
         opt.step()
 print("PARAM_BYTES", sum(p.numel() * p.element_size() for p in model.parameters()))
 """
-
-
-def torchmem(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "torchmem", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_a_real_monitor_run_reports_what_the_memory_is(tmp_path: Path) -> None:

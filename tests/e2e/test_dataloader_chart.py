@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 
 import pytest
 from browser import NEEDS_CHROMIUM, chromium
+from cli import torchmem
 
 MIB = 1 << 20
 
@@ -60,10 +60,6 @@ for k, x in enumerate(dl):
 print("INDEPENDENT", seen, flush=True)
 time.sleep(0.3)
 """
-
-
-def torchmem(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "torchmem", *args], capture_output=True, text=True, timeout=300)
 
 
 def chart_data(html: str) -> dict:

@@ -8,6 +8,7 @@ per rank on a node. CPU only, real processes, real profiles read back through th
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -18,6 +19,8 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+
+import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -31,13 +34,7 @@ BASE_ENV = {
 ENV = dict(BASE_ENV, TORCHMEM_PYTHON=sys.executable, OMP_NUM_THREADS="1")
 
 
-def torchmem(*args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", "torchmem", *args], capture_output=True, text=True, env=env or ENV, timeout=300
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"torchmem {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
-    return proc
+torchmem = functools.partial(cli.torchmem, check=True, env=ENV)
 
 
 def report_json(*inputs: Path) -> dict:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from browser import NEEDS_CHROMIUM, chromium
+from cli import torchmem
 
 pytestmark = NEEDS_CHROMIUM
 
@@ -52,10 +53,6 @@ for epoch in range(3):
 """
 
 MIB = 1 << 20
-
-
-def torchmem(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "torchmem", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def fmt_bytes(b: int) -> str:

@@ -5,24 +5,17 @@ Real child processes, real torch on CPU, real profiles read back through `torchm
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
+import cli
+
 ROOT = Path(__file__).resolve().parents[2]
-ENV = dict(os.environ, TORCHMEM_PYTHON=sys.executable)
 
 
-def torchmem(*args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", "torchmem", *args], capture_output=True, text=True, env=ENV, timeout=300
-    )
-    if proc.returncode != 0:
-        raise AssertionError(f"torchmem {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
-    return proc
+torchmem = functools.partial(cli.torchmem, check=True)
 
 
 def report(profile: Path) -> dict:

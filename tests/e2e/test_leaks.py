@@ -9,7 +9,6 @@ the HTML page in a real chromium)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,9 +16,9 @@ from pathlib import Path
 import pytest
 import torchmem
 from browser import NEEDS_CHROMIUM, chromium
+from cli import ENV
 from leak_cases import HEALTHY, KIND, LEAKY, leak_line, parse, reads_of, source
 
-ENV = dict(os.environ, TORCHMEM_PYTHON=sys.executable)
 MIB = 1 << 20
 
 

@@ -5,7 +5,6 @@ and truncated files raise the documented classes with the CLI's message."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -14,8 +13,7 @@ from pathlib import Path
 
 import pytest
 import torchmem
-
-ENV = dict(os.environ, TORCHMEM_PYTHON=sys.executable)
+from cli import ENV
 
 SCRIPT = """
 import time

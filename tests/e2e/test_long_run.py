@@ -6,15 +6,14 @@ test recomputes the totals from those, the same marker objects the recorder was 
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 import sqlite3
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
-ENV = dict(os.environ, TORCHMEM_PYTHON=sys.executable)
+import cli
+
 EPOCHS, STEPS, KEEP = 4, 5000, 5
 
 LOOP = textwrap.dedent(
@@ -40,13 +39,7 @@ LOOP = textwrap.dedent(
 )
 
 
-def torchmem(*args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", "torchmem", *args], capture_output=True, text=True, env=ENV, timeout=600
-    )
-    if proc.returncode != 0:
-        raise AssertionError(f"torchmem {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
-    return proc
+torchmem = functools.partial(cli.torchmem, check=True)
 
 
 def totals_from_all_markers(markers: list[dict]) -> tuple[dict, dict, dict]:

@@ -5,7 +5,6 @@ likewise. On CPU the CUDA and NVML series are absent, never 0."""
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -16,10 +15,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from cli import ENV
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
-
-ENV = dict(os.environ, TORCHMEM_PYTHON=sys.executable)
 
 PROGRAM = """
 import os, subprocess, sys, time

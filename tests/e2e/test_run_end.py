@@ -24,14 +24,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cli import torchmem
 
 MIB = 1 << 20
-
-
-def torchmem(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "torchmem", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
-    )
 
 
 def run_meta(profile: Path) -> dict:

@@ -4,27 +4,20 @@ Real child processes, real torch on CPU, real SQLite files."""
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 import sqlite3
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import cli
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = dict(os.environ, TORCHMEM_PYTHON=sys.executable)
 
 
-def torchmem(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", "torchmem", *args], capture_output=True, text=True, env=ENV, timeout=300
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"torchmem {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
-    return proc
+torchmem = functools.partial(cli.torchmem, check=True)
 
 
 def report(profile: Path) -> dict:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import re
 import sqlite3
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cli import torchmem
 
 MIB = 1 << 20
 
@@ -41,12 +41,6 @@ for line in open("/proc/self/status"):
     if line.startswith("VmHWM:"):
         print("VMHWM", int(line.split()[1]) * 1024, flush=True)
 """
-
-
-def torchmem(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "torchmem", *args], capture_output=True, text=True, timeout=180, cwd=cwd
-    )
 
 
 def parse_bytes(text: str) -> float:

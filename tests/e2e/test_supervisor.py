@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 
 import pytest
+from cli import ENV
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = dict(os.environ, TORCHMEM_PYTHON=sys.executable)
 CONSOLE = Path(sys.executable).parent / "torchmem"
 CARGO_BIN = ROOT / "target" / "debug" / "torchmem"
 

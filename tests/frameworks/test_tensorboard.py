@@ -5,16 +5,16 @@ agree with the profile."""
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import cli
+from cli import ENV
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-ENV = dict(os.environ, TORCHMEM_PYTHON=sys.executable)
 
 PROGRAM = """
 import time
@@ -37,12 +37,7 @@ with mon.epoch():
 """
 
 
-def torchmem(*args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", "torchmem", *args], capture_output=True, text=True, env=ENV, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr
-    return proc
+torchmem = functools.partial(cli.torchmem, check=True)
 
 
 def test_tensorboard_reads_the_run(tmp_path: Path) -> None:
