@@ -79,15 +79,7 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<i32> {
         for d in result.devices.iter().map(|d| d.device) {
             let p = Prepared::new(&snap, d).map_err(|e| anyhow::anyhow!(e))?;
             if args.min_memory {
-                let mut rows = vec![search::min_memory(&p, &opts)];
-                let mut exp = opts.clone();
-                let mut c = opts.conf.clone().unwrap_or_else(|| p.recorded_conf.clone());
-                if !c.expandable_segments {
-                    c.expandable_segments = true;
-                    exp.conf = Some(c);
-                    rows.push(search::min_memory(&p, &exp));
-                }
-                min_rows.push((d, rows));
+                min_rows.push((d, search::min_memory_settings(&p, &opts)));
             }
             if args.compare {
                 compare_rows.push((d, search::compare(&p, &opts, true)));

@@ -50,12 +50,7 @@ fn simulate(
             let mut rows = Vec::new();
             for d in result.devices.iter().map(|d| d.device) {
                 let p = Prepared::new(&snap, d).map_err(Error::Input)?;
-                let mut per = vec![search::min_memory(&p, &opts)];
-                let mut c = opts.conf.clone().unwrap_or_else(|| p.recorded_conf.clone());
-                if !c.expandable_segments {
-                    c.expandable_segments = true;
-                    per.push(search::min_memory(&p, &SimOptions { conf: Some(c), ..opts.clone() }));
-                }
+                let per = search::min_memory_settings(&p, &opts);
                 rows.push(serde_json::json!({ "device": d, "settings": per }));
             }
             v["min_memory"] = serde_json::Value::Array(rows);

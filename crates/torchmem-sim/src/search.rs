@@ -21,6 +21,18 @@ pub struct MinMemory {
     pub runs: usize,
 }
 
+/// The smallest limit under the settings asked for (or the recorded ones), then, where those do not use
+/// expandable segments, with them on: the rows of `simulate --min-memory` and `torchmem.simulate(min_memory=True)`.
+pub fn min_memory_settings(p: &Prepared<'_>, base: &SimOptions) -> Vec<MinMemory> {
+    let mut rows = vec![min_memory(p, base)];
+    let mut conf = base.conf.clone().unwrap_or_else(|| p.recorded_conf.clone());
+    if !conf.expandable_segments {
+        conf.expandable_segments = true;
+        rows.push(min_memory(p, &SimOptions { conf: Some(conf), ..base.clone() }));
+    }
+    rows
+}
+
 pub fn min_memory(p: &Prepared<'_>, base: &SimOptions) -> MinMemory {
     let mut opts = base.clone();
     opts.detailed = false;
