@@ -644,7 +644,7 @@ def _options(options: dict) -> dict:
 def _reset_dynamo() -> None:
     """Forget compiled code of an earlier session (its kernels ran under another tracer). Nothing to forget where
     dynamo captured no graph: then `torch._dynamo.reset()` would only import Inductor (measured: 12 % of a GPT-2
-    `generate` estimate's samples, most of the estimate's own set-up; transformers imports dynamo, not Inductor)."""
+    `generate` estimate's samples; FakeTensorMode imports dynamo, not Inductor)."""
     if "torch._dynamo" not in sys.modules or not _dynamo_compiled_anything():
         return
     try:
