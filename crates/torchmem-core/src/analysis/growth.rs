@@ -86,22 +86,19 @@ pub fn growth_warnings(rows: &[EpochRow], unit: GrowthUnit) -> Vec<Growth> {
     let mut out = Vec::new();
     let alloc: Vec<u64> = rows.iter().filter_map(|r| r.allocated_bytes).collect();
     let emptied: Vec<u64> = rows.iter().map_while(|r| r.rss_after_emptied_cache_bytes).collect();
-    let held: Vec<u64> = rows.iter().filter_map(|r| r.held_rss_bytes).collect();
-    let (cpu_series, rss) = if emptied.len() >= 3 && emptied.len() + 1 >= rows.len() {
-        (GrowthSeries::CpuRssAfterEmptyCache, emptied)
-    } else if held.len() == rows.len() && !held.is_empty() {
-        (GrowthSeries::CpuRss, held)
+    let complete = |v: Vec<u64>| (v.len() == rows.len()).then_some(v);
+    let cpu = if emptied.len() >= 3 && emptied.len() + 1 >= rows.len() {
+        Some((GrowthSeries::CpuRssAfterEmptyCache, emptied))
     } else {
-        (GrowthSeries::CpuRss, rows.iter().filter_map(|r| r.rss_bytes).collect())
+        let held: Vec<u64> = rows.iter().filter_map(|r| r.held_rss_bytes).collect();
+        let rss = match complete(held) {
+            Some(held) if !held.is_empty() => held,
+            _ => rows.iter().filter_map(|r| r.rss_bytes).collect(),
+        };
+        complete(rss).map(|v| (GrowthSeries::CpuRss, v))
     };
-    let candidates: [(GrowthSeries, &Vec<u64>, usize); 2] = [
-        (GrowthSeries::GpuAllocated, &alloc, rows.len()),
-        (cpu_series, &rss, if cpu_series == GrowthSeries::CpuRss { rows.len() } else { rss.len() }),
-    ];
-    for (what, values, needed) in candidates {
-        if values.len() != needed {
-            continue;
-        }
+    let gpu = complete(alloc).map(|v| (GrowthSeries::GpuAllocated, v));
+    for (what, values) in [gpu, cpu].into_iter().flatten() {
         // RSS grows in allocator-sized chunks (glibc arenas, torch's CPU caching) that scale with the process:
         // ask for at least 4 MiB and 1 % of the RSS per unit there; the GPU allocator's counters are exact.
         let min = if what == GrowthSeries::GpuAllocated {
@@ -109,7 +106,7 @@ pub fn growth_warnings(rows: &[EpochRow], unit: GrowthUnit) -> Vec<Growth> {
         } else {
             (4 * GROWTH_MIN_BYTES).max(values.last().copied().unwrap_or(0) as i64 / 100)
         };
-        if let Some(per) = detect_growth(values, min) {
+        if let Some(per) = detect_growth(&values, min) {
             out.push(Growth { unit, what, per_unit_bytes: per, units: values.len() });
             break;
         }
