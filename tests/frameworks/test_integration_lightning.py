@@ -48,7 +48,7 @@ class Tiny(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         if batch_idx == FAIL_AT:
             torch.empty(1 << 50, dtype=torch.uint8)  # 1 PiB: the real CPU allocator refuses
-        scratch = torch.ones(16 << 20)  # 64 MiB only while the forward runs
+        scratch = torch.ones(32 << 20)  # 128 MiB only while the forward runs
         del scratch
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
@@ -163,8 +163,10 @@ def test_callback_in_each_namespace(tmp_path, namespace):
     assert [int(r["step"]) for r in rows] == [1, 3, 5, 7]
     for (_, m), row in zip(logged, rows, strict=False):
         assert {k: int(v) for k, v in row.items() if k.startswith("torchmem/") and v} == m
-        # The 64 MiB scratch tensor lives only inside the forward phase: its peak, not the backward's.
-        assert m["torchmem/forward_peak_rss_bytes"] - m["torchmem/rss_bytes"] >= 56 * MIB, m
+        # The 128 MiB scratch tensor lives only inside the forward phase: its peak, not the backward's. (The
+        # margin is what the rest of a step may add to RSS by its end: 9.2 MiB once, with a 64 MiB scratch.)
+        assert m["torchmem/forward_peak_rss_bytes"] - m["torchmem/rss_bytes"] >= 112 * MIB, m
+        assert m["torchmem/forward_peak_rss_bytes"] - m["torchmem/backward_peak_rss_bytes"] >= 112 * MIB, m
         assert m["torchmem/forward_peak_rss_bytes"] - m["torchmem/backward_peak_rss_bytes"] >= 32 * MIB, m
         assert m["torchmem/step_peak_rss_bytes"] >= m["torchmem/forward_peak_rss_bytes"]
         assert not any("allocated" in k for k in m)  # no CUDA: no GPU numbers, never a fake 0
