@@ -168,28 +168,38 @@ EXPECTED = {
 }
 
 
-def run_case(tm: Path | None, tmp_path: Path, how: str, name: str, preexec=None) -> tuple[int, list[str]]:
-    log = tmp_path / "prog.log"
-    # The program runs 3 s after the signal: torchmem forwards a direct send ~50 ms after it came, but on a loaded
-    # 2-core CI machine its run loop can be descheduled for a second or more.
-    p = start(command(tm, tmp_path, [str(program(tmp_path)), str(log), "3"]), preexec)
+def run_cases(cases: list[tuple[Path | None, str]], tmp_path: Path, name: str, preexec=None) -> list:
+    """Each (torchmem or None for bare, how) case as its own program, side by side (each with its own log and
+    process group), the signal sent to each: [(exit status, log lines)] in the order given. The program runs
+    3 s after the signal: torchmem forwards a direct send ~50 ms after it came, but on a loaded 2-core CI machine
+    its run loop can be descheduled for a second or more."""
+    started = []
+    for i, (tm, how) in enumerate(cases):
+        log = tmp_path / f"prog{i}.log"
+        started.append((start(command(tm, tmp_path, [str(program(tmp_path)), str(log), "3"]), preexec), how, log))
     time.sleep(0.2)
-    send(p, how, getattr(signal, name))
-    return outcome(p, log)
+    for p, how, _ in started:
+        send(p, how, getattr(signal, name))
+    return [outcome(p, log) for p, _, log in started]
+
+
+def run_case(tm: Path | None, tmp_path: Path, how: str, name: str, preexec=None) -> tuple[int, list[str]]:
+    return run_cases([(tm, how)], tmp_path, name, preexec)[0]
 
 
 @pytest.mark.parametrize("how", ["group", "direct"])
 @pytest.mark.parametrize("name", ["SIGINT", "SIGTERM", "SIGUSR1", "SIGHUP", "SIGWINCH"])
 def test_a_signal_reaches_the_program_once_as_without_torchmem(tm, tmp_path, how, name) -> None:
-    bare = run_case(None, tmp_path, how, name)
+    bare, under = run_cases([(None, how), (tm, how)], tmp_path, name)
     assert bare == EXPECTED[name], bare
-    assert run_case(tm, tmp_path, how, name) == bare
+    assert under == bare
 
 
 @pytest.mark.parametrize("name", ["SIGUSR2", "SIGQUIT", "SIGALRM", "SIGURG"])
 def test_other_catchable_signals_are_forwarded_not_fatal(tm, tmp_path, name) -> None:
-    for how in ("direct", "group"):
-        assert run_case(tm, tmp_path, how, name) == EXPECTED[name], (how, name)
+    direct, group = run_cases([(tm, "direct"), (tm, "group")], tmp_path, name)
+    assert direct == EXPECTED[name], ("direct", name)
+    assert group == EXPECTED[name], ("group", name)
 
 
 @pytest.mark.parametrize("how", ["each-ascending", "each-descending"])
@@ -233,9 +243,9 @@ def test_under_nohup_a_program_that_handles_the_signal_still_gets_it(tm, tmp_pat
     both ignored; one that installs its own SIGHUP handler (a trainer that checkpoints on hangup) gets a SIGHUP
     sent to torchmem's pid as it would get one sent to its own pid bare, and SIGINT, which it leaves ignored
     (Python installs no KeyboardInterrupt handler then), is dropped as bare."""
-    bare = run_case(None, tmp_path, how, name, nohup_like)
+    bare, under = run_cases([(None, how), (tm, how)], tmp_path, name, nohup_like)
     assert bare == ((0, ["SIGHUP 1", "done"]) if name == "SIGHUP" else (0, ["done"])), bare
-    assert run_case(tm, tmp_path, how, name, nohup_like) == bare
+    assert under == bare
 
 
 @pytest.mark.parametrize("preexec", [None, nohup_like], ids=["plain", "nohup-like"])
