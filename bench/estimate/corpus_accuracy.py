@@ -80,9 +80,14 @@ def family(name: str) -> str:
     return "other"
 
 
+# The interpreter the scripts run under (`--python`): this one, or a venv with the truth's versions (torch,
+# transformers, ...) and torchmem importable; the estimate runs the program with the libraries it is given.
+PROGRAM_PYTHON = [sys.executable]
+
+
 def torchmem_cmd(extra: list[str], script: Path, args: list[str], gpu: str = "H200") -> list[str]:
     exe = Path(sys.executable).with_name("torchmem")
-    return [str(exe), "estimate", "--gpu", gpu, "--json", *extra, "--", sys.executable, str(script), *args]
+    return [str(exe), "estimate", "--gpu", gpu, "--json", *extra, "--", PROGRAM_PYTHON[0], str(script), *args]
 
 
 def run_json(cmd: list[str], timeout: int = 1200, cache: Path | None = None) -> dict:
@@ -103,7 +108,8 @@ def run_json(cmd: list[str], timeout: int = 1200, cache: Path | None = None) -> 
                 return {"error": lines[-1][:400], "cached": True}
     t0 = time.time()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(CORPUS), env=os.environ.copy(), timeout=timeout)
+        env = dict(os.environ, TORCHMEM_PYTHON=PROGRAM_PYTHON[0])
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(CORPUS), env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout} s", "seconds": timeout}
     if cache is not None:
@@ -260,6 +266,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--truth", action="append", help="truth file(s); later ones win (default: RNN then corpus)")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--python", help="run the scripts under this interpreter (a venv with the truth's library "
+                    "versions and torchmem importable); default: this one")  # fmt: skip
     ap.add_argument("--only", help="comma-separated script names")
     ap.add_argument("--no-fit", action="store_true")
     ap.add_argument("--json", help="write every row (estimates included) here")
@@ -267,6 +275,8 @@ def main() -> int:
     ap.add_argument("--cache", help="a folder of earlier estimates (NAME.json / NAME.err, fit/NAME.json) to reuse; "
                     "new ones are stored there")  # fmt: skip
     a = ap.parse_args()
+    if a.python:
+        PROGRAM_PYTHON[0] = a.python
     truth: dict[str, dict] = {}
     fit_truth: dict[str, dict] = {}
     for path in a.truth or [str(p) for p in DEFAULT_TRUTH if p.exists()]:
