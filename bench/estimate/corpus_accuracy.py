@@ -80,14 +80,11 @@ def family(name: str) -> str:
     return "other"
 
 
-# The interpreter the scripts run under (`--python`): this one, or a venv with the truth's versions (torch,
-# transformers, ...) and torchmem importable; the estimate runs the program with the libraries it is given.
-PROGRAM_PYTHON = [sys.executable]
-
-
-def torchmem_cmd(extra: list[str], script: Path, args: list[str], gpu: str = "H200") -> list[str]:
+def torchmem_cmd(extra: list[str], script: Path, args: list[str], gpu: str, python: str) -> list[str]:
+    """The CLI's estimate of `python script args`: `python` is this interpreter or another one (`--python`: a venv
+    with the truth's library versions and torchmem importable); the estimate runs the program with its libraries."""
     exe = Path(sys.executable).with_name("torchmem")
-    return [str(exe), "estimate", "--gpu", gpu, "--json", *extra, "--", PROGRAM_PYTHON[0], str(script), *args]
+    return [str(exe), "estimate", "--gpu", gpu, "--json", *extra, "--", python, str(script), *args]
 
 
 def run_json(cmd: list[str], timeout: int = 1200, cache: Path | None = None) -> dict:
@@ -108,7 +105,7 @@ def run_json(cmd: list[str], timeout: int = 1200, cache: Path | None = None) -> 
                 return {"error": lines[-1][:400], "cached": True}
     t0 = time.time()
     try:
-        env = dict(os.environ, TORCHMEM_PYTHON=PROGRAM_PYTHON[0])
+        env = dict(os.environ, TORCHMEM_PYTHON=cmd[cmd.index("--") + 1])  # the program's interpreter
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(CORPUS), env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout} s", "seconds": timeout}
@@ -156,7 +153,7 @@ def score(name: str, t: dict, e: dict) -> dict:
     return row
 
 
-def fit_row(name: str, f: dict, cache: Path | None) -> dict:
+def fit_row(name: str, f: dict, cache: Path | None, python: str) -> dict:
     """The `--fit` answer checked at the H200's edge: the script estimated at the largest batch that ran on the H200
     and at the smallest that ran out of memory. `--fit` answers the largest batch whose upper bound fits; with the
     upper bound growing with the batch, it is a false fit exactly when the estimate says "fits" at the H200's
@@ -167,7 +164,8 @@ def fit_row(name: str, f: dict, cache: Path | None) -> dict:
         if not batch:
             continue
         c = cache / "fit" / f"{Path(name).stem}-b{batch}.json" if cache else None
-        e = run_json(torchmem_cmd([], CORPUS / name, ["--batch-size", str(batch)], f.get("device", "H200")), cache=c)
+        cmd = torchmem_cmd([], CORPUS / name, ["--batch-size", str(batch)], f.get("device", "H200"), python)
+        e = run_json(cmd, cache=c)
         if "error" in e:
             row[label] = {"batch": batch, "error": e["error"]}
             continue
@@ -275,8 +273,7 @@ def main() -> int:
     ap.add_argument("--cache", help="a folder of earlier estimates (NAME.json / NAME.err, fit/NAME.json) to reuse; "
                     "new ones are stored there")  # fmt: skip
     a = ap.parse_args()
-    if a.python:
-        PROGRAM_PYTHON[0] = a.python
+    python = a.python or sys.executable
     truth: dict[str, dict] = {}
     fit_truth: dict[str, dict] = {}
     for path in a.truth or [str(p) for p in DEFAULT_TRUTH if p.exists()]:
@@ -294,7 +291,7 @@ def main() -> int:
 
     def one(n: str) -> dict:
         cache = Path(a.cache) / (Path(n).stem + ".json") if a.cache else None
-        cmd = torchmem_cmd([], CORPUS / n, [], truth[n].get("device", "H200"))
+        cmd = torchmem_cmd([], CORPUS / n, [], truth[n].get("device", "H200"), python)
         row = score(n, truth[n], run_json(cmd, cache=cache))
         print(f"  {n}: {'refused' if 'refused' in row else 'estimated'} ({row['estimate'].get('seconds')} s)",
               file=sys.stderr, flush=True)  # fmt: skip
@@ -305,7 +302,7 @@ def main() -> int:
     fits = []
     if not a.no_fit:
         cache = Path(a.cache) if a.cache else None
-        fits = [fit_row(n, f, cache) for n, f in sorted(fit_truth.items()) if n in names or not a.only]
+        fits = [fit_row(n, f, cache, python) for n, f in sorted(fit_truth.items()) if n in names or not a.only]
     summ = summary(rows)
     if missing:
         print(f"no truth for: {', '.join(missing)}")

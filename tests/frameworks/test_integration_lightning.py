@@ -167,7 +167,6 @@ def test_callback_in_each_namespace(tmp_path, namespace):
         # margin is what the rest of a step may add to RSS by its end: 9.2 MiB once, with a 64 MiB scratch.)
         assert m["torchmem/forward_peak_rss_bytes"] - m["torchmem/rss_bytes"] >= 112 * MIB, m
         assert m["torchmem/forward_peak_rss_bytes"] - m["torchmem/backward_peak_rss_bytes"] >= 112 * MIB, m
-        assert m["torchmem/forward_peak_rss_bytes"] - m["torchmem/backward_peak_rss_bytes"] >= 32 * MIB, m
         assert m["torchmem/step_peak_rss_bytes"] >= m["torchmem/forward_peak_rss_bytes"]
         assert not any("allocated" in k for k in m)  # no CUDA: no GPU numbers, never a fake 0
 
